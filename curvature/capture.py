@@ -1,0 +1,341 @@
+"""The capture engine: the one module that owns every hook.
+
+Inside ``with capture(model) as cap:`` a forward hook on every covered layer records
+its inputs and the *gradient edges* of its outputs (the autograd node that produced
+each output). Afterwards any number of backward passes over the same graph pull the
+gradients ``g`` w.r.t. those outputs with :func:`torch.autograd.grad` on the recorded
+edges: no second forward, ``.grad`` untouched, and ``K`` vectors injected at the output
+at once with ``is_grads_batched``. Because an edge names the producing node, in-place
+ops applied to a layer output later (``ReLU(inplace=True)``) do not change what is
+received, and nothing can fire twice. A module called several times in one forward gets
+one record per call, paired call by call.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten
+
+from .layers import Call, FunctionalRule, LayerRule, registered_rule
+from .layers.norm import batchnorm_train_error
+
+_FALLBACKS = ("functorch", "error")
+_FUNCTIONAL = FunctionalRule()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a DDP / DataParallel wrapper."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def select_layers(
+    model: nn.Module, fallback: str = "functorch"
+) -> List[Tuple[str, nn.Module, LayerRule]]:
+    """The layers that carry trainable parameters, each with the rule that covers it.
+
+    Args:
+        model: The model.
+        fallback: ``"functorch"`` covers parameterized layers without a registered rule
+            with the ``torch.func`` replay; ``"error"`` refuses them.
+
+    Returns:
+        ``(name, module, rule)`` triples in ``named_modules`` order.
+
+    Raises:
+        ValueError: For a BatchNorm layer in train mode, an uncovered layer with
+            ``fallback="error"``, or an unknown ``fallback``.
+
+    """
+    if fallback not in _FALLBACKS:
+        raise ValueError(f"fallback={fallback!r} is not one of {_FALLBACKS}.")
+    targets: List[Tuple[str, nn.Module, LayerRule]] = []
+    covered: List[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in covered):
+            continue
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+            module.training or not module.track_running_stats
+        ):
+            raise batchnorm_train_error(name, module)
+        rule = registered_rule(module)
+        if rule is None:
+            if not any(p.requires_grad for p in module.parameters(recurse=False)):
+                continue
+            if fallback == "error":
+                raise ValueError(
+                    f"Module '{name}' ({type(module).__name__}) has trainable parameters "
+                    "but no layer rule. Register one with @curvature.layers.register, use "
+                    "fallback='functorch' (exact, replays the module per sample), or "
+                    "freeze its parameters."
+                )
+            rule = _FUNCTIONAL
+        if rule.param_names(module):
+            targets.append((name, module, rule))
+            if rule.covers_children:
+                covered.append(name)
+    return targets
+
+
+class Capture:
+    """Records layer inputs and output edges of one forward; pulls backprops after it.
+
+    Use :func:`capture` to create one. After the ``with`` block, the per-sample methods
+    run backward passes on the retained graph of the recorded forward.
+
+    Attributes:
+        model: The captured model (DDP wrappers removed).
+        layers: ``(name, module, rule)`` of the covered layers.
+
+    """
+
+    def __init__(self, model: nn.Module, *, fallback: str = "functorch"):
+        self.model = _unwrap(model)
+        self.layers = select_layers(self.model, fallback)
+        if not self.layers:
+            raise ValueError(
+                f"capture({type(self.model).__name__}): the model has no trainable "
+                "parameters in any layer, so there is nothing to capture."
+            )
+        self._calls: Dict[str, List[Call]] = {name: [] for name, _, _ in self.layers}
+        self._handles: List[Any] = []
+        self._recording = False
+
+    # -- hooks -------------------------------------------------------------------------
+    def __enter__(self) -> Capture:
+        if self._handles:
+            raise RuntimeError("This capture is already active (nested `with`).")
+        for calls in self._calls.values():
+            calls.clear()
+        ref = weakref.ref(self)
+        for name, module, _ in self.layers:
+            hook = _make_forward_hook(ref, name)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        self._recording = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this capture registered (idempotent)."""
+        self._recording = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __del__(self) -> None:
+        self.remove_hooks()
+
+    def _record(self, name: str, module: nn.Module, args, kwargs, output) -> None:
+        leaves, _ = tree_flatten(output)
+        edges, meta, index = [], [], []
+        for i, t in enumerate(leaves):
+            if isinstance(t, Tensor) and t.grad_fn is not None:
+                edges.append(get_gradient_edge(t))
+                meta.append((t.shape, t.dtype, t.device))
+                index.append(i)
+        if not edges:  # e.g. a forward under no_grad: nothing to differentiate
+            return
+        inputs, _ = tree_flatten((args, kwargs))
+        versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
+        self._calls[name].append(Call(args, kwargs, versions, edges, meta, index))
+
+    # -- backward pulls ------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """Batch size ``N`` of the recorded forward."""
+        sizes = {
+            rule.batch_size(module, call)
+            for name, module, rule in self.layers
+            for call in self._calls[name]
+        }
+        if not sizes:
+            raise RuntimeError(
+                "No forward pass was recorded: run the model inside "
+                "`with curvature.capture(model) as cap:` (with gradients enabled) before "
+                "asking for per-sample quantities."
+            )
+        if len(sizes) > 1:
+            raise RuntimeError(
+                f"The captured layers saw different batch sizes {sorted(sizes)}; "
+                "per-sample quantities need one batch axis shared by all layers "
+                "(axis 0, or axis 1 for nn.MultiheadAttention with batch_first=False)."
+            )
+        return sizes.pop()
+
+    def _active(self) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
+        return [(n, m, r, self._calls[n]) for n, m, r in self.layers if self._calls[n]]
+
+    def pull(
+        self,
+        outputs: Union[Tensor, Sequence[Tensor]],
+        grad_outputs: Union[None, Tensor, Sequence[Optional[Tensor]]] = None,
+        *,
+        is_grads_batched: bool = False,
+        retain_graph: bool = True,
+    ) -> None:
+        """Backpropagate through the captured graph and store ``g`` on every call.
+
+        Computes ``g = (d outputs / d z)^T grad_outputs`` for every recorded layer output
+        ``z`` with one :func:`torch.autograd.grad` call on the recorded edges. With
+        ``is_grads_batched=True``, ``grad_outputs`` carry a leading ``[K]`` axis and every
+        ``g`` gets it too (``K`` vector-Jacobian products in one vmapped backward).
+
+        Args:
+            outputs: Tensors to differentiate (e.g. the per-sample losses, or the model
+                output).
+            grad_outputs: Vectors injected at ``outputs`` (ones for scalars if omitted).
+            is_grads_batched: Whether ``grad_outputs`` have a leading batch axis ``[K]``.
+            retain_graph: Keep the graph for further pulls or a later ``backward()``.
+
+        """
+        active = self._active()
+        if not active:
+            self.batch_size  # raises the "no forward was recorded" error
+        calls = [c for _, _, _, cs in active for c in cs]
+        edges = [e for c in calls for e in c.out_edges]
+        self._recording = False
+        try:
+            grads = torch.autograd.grad(
+                outputs,
+                edges,
+                grad_outputs,
+                retain_graph=retain_graph,
+                allow_unused=True,
+                is_grads_batched=is_grads_batched,
+            )
+        except RuntimeError as err:
+            if "second time" in str(err) or "freed" in str(err):
+                raise RuntimeError(
+                    "The graph of the captured forward was already freed (a backward() "
+                    "without retain_graph=True ran on it). Ask for per-sample quantities "
+                    "before loss.backward(), or call loss.backward(retain_graph=True)."
+                ) from err
+            raise
+        finally:
+            self._recording = bool(self._handles)
+        if all(g is None for g in grads):
+            raise ValueError(
+                "The given outputs do not depend on the captured forward: compute them "
+                "from the output of the model run inside `with capture(model)`."
+            )
+        lead: Tuple[int, ...] = ()
+        if is_grads_batched:
+            first = grad_outputs[0] if isinstance(grad_outputs, (list, tuple)) else grad_outputs
+            lead = (first.shape[0],)
+        it = iter(grads)
+        for c in calls:
+            c.grads = []
+            for shape, dtype, device in c.out_meta:
+                g = next(it)
+                c.grads.append(
+                    torch.zeros(*lead, *shape, dtype=dtype, device=device) if g is None else g
+                )
+
+    def _release(self) -> None:
+        for calls in self._calls.values():
+            for c in calls:
+                c.grads = None
+
+    def _pull_losses(self, losses: Tensor, retain_graph: bool) -> None:
+        N = self.batch_size
+        if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] != N:
+            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses)
+            raise ValueError(
+                f"losses must be a 1-D tensor [N] = [{N}] of per-sample losses (e.g. "
+                f"`loss_func(reduction='none')` reduced over non-batch axes); got {shape}."
+            )
+        if losses.grad_fn is None:
+            raise ValueError(
+                "losses do not require grad: compute them from the captured model output "
+                "with gradients enabled."
+            )
+        self.pull(losses.sum(), retain_graph=retain_graph)
+        for name, module, _, calls in self._active():
+            for c in calls:
+                c.check_inputs_unchanged(name)
+
+    # -- per-sample quantities ----------------------------------------------------------
+    def per_sample_grads(self, losses: Tensor, *, retain_graph: bool = True) -> Dict[str, Tensor]:
+        """Per-sample gradients ``grad l_n`` of every captured parameter.
+
+        Args:
+            losses: Per-sample losses ``[N]`` computed from the captured output.
+            retain_graph: Keep the graph for further pulls or a later ``backward()``.
+
+        Returns:
+            Parameter name (as in ``model.named_parameters()``) to ``[N, *p.shape]``.
+
+        """
+        self._pull_losses(losses, retain_graph)
+        try:
+            out: Dict[str, Tensor] = {}
+            for name, module, rule, calls in self._active():
+                for local, grad in rule.per_sample_grads(module, calls).items():
+                    out[f"{name}.{local}" if name else local] = grad
+        finally:
+            self._release()
+        order = [n for n, _ in self.model.named_parameters()]
+        return {n: out[n] for n in order if n in out}
+
+    def per_sample_grad_norms(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
+        """L2 norms ``[N]`` of the per-sample gradients over all captured parameters.
+
+        Layers with a cheaper route (Linear without sharing: ``|a_n|^2 |g_n|^2``; with
+        sharing: the Gram trick over positions) never materialize ``[N, *p.shape]``.
+        """
+        self._pull_losses(losses, retain_graph)
+        try:
+            sq = sum(
+                rule.per_sample_sq_norms(module, calls) for _, module, rule, calls in self._active()
+            )
+        finally:
+            self._release()
+        return sq.sqrt()
+
+    def gram(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
+        """Gram matrix ``K[n, m] = <grad l_n, grad l_m>`` ``[N, N]`` of per-sample grads."""
+        self._pull_losses(losses, retain_graph)
+        try:
+            return sum(rule.gram(module, calls) for _, module, rule, calls in self._active())
+        finally:
+            self._release()
+
+
+def _make_forward_hook(ref: weakref.ReferenceType[Capture], name: str):
+    def hook(module: nn.Module, args, kwargs, output):
+        cap = ref()
+        if cap is not None and cap._recording:
+            cap._record(name, module, args, kwargs, output)
+
+    return hook
+
+
+def capture(model: nn.Module, *, fallback: str = "functorch") -> Capture:
+    """Capture one forward of ``model`` for per-sample quantities from its graph.
+
+    Example:
+        >>> with curvature.capture(model) as cap:  # doctest: +SKIP
+        ...     out = model(X)
+        >>> losses = nn.functional.cross_entropy(out, y, reduction="none")  # [N]
+        >>> norms = cap.per_sample_grad_norms(losses)  # [N], no second forward
+
+    Args:
+        model: The model (a DDP wrapper is unwrapped). Its batch axis must be axis 0 of
+            every layer input (axis 1 for ``nn.MultiheadAttention(batch_first=False)``).
+        fallback: What to do with parameterized layers without a rule:
+            ``"functorch"`` (replay the module per sample with ``torch.func``) or
+            ``"error"``.
+
+    Returns:
+        A :class:`Capture`, to be used as a context manager around the forward.
+
+    """
+    return Capture(model, fallback=fallback)

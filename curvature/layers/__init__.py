@@ -1,0 +1,16 @@
+"""Layer rules: one file per layer family, one registry."""
+
+from . import attention, conv, embedding, linear, norm  # noqa: F401  (registration)
+from .base import Call, LayerRule, LinearFamilyRule
+from .functional import FunctionalRule
+from .registry import register, registered_rule, registered_types
+
+__all__ = [
+    "Call",
+    "FunctionalRule",
+    "LayerRule",
+    "LinearFamilyRule",
+    "register",
+    "registered_rule",
+    "registered_types",
+]

@@ -1,0 +1,220 @@
+"""The interface every layer rule implements, and the shared maths of linear layers.
+
+A *call* is one invocation of a module inside a captured forward pass: its positional
+and keyword inputs, and (after a backward pull) the gradients ``g`` of the pulled
+scalar w.r.t. each of its tensor outputs. A *rule* turns the calls of one module into
+per-sample quantities of the module's trainable parameters.
+
+Symbols used across the package: ``a`` (layer input), ``g`` (gradient w.r.t. the
+layer output), ``N`` (batch), ``S`` (shared positions), ``G`` (groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+#: Upper bound (in elements) for temporaries created while computing norms and Gram
+#: matrices; work is chunked over the batch so that no temporary exceeds it.
+CHUNK_ELEMENTS = 2**24
+
+
+@dataclass
+class Call:
+    """One invocation of a module recorded during a captured forward.
+
+    Attributes:
+        args: Positional inputs of the call.
+        kwargs: Keyword inputs of the call.
+        versions: ``_version`` counters of the tensor inputs at record time, to detect
+            later in-place modification.
+        out_edges: Gradient edges of the tensor outputs that require grad; they point at
+            the node that produced each output, so in-place ops applied to the output
+            afterwards do not change which gradient we receive.
+        out_meta: ``(shape, dtype, device)`` of each output behind ``out_edges``.
+        out_index: Position of each recorded output in the flattened output structure.
+        grads: Gradients w.r.t. the recorded outputs after a pull, one per output
+            (with a leading ``[K]`` axis for batched pulls), else ``None``.
+
+    """
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    versions: List[Tuple[Tensor, int]]
+    out_edges: List[Any]
+    out_meta: List[Tuple[torch.Size, torch.dtype, torch.device]]
+    out_index: List[int]
+    grads: Optional[List[Tensor]] = field(default=None, repr=False)
+
+    def check_inputs_unchanged(self, module_name: str) -> None:
+        """Raise if an input tensor was modified in place after it was recorded."""
+        for t, v in self.versions:
+            if t._version != v:
+                raise RuntimeError(
+                    f"The input of module '{module_name}' was modified in place after the "
+                    "module consumed it, so its recorded value is no longer the one the "
+                    "forward used. Avoid in-place ops (e.g. `x += ...`, `relu_`) on layer "
+                    "inputs, or clone the input before the in-place op."
+                )
+
+
+class LayerRule:
+    """Per-sample maths of one layer family.
+
+    Subclasses implement :meth:`per_sample_grads`; :meth:`per_sample_sq_norms` and
+    :meth:`gram` default to reductions of the materialized per-sample gradients and are
+    overridden where a cheaper route exists.
+    """
+
+    #: Whether the rule also covers the parameters of the module's children.
+    covers_children: bool = False
+
+    def param_names(self, module: nn.Module) -> List[str]:
+        """Names (relative to ``module``) of the trainable parameters the rule covers."""
+        params = module.named_parameters(recurse=self.covers_children)
+        return [name for name, p in params if p.requires_grad]
+
+    def batch_size(self, module: nn.Module, call: Call) -> int:
+        """Size of the batch axis of a call (axis 0 of the first input by default)."""
+        return call.args[0].shape[0]
+
+    def per_sample_grads(self, module: nn.Module, calls: Sequence[Call]) -> Dict[str, Tensor]:
+        """Per-sample gradients ``[N, *p.shape]`` summed over the calls.
+
+        Args:
+            module: The layer.
+            calls: Its recorded calls, with ``grads`` filled by a (non-batched) pull.
+
+        Returns:
+            Map from the names of :meth:`param_names` to per-sample gradients.
+
+        """
+        raise NotImplementedError
+
+    def per_sample_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
+        """Squared L2 norms ``[N]`` of the per-sample gradients of all covered params."""
+        grads = self.per_sample_grads(module, calls)
+        return sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+
+    def gram(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
+        """Gram matrix ``[N, N]`` of the per-sample gradients of all covered params."""
+        grads = self.per_sample_grads(module, calls)
+        flat = torch.cat([g.flatten(1) for g in grads.values()], dim=1)
+        return flat @ flat.T
+
+
+class LinearFamilyRule(LayerRule):
+    """Rules for layers whose weight acts as a matrix on (unfolded) inputs.
+
+    Such a layer computes, for sample ``n``, shared position ``s`` and group ``c``,
+    ``z[n, s, c] = W_c a[n, s, c] + b_c`` with ``W_c`` of shape ``[D_out, D_in]``. Its
+    per-sample gradient is ``sum_s g[n, s, c] a[n, s, c]^T`` (the bias appended as a last
+    input coordinate equal to 1). Subclasses only provide :meth:`expand`: everything
+    else (gradients, norms, Gram matrices, and later Kronecker factors) is shared.
+    """
+
+    def expand(self, module: nn.Module, call: Call) -> Tuple[Tensor, Tensor]:
+        """Return ``(a [N, S, G, D_in], g [..., N, S, G, D_out])`` of one call.
+
+        ``g`` carries the leading axes of ``call.grads`` (``[K]`` for batched pulls).
+        ``a`` is the raw input (bias column not appended).
+        """
+        raise NotImplementedError
+
+    # -- helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _weight_bias(module: nn.Module) -> Tuple[bool, bool]:
+        weight = getattr(module, "weight", None)
+        bias = getattr(module, "bias", None)
+        return (
+            weight is not None and weight.requires_grad,
+            bias is not None and bias.requires_grad,
+        )
+
+    def expand_calls(self, module: nn.Module, calls: Sequence[Call]) -> Tuple[Tensor, Tensor]:
+        """Expanded inputs with trainable columns, all calls concatenated along ``S``.
+
+        Returns:
+            ``a [N, S, G, D]`` with ``D = D_in`` (weight trainable) ``+ 1`` (bias
+            trainable), and ``g [..., N, S, G, D_out]``. Several calls of one module act
+            like weight sharing over the concatenated positions.
+
+        """
+        has_w, has_b = self._weight_bias(module)
+        a_list, g_list = [], []
+        for call in calls:
+            a, g = self.expand(module, call)
+            parts = [a] if has_w else []
+            if has_b:
+                parts.append(a.new_ones(*a.shape[:-1], 1))
+            a_list.append(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
+            g_list.append(g)
+        if len(calls) == 1:
+            return a_list[0], g_list[0]
+        return torch.cat(a_list, dim=1), torch.cat(g_list, dim=-3)
+
+    def _split(self, module: nn.Module, grad: Tensor) -> Dict[str, Tensor]:
+        """Split ``[N, G, D_out, D]`` into the ``weight`` / ``bias`` gradients."""
+        has_w, has_b = self._weight_bias(module)
+        N = grad.shape[0]
+        out: Dict[str, Tensor] = {}
+        if has_w:
+            w = grad[..., :-1] if has_b else grad
+            out["weight"] = w.reshape(N, *module.weight.shape)
+        if has_b:
+            out["bias"] = grad[..., -1].reshape(N, *module.bias.shape)
+        return out
+
+    # -- per-sample quantities ---------------------------------------------------------
+    def per_sample_grads(self, module, calls):  # noqa: D102
+        a, g = self.expand_calls(module, calls)
+        # [N, G, D_out, D] = sum_s g[n, s, c, o] a[n, s, c, i]
+        grad = torch.einsum("nsco,nsci->ncoi", g, a)
+        return self._split(module, grad)
+
+    def per_sample_sq_norms(self, module, calls):  # noqa: D102
+        a, g = self.expand_calls(module, calls)
+        N, S, C, D = a.shape
+        D_out = g.shape[-1]
+        if S == 1:
+            return (a.pow(2).sum(-1) * g.pow(2).sum(-1)).sum((1, 2))
+        # Gram trick over positions: sum_{s,t} (a_s . a_t)(g_s . g_t), cost S^2 (D + D_out)
+        # per sample and group, versus D D_out (S + 1) to materialize the gradient.
+        if S * S * (D + D_out) <= (S + 1) * D * D_out:
+            chunk = max(1, CHUNK_ELEMENTS // max(1, S * S * C))
+            out = []
+            for i in range(0, N, chunk):
+                aa = torch.einsum("nsci,ntci->ncst", a[i : i + chunk], a[i : i + chunk])
+                gg = torch.einsum("nsco,ntco->ncst", g[i : i + chunk], g[i : i + chunk])
+                out.append((aa * gg).sum((1, 2, 3)))
+            return torch.cat(out)
+        chunk = max(1, CHUNK_ELEMENTS // max(1, C * D * D_out))
+        out = []
+        for i in range(0, N, chunk):
+            grad = torch.einsum("nsco,nsci->ncoi", g[i : i + chunk], a[i : i + chunk])
+            out.append(grad.pow(2).sum((1, 2, 3)))
+        return torch.cat(out)
+
+    def gram(self, module, calls):  # noqa: D102
+        a, g = self.expand_calls(module, calls)
+        N, S, C, D = a.shape
+        D_out = g.shape[-1]
+        if S == 1:
+            a2, g2 = a[:, 0], g[:, 0]  # [N, C, D], [N, C, D_out]
+            aa = torch.einsum("nci,mci->cnm", a2, a2)
+            gg = torch.einsum("nco,mco->cnm", g2, g2)
+            return (aa * gg).sum(0)
+        # pairwise positions: N^2 S^2 (D + D_out) C versus materializing N D D_out (S + N) C
+        if N * S * S * (D + D_out) <= (S + N) * D * D_out:
+            out = a.new_zeros(N, N)
+            chunk = max(1, CHUNK_ELEMENTS // max(1, N * S * S * C))
+            for i in range(0, N, chunk):
+                aa = torch.einsum("nsci,mtci->nmcst", a[i : i + chunk], a)
+                gg = torch.einsum("nsco,mtco->nmcst", g[i : i + chunk], g)
+                out[i : i + chunk] = (aa * gg).sum((2, 3, 4))
+            return out
+        flat = torch.einsum("nsco,nsci->ncoi", g, a).reshape(N, -1)
+        return flat @ flat.T

@@ -1,0 +1,77 @@
+"""``nn.Embedding``: a Linear layer on one-hot inputs, shared over token positions.
+
+For indices ``i [N, S]`` and output gradients ``g [N, S, D]``, the per-sample gradient
+of the table ``E [V, D]`` is ``sum_s onehot(i[n, s]) g[n, s]^T``; rows at ``padding_idx``
+get no gradient. Norms and Gram matrices use ``onehot(i_s) . onehot(j_t) = [i_s == j_t]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .base import CHUNK_ELEMENTS, LayerRule
+from .registry import register
+
+
+@register(nn.Embedding)
+class EmbeddingRule(LayerRule):
+    """Per-sample gradients of an embedding table without one-hot matrices."""
+
+    def _flat(self, module: nn.Embedding, calls) -> tuple[Tensor, Tensor]:
+        if module.scale_grad_by_freq:
+            raise ValueError(
+                "nn.Embedding(scale_grad_by_freq=True) scales gradients by token counts "
+                "over the whole batch, which mixes samples: per-sample gradients are "
+                "undefined. Use scale_grad_by_freq=False."
+            )
+        idx_list, g_list = [], []
+        for call in calls:
+            idx = call.args[0]
+            if idx.dim() < 2:
+                raise ValueError(
+                    f"nn.Embedding got indices of shape {tuple(idx.shape)}; per-sample "
+                    "quantities need a leading batch axis, e.g. [N, S]."
+                )
+            N = idx.shape[0]
+            idx = idx.reshape(N, -1)
+            g = call.grads[0].reshape(N, idx.shape[1], -1)
+            if module.padding_idx is not None:
+                g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
+            idx_list.append(idx)
+            g_list.append(g)
+        return torch.cat(idx_list, 1), torch.cat(g_list, 1)
+
+    def per_sample_grads(self, module, calls):  # noqa: D102
+        if not module.weight.requires_grad:
+            return {}
+        idx, g = self._flat(module, calls)
+        N, S, D = g.shape
+        V = module.num_embeddings
+        out = g.new_zeros(N * V, D)
+        rows = (idx + V * torch.arange(N, device=idx.device).unsqueeze(1)).reshape(-1)
+        out.index_add_(0, rows, g.reshape(-1, D))
+        return {"weight": out.view(N, V, D)}
+
+    def per_sample_sq_norms(self, module, calls):  # noqa: D102
+        idx, g = self._flat(module, calls)
+        N, S, D = g.shape
+        if S * S > module.num_embeddings * 4:
+            return self.per_sample_grads(module, calls)["weight"].pow(2).sum((1, 2))
+        chunk = max(1, CHUNK_ELEMENTS // (S * S))
+        out = []
+        for i in range(0, N, chunk):
+            same = (idx[i : i + chunk, :, None] == idx[i : i + chunk, None, :]).to(g.dtype)
+            gg = torch.einsum("nsd,ntd->nst", g[i : i + chunk], g[i : i + chunk])
+            out.append((same * gg).sum((1, 2)))
+        return torch.cat(out)
+
+    def gram(self, module, calls):  # noqa: D102
+        idx, g = self._flat(module, calls)
+        N, S, D = g.shape
+        if N * S * S > module.num_embeddings * 4:
+            flat = self.per_sample_grads(module, calls)["weight"].reshape(N, -1)
+            return flat @ flat.T
+        same = (idx[:, None, :, None] == idx[None, :, None, :]).to(g.dtype)  # [N, M, S, T]
+        gg = torch.einsum("nsd,mtd->nmst", g, g)
+        return (same * gg).sum((2, 3))

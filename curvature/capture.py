@@ -198,7 +198,7 @@ class Capture:
         """
         active = self._active()
         if not active:
-            self.batch_size  # raises the "no forward was recorded" error
+            _ = self.batch_size  # raises the "no forward was recorded" error
         calls = [c for _, _, _, cs in active for c in cs]
         edges = [e for c in calls for e in c.out_edges]
         self._recording = False
@@ -258,7 +258,7 @@ class Capture:
                 "with gradients enabled."
             )
         self.pull(losses.sum(), retain_graph=retain_graph)
-        for name, module, _, calls in self._active():
+        for name, _, _, calls in self._active():
             for c in calls:
                 c.check_inputs_unchanged(name)
 

@@ -63,7 +63,7 @@ class FunctionalRule(LayerRule):
             arg_dims, kw_dims = self.arg_batch_axes(module, call, N)
             grads = [gr for gr in call.grads]
 
-            def sample_grad(p, args, kwargs, gs, arg_dims=arg_dims, call=call):
+            def sample_grad(p, args, kwargs, gs, arg_dims=arg_dims, kw_dims=kw_dims, call=call):
                 # re-insert a batch axis of size one so the module sees its usual layout
                 args = tuple(a.unsqueeze(d) if d is not None else a for a, d in zip(args, arg_dims))
                 kwargs = {

@@ -14,7 +14,8 @@ one record per call, paired call by call.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -239,10 +240,16 @@ class Capture:
                     torch.zeros(*lead, *shape, dtype=dtype, device=device) if g is None else g
                 )
 
-    def _release(self) -> None:
-        for calls in self._calls.values():
-            for c in calls:
-                c.grads = None
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Compute from pulled ``g`` without building a graph; release ``g`` after."""
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for calls in self._calls.values():
+                for c in calls:
+                    c.grads = None
 
     def _pull_losses(self, losses: Tensor, retain_graph: bool) -> None:
         N = self.batch_size
@@ -263,27 +270,48 @@ class Capture:
                 c.check_inputs_unchanged(name)
 
     # -- per-sample quantities ----------------------------------------------------------
-    def per_sample_grads(self, losses: Tensor, *, retain_graph: bool = True) -> Dict[str, Tensor]:
+    def per_sample_grads(
+        self,
+        losses: Tensor,
+        *,
+        retain_graph: bool = True,
+        out: Optional[Dict[str, Tensor]] = None,
+    ) -> Dict[str, Tensor]:
         """Per-sample gradients ``grad l_n`` of every captured parameter.
 
         Args:
             losses: Per-sample losses ``[N]`` computed from the captured output.
             retain_graph: Keep the graph for further pulls or a later ``backward()``.
+            out: Optional preallocated results, parameter name to ``[N, *p.shape]``
+                (contiguous, the parameter's dtype and device). Reusing buffers across
+                steps avoids the page faults of fresh allocations, which otherwise
+                dominate the cost on CPU for large layers.
 
         Returns:
             Parameter name (as in ``model.named_parameters()``) to ``[N, *p.shape]``.
 
         """
         self._pull_losses(losses, retain_graph)
-        try:
-            out: Dict[str, Tensor] = {}
+        N = self.batch_size
+        res: Dict[str, Tensor] = {}
+        with self._computing():
             for name, module, rule, calls in self._active():
-                for local, grad in rule.per_sample_grads(module, calls).items():
-                    out[f"{name}.{local}" if name else local] = grad
-        finally:
-            self._release()
+                prefix = f"{name}." if name else ""
+                local_out = None
+                if out is not None:
+                    params = dict(module.named_parameters())
+                    local_out = {}
+                    for local in rule.param_names(module):
+                        buf = out.get(prefix + local)
+                        if buf is not None:
+                            _check_out(prefix + local, buf, params[local], N)
+                            local_out[local] = buf
+                for local, grad in rule.per_sample_grads(module, calls, local_out).items():
+                    if local_out and local in local_out and grad is not local_out[local]:
+                        grad = local_out[local].copy_(grad)
+                    res[prefix + local] = grad
         order = [n for n, _ in self.model.named_parameters()]
-        return {n: out[n] for n in order if n in out}
+        return {n: res[n] for n in order if n in res}
 
     def per_sample_grad_norms(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
         """L2 norms ``[N]`` of the per-sample gradients over all captured parameters.
@@ -292,21 +320,31 @@ class Capture:
         sharing: the Gram trick over positions) never materialize ``[N, *p.shape]``.
         """
         self._pull_losses(losses, retain_graph)
-        try:
+        with self._computing():
             sq = sum(
                 rule.per_sample_sq_norms(module, calls) for _, module, rule, calls in self._active()
             )
-        finally:
-            self._release()
         return sq.sqrt()
 
     def gram(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
         """Gram matrix ``K[n, m] = <grad l_n, grad l_m>`` ``[N, N]`` of per-sample grads."""
         self._pull_losses(losses, retain_graph)
-        try:
+        with self._computing():
             return sum(rule.gram(module, calls) for _, module, rule, calls in self._active())
-        finally:
-            self._release()
+
+
+def _check_out(name: str, buf: Tensor, param: Tensor, N: int) -> None:
+    shape = (N, *param.shape)
+    if (
+        tuple(buf.shape) != shape
+        or buf.dtype != param.dtype
+        or buf.device != param.device
+        or not buf.is_contiguous()
+    ):
+        raise ValueError(
+            f"out[{name!r}] must be a contiguous {param.dtype} tensor of shape {shape} on "
+            f"{param.device}; got {buf.dtype} {tuple(buf.shape)} on {buf.device}."
+        )
 
 
 def _make_forward_hook(ref: weakref.ReferenceType[Capture], name: str):

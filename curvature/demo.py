@@ -36,6 +36,7 @@ def load_digits_tensors(seed: int = 0):
 
 
 def make_model() -> nn.Module:
+    """The demo's MLP 64-128-10."""
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
@@ -78,18 +79,21 @@ def train(clip: float | None, epochs: int, batch: int, lr: float, seed: int = 0)
 
 
 def main(argv=None) -> None:
+    """Train with and without per-sample clipping and print the comparison."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--clip", type=float, default=1.0)
     args = parser.parse_args(argv)
-    print(f"curvature {curvature.__version__}, torch {torch.__version__}, digits 8x8, MLP 64-128-10")
+    print(
+        f"curvature {curvature.__version__}, torch {torch.__version__}, digits 8x8, MLP 64-128-10"
+    )
     rows = {
         "SGD": train(None, args.epochs, args.batch, args.lr),
         f"SGD + per-sample clip {args.clip}": train(args.clip, args.epochs, args.batch, args.lr),
     }
-    print(f"\n| method | train loss | test acc | time (s) | samples clipped |")
+    print("\n| method | train loss | test acc | time (s) | samples clipped |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in rows.items():
         print(

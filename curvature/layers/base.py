@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._memory import empty_large
+
 #: Upper bound (in elements) for temporaries created while computing norms and Gram
 #: matrices; work is chunked over the batch so that no temporary exceeds it.
 CHUNK_ELEMENTS = 2**24
@@ -81,12 +83,19 @@ class LayerRule:
         """Size of the batch axis of a call (axis 0 of the first input by default)."""
         return call.args[0].shape[0]
 
-    def per_sample_grads(self, module: nn.Module, calls: Sequence[Call]) -> Dict[str, Tensor]:
+    def per_sample_grads(
+        self,
+        module: nn.Module,
+        calls: Sequence[Call],
+        out: Optional[Dict[str, Tensor]] = None,
+    ) -> Dict[str, Tensor]:
         """Per-sample gradients ``[N, *p.shape]`` summed over the calls.
 
         Args:
             module: The layer.
             calls: Its recorded calls, with ``grads`` filled by a (non-batched) pull.
+            out: Optional preallocated results (same keys); rules may write into them,
+                the caller copies results that are not.
 
         Returns:
             Map from the names of :meth:`param_names` to per-sample gradients.
@@ -104,6 +113,15 @@ class LayerRule:
         grads = self.per_sample_grads(module, calls)
         flat = torch.cat([g.flatten(1) for g in grads.values()], dim=1)
         return flat @ flat.T
+
+
+def _buffer(
+    out: Optional[Dict[str, Tensor]], key: str, shape: Tuple[int, ...], like: Tensor
+) -> Tensor:
+    """``out[key]`` if given, else a new (huge-page backed) buffer."""
+    if out is not None and key in out:
+        return out[key]
+    return empty_large(shape, like.dtype, like.device)
 
 
 class LinearFamilyRule(LayerRule):
@@ -156,24 +174,36 @@ class LinearFamilyRule(LayerRule):
             return a_list[0], g_list[0]
         return torch.cat(a_list, dim=1), torch.cat(g_list, dim=-3)
 
-    def _split(self, module: nn.Module, grad: Tensor) -> Dict[str, Tensor]:
-        """Split ``[N, G, D_out, D]`` into the ``weight`` / ``bias`` gradients."""
-        has_w, has_b = self._weight_bias(module)
-        N = grad.shape[0]
-        out: Dict[str, Tensor] = {}
-        if has_w:
-            w = grad[..., :-1] if has_b else grad
-            out["weight"] = w.reshape(N, *module.weight.shape)
-        if has_b:
-            out["bias"] = grad[..., -1].reshape(N, *module.bias.shape)
-        return out
-
     # -- per-sample quantities ---------------------------------------------------------
-    def per_sample_grads(self, module, calls):  # noqa: D102
-        a, g = self.expand_calls(module, calls)
-        # [N, G, D_out, D] = sum_s g[n, s, c, o] a[n, s, c, i]
-        grad = torch.einsum("nsco,nsci->ncoi", g, a)
-        return self._split(module, grad)
+    def per_sample_grads(self, module, calls, out=None):  # noqa: D102
+        has_w, has_b = self._weight_bias(module)
+        res: Dict[str, Tensor] = {}
+        for i, call in enumerate(calls):
+            a, g = self.expand(module, call)  # [N, S, C, D_in], [N, S, C, D_out]
+            N, S, C, D_in = a.shape
+            D_out = g.shape[-1]
+            if has_w:
+                if i == 0:
+                    res["weight"] = _buffer(out, "weight", (N, *module.weight.shape), g)
+                target = res["weight"].view(N, C, D_out, D_in)
+                # sum_s g[n, s, c] a[n, s, c]^T, written in place (no [N, ...] temporaries)
+                if S == 1:
+                    prod = g[:, 0, :, :, None] * a[:, 0, :, None, :]
+                    target.copy_(prod) if i == 0 else target.add_(prod)
+                else:
+                    gt = g.permute(0, 2, 3, 1).reshape(N * C, D_out, S)
+                    at = a.permute(0, 2, 1, 3).reshape(N * C, S, D_in)
+                    flat = target.view(N * C, D_out, D_in)
+                    if i == 0:
+                        torch.bmm(gt, at, out=flat)
+                    else:
+                        flat.baddbmm_(gt, at)
+            if has_b:
+                b = g.sum(1).reshape(N, *module.bias.shape)
+                res["bias"] = b if i == 0 else res["bias"] + b
+        if has_b and out is not None and "bias" in out:
+            res["bias"] = out["bias"].copy_(res["bias"])
+        return res
 
     def per_sample_sq_norms(self, module, calls):  # noqa: D102
         a, g = self.expand_calls(module, calls)

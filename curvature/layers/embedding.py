@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._memory import empty_large
 from .base import CHUNK_ELEMENTS, LayerRule
 from .registry import register
 
@@ -42,16 +43,17 @@ class EmbeddingRule(LayerRule):
             g_list.append(g)
         return torch.cat(idx_list, 1), torch.cat(g_list, 1)
 
-    def per_sample_grads(self, module, calls):  # noqa: D102
+    def per_sample_grads(self, module, calls, out=None):  # noqa: D102
         if not module.weight.requires_grad:
             return {}
         idx, g = self._flat(module, calls)
         N, S, D = g.shape
         V = module.num_embeddings
-        out = g.new_zeros(N * V, D)
+        buf = out["weight"] if out else empty_large((N, V, D), g.dtype, g.device)
+        flat = buf.view(N * V, D).zero_()
         rows = (idx + V * torch.arange(N, device=idx.device).unsqueeze(1)).reshape(-1)
-        out.index_add_(0, rows, g.reshape(-1, D))
-        return {"weight": out.view(N, V, D)}
+        flat.index_add_(0, rows, g.reshape(-1, D))
+        return {"weight": buf}
 
     def per_sample_sq_norms(self, module, calls):  # noqa: D102
         idx, g = self._flat(module, calls)

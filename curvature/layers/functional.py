@@ -53,7 +53,7 @@ class FunctionalRule(LayerRule):
         kwargs = {k: dim(v) for k, v in call.kwargs.items()}
         return args, kwargs
 
-    def per_sample_grads(self, module, calls):  # noqa: D102
+    def per_sample_grads(self, module, calls, out=None):  # noqa: D102
         names = self.param_names(module)
         params = {n: p.detach() for n, p in module.named_parameters() if n in names}
         ax = self.batch_axis(module)

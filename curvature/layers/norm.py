@@ -40,7 +40,7 @@ class _AffineNormRule(LayerRule):
         """Sum ``t [N, *x.shape[1:]]`` over positions sharing a parameter entry."""
         raise NotImplementedError
 
-    def per_sample_grads(self, module, calls):  # noqa: D102
+    def per_sample_grads(self, module, calls, out=None):  # noqa: D102
         weight = getattr(module, "weight", None)
         bias = getattr(module, "bias", None)
         out: dict[str, Tensor] = {}

@@ -188,8 +188,11 @@ class LinearFamilyRule(LayerRule):
                 target = res["weight"].view(N, C, D_out, D_in)
                 # sum_s g[n, s, c] a[n, s, c]^T, written in place (no [N, ...] temporaries)
                 if S == 1:
-                    prod = g[:, 0, :, :, None] * a[:, 0, :, None, :]
-                    target.copy_(prod) if i == 0 else target.add_(prod)
+                    g1, a1 = g[:, 0, :, :, None], a[:, 0, :, None, :]
+                    if i == 0:
+                        torch.mul(g1, a1, out=target)
+                    else:
+                        target.addcmul_(g1, a1)
                 else:
                     gt = g.permute(0, 2, 3, 1).reshape(N * C, D_out, S)
                     at = a.permute(0, 2, 1, 3).reshape(N * C, S, D_in)

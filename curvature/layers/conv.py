@@ -10,10 +10,13 @@ groups are handled by padding first and taking strided windows.
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import LinearFamilyRule
+from .base import CHUNK_ELEMENTS, LayerRule, LinearFamilyRule
 from .registry import register
 
 
@@ -56,3 +59,96 @@ class ConvRule(LinearFamilyRule):
         lead = g.shape[: g.dim() - call.args[0].dim()]
         g = g.reshape(*lead, N, G, -1, S).transpose(-1, -3).transpose(-1, -2)
         return a, g
+
+    def per_sample_grads(self, module, calls, out=None):  # noqa: D102
+        has_w, has_b = self._weight_bias(module)
+        res: dict = {}
+        for i, call in enumerate(calls):
+            x, g = call.args[0], call.grads[0]
+            if has_w:
+                w = per_sample_weight_grads(
+                    module, x, g, out.get("weight") if out and i == 0 else None
+                )
+                res["weight"] = w if i == 0 else res["weight"].add_(w)
+            if has_b:
+                b = g.flatten(2).sum(-1)
+                res["bias"] = b if i == 0 else res["bias"] + b
+        return res
+
+    def per_sample_sq_norms(self, module, calls):  # noqa: D102
+        has_w, has_b = self._weight_bias(module)
+        x0 = calls[0].args[0]
+        N = x0.shape[0]
+        S = calls[0].grads[0][0, 0].numel() * len(calls)
+        D = module.weight[0].numel() + 1
+        D_out = module.out_channels // module.groups
+        if S * S * (D + D_out) <= (S + 1) * D * D_out:  # Gram trick over positions
+            return super().per_sample_sq_norms(module, calls)
+        # materialize per-sample gradients a chunk of samples at a time
+        per_sample = module.weight.numel() * (1 + len(calls))
+        chunk = max(1, CHUNK_ELEMENTS // per_sample)
+        sq = x0.new_zeros(N, dtype=calls[0].grads[0].dtype)
+        for n0 in range(0, N, chunk):
+            w, b = None, None
+            for call in calls:
+                x, g = call.args[0][n0 : n0 + chunk], call.grads[0][n0 : n0 + chunk]
+                if has_w:
+                    wi = per_sample_weight_grads(module, x, g)
+                    w = wi if w is None else w.add_(wi)
+                if has_b:
+                    bi = g.flatten(2).sum(-1)
+                    b = bi if b is None else b + bi
+            if w is not None:
+                sq[n0 : n0 + chunk] += w.flatten(1).pow(2).sum(1)
+            if b is not None:
+                sq[n0 : n0 + chunk] += b.pow(2).sum(1)
+        return sq
+
+    def gram(self, module, calls):  # noqa: D102
+        return LayerRule.gram(self, module, calls)
+
+
+def _conv_input(module: nn.modules.conv._ConvNd, x: Tensor) -> tuple[Tensor, list]:
+    """The input and numeric padding to hand to an unpadded convolution kernel."""
+    pad = module._reversed_padding_repeated_twice
+    symmetric = all(pad[2 * i] == pad[2 * i + 1] for i in range(len(pad) // 2))
+    if module.padding_mode == "zeros" and symmetric:
+        return x, [pad[2 * i] for i in reversed(range(len(pad) // 2))]
+    if any(pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, pad, mode=mode)
+    return x, [0] * len(module.kernel_size)
+
+
+def per_sample_weight_grads(
+    module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, out: Optional[Tensor] = None
+) -> Tensor:
+    """``[N, *W.shape]``: per-sample weight gradients of a convolution in one kernel call.
+
+    The batch is folded into the channels, ``[1, N * C_in, *spatial]``, and the weight
+    gradient of a convolution with ``N * G`` groups is exactly the stack of the per-sample
+    weight gradients (the trick of "expanded weights").
+    """
+    x, padding = _conv_input(module, x)
+    N = x.shape[0]
+    W = module.weight
+    shape = (N * W.shape[0], *W.shape[1:])
+    # only the weight's shape matters for the weight gradient: a zero-stride stand-in
+    w_like = W.new_zeros(1).as_strided(shape, [0] * len(shape))
+    grad = torch.ops.aten.convolution_backward(
+        g.reshape(1, -1, *g.shape[2:]),
+        x.reshape(1, -1, *x.shape[2:]),
+        w_like,
+        None,
+        list(module.stride),
+        padding,
+        list(module.dilation),
+        False,
+        [0] * len(module.kernel_size),
+        N * module.groups,
+        [False, True, False],
+    )[1]
+    grad = grad.view(N, *W.shape)
+    if out is None:
+        return grad
+    return out.copy_(grad)

@@ -9,6 +9,8 @@ so it is exact for any per-sample module, at the cost of one extra module forwar
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor, nn
@@ -80,11 +82,14 @@ class FunctionalRule(LayerRule):
                 return pullback(tuple(gs))[0]
 
             try:
-                per_sample = vmap(
-                    sample_grad,
-                    in_dims=(None, arg_dims, kw_dims, tuple(ax for _ in grads)),
-                    chunk_size=self.chunk_size,
-                )(params, call.args, call.kwargs, tuple(grads))
+                with warnings.catch_warnings():
+                    # vmap's "performance drop ... batching rule" notes are not actionable
+                    warnings.filterwarnings("ignore", message="There is a performance drop")
+                    per_sample = vmap(
+                        sample_grad,
+                        in_dims=(None, arg_dims, kw_dims, tuple(ax for _ in grads)),
+                        chunk_size=self.chunk_size,
+                    )(params, call.args, call.kwargs, tuple(grads))
             except RuntimeError as err:
                 if "random" in str(err).lower():
                     raise RuntimeError(

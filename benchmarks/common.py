@@ -1,0 +1,268 @@
+"""Shared helpers for the benchmarks: timing against a baseline, peak memory, reports.
+
+How we measure on this (small, noisy, CPU-only) machine, see /work/shared/PERFORMANCE.md:
+
+* Speed is reported as a **ratio to a baseline** (a plain forward+backward of the same
+  model on the same batch, in the same process). Baseline and method alternate in one
+  loop ``B M B M ... B``; each method measurement is divided by the mean of the two
+  baseline measurements around it, and we report the median of these per-repeat ratios.
+  Every measurement times ``inner`` back-to-back calls, with ``inner`` calibrated so that
+  one measurement lasts at least ``min_time`` seconds (short calls are too noisy alone).
+* **Peak memory** on CPU is the increase of the process's resident set: release free heap
+  memory to the OS (``malloc_trim``), read ``VmRSS``, reset the high-water mark by writing
+  ``5`` to ``/proc/self/clear_refs``, run the call once, read ``VmHWM``; the peak is
+  ``VmHWM - VmRSS(before)``, i.e. every page the call touched beyond what was resident
+  (tensors, allocator slack, autograd buffers, the returned result). Where that interface
+  is unavailable we fall back to the sum of the tensor allocation events of
+  ``torch.profiler`` (``profile_memory=True``), which sees tensors only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+MB = 2**20
+
+
+# -- machine -----------------------------------------------------------------------------
+def machine_info() -> Dict[str, Any]:
+    """torch version, thread count, CPU model and core count, Python version."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+
+
+def machine_line(info: Optional[Dict[str, Any]] = None) -> str:
+    """One-line description of :func:`machine_info`."""
+    i = info or machine_info()
+    return (
+        f"torch {i['torch']}, {i['threads']} threads, {i['cpu']} ({i['cores']} cores), "
+        f"Python {i['python']}"
+    )
+
+
+def package_version(dist: str) -> Optional[str]:
+    """Installed version of a distribution, or ``None``."""
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# -- timing --------------------------------------------------------------------------------
+def _time(fn: Callable[[], Any], inner: int) -> float:
+    """Seconds per call of ``inner`` back-to-back calls (results dropped at once)."""
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - start) / inner
+
+
+def calibrate(fn: Callable[[], Any], min_time: float, warmup: int = 1) -> int:
+    """Run ``fn`` ``warmup`` times, then return the call count lasting ``min_time``."""
+    for _ in range(max(0, warmup - 1)):
+        fn()
+    t = _time(fn, 1)
+    return max(1, int(min_time / max(t, 1e-9)) + (t < min_time))
+
+
+def compare(
+    baseline: Callable[[], Any],
+    method: Callable[[], Any],
+    *,
+    repeats: int,
+    min_time: float = 0.02,
+    warmup: int = 2,
+    inner_baseline: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Time ``method`` against ``baseline``, alternating ``B M B M ... B``.
+
+    Args:
+        baseline: The reference call (e.g. a plain forward+backward).
+        method: The call to measure.
+        repeats: Number of method measurements.
+        min_time: Minimal duration of one measurement (sets the inner call count).
+        warmup: Untimed calls of ``method`` before timing.
+        inner_baseline: Inner call count of the baseline (calibrated if ``None``).
+
+    Returns:
+        ``time`` (median seconds per call of ``method``), ``baseline_time`` (median of the
+        baseline), ``ratio`` (median of the per-repeat ratios), ``ratios`` (all of them)
+        and the inner call counts.
+
+    """
+    inner_m = calibrate(method, min_time, warmup)
+    inner_b = inner_baseline or calibrate(baseline, min_time, 1)
+    gc.collect()
+    tb = [_time(baseline, inner_b)]
+    tm: List[float] = []
+    for _ in range(repeats):
+        tm.append(_time(method, inner_m))
+        tb.append(_time(baseline, inner_b))
+    ratios = [m / (0.5 * (b0 + b1)) for m, b0, b1 in zip(tm, tb[:-1], tb[1:])]
+    return {
+        "time": statistics.median(tm),
+        "baseline_time": statistics.median(tb),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "inner": inner_m,
+        "inner_baseline": inner_b,
+    }
+
+
+# -- peak memory -----------------------------------------------------------------------------
+def _proc_status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _rss_supported() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _proc_status_kb("VmHWM")
+        _proc_status_kb("VmRSS")
+        return True
+    except (OSError, KeyError):
+        return False
+
+
+_RSS_OK: Optional[bool] = None
+
+
+def memory_method() -> str:
+    """``"rss"`` (VmHWM reset via /proc/self/clear_refs) or ``"profiler"``."""
+    global _RSS_OK
+    if _RSS_OK is None:
+        _RSS_OK = _rss_supported()
+    return "rss" if _RSS_OK else "profiler"
+
+
+def peak_rss(fn: Callable[[], Any]) -> int:
+    """Bytes of resident memory that one call of ``fn`` adds at its peak (see module doc)."""
+    gc.collect()
+    _malloc_trim()
+    before = _proc_status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    result = fn()  # noqa: F841  (the result is part of the peak: keep it alive)
+    peak = _proc_status_kb("VmHWM")
+    del result
+    return max(0, peak - before) * 1024
+
+
+def peak_profiler(fn: Callable[[], Any]) -> int:
+    """Peak bytes of live tensors allocated by one call of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()  # noqa: F841
+        del result
+    events = [
+        (e.time_range.start, e.self_cpu_memory_usage)
+        for e in prof.events()
+        if e.self_cpu_memory_usage
+    ]
+    live = peak = 0
+    for _, delta in sorted(events, key=lambda x: x[0]):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def peak_memory(fn: Callable[[], Any], repeats: int = 1) -> int:
+    """Peak memory of one call of ``fn`` in bytes, the minimum over ``repeats`` calls."""
+    measure = peak_rss if memory_method() == "rss" else peak_profiler
+    return min(measure(fn) for _ in range(max(1, repeats)))
+
+
+# -- comparisons -------------------------------------------------------------------------------
+def max_abs_diff(a: Any, b: Any) -> float:
+    """Largest absolute difference between tensors or dicts of tensors (same keys)."""
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            missing = sorted(set(a) ^ set(b))
+            raise KeyError(f"different parameters: {missing[:5]}")
+        return max(max_abs_diff(a[k], b[k]) for k in a)
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    if a.shape != b.shape:
+        raise ValueError(f"shape {tuple(a.shape)} != {tuple(b.shape)}")
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def max_abs(a: Any) -> float:
+    """Largest absolute entry of a tensor or dict of tensors."""
+    if isinstance(a, dict):
+        return max(max_abs(v) for v in a.values())
+    return torch.as_tensor(a).detach().abs().max().item()
+
+
+# -- reports ------------------------------------------------------------------------------------
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (cells converted with ``str``)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def update_doc_section(path: str, title: str, body: str, intro: str = "# Benchmarks\n") -> None:
+    """Write or replace the ``## {title}`` section of a Markdown file.
+
+    The section runs from its heading to the next ``## `` heading (or the end of the file);
+    other sections are left untouched. A missing file is created with ``intro``.
+    """
+    text = intro
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    section = f"## {title}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
+    else:
+        text = text.rstrip() + "\n\n" + section
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write ``data`` as indented JSON."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)

@@ -10,7 +10,6 @@ so it is exact for any per-sample module, at the cost of one extra module forwar
 from __future__ import annotations
 
 import warnings
-
 from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor, nn

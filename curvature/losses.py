@@ -8,6 +8,10 @@ is ``L = R * sum_n l_n`` with ``R = 1/N`` for ``reduction="mean"`` and ``R = 1``
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -88,3 +92,195 @@ def per_sample_losses(loss_func: nn.Module, output: Tensor, target: Tensor) -> T
         )
     flat = elementwise.reshape(elementwise.shape[0], -1)
     return flat.mean(1) if loss_func.reduction == "mean" else flat.sum(1)
+
+
+FISHER_TYPES = ("type-2", "mc", "empirical", "rademacher", "forward-only")
+
+
+def check_fisher(fisher: str, where: str = "fisher") -> None:
+    """Raise a ``ValueError`` for an unknown Fisher type."""
+    if fisher not in FISHER_TYPES:
+        raise ValueError(
+            f"{where}={fisher!r} is not a Fisher type; use one of {FISHER_TYPES}: 'type-2' "
+            "(exact GGN), 'mc' (sampled labels), 'empirical' (true labels), 'rademacher' "
+            "(random GGN estimate, one backward) or 'forward-only' (G = I)."
+        )
+
+
+def _element_scale(loss_func: nn.Module, output: Tensor, target: Tensor) -> float:
+    """``r`` in ``L = r * sum over loss elements`` (``1 / #elements`` for mean, else 1)."""
+    if loss_func.reduction == "sum":
+        return 1.0
+    if isinstance(loss_func, nn.CrossEntropyLoss):
+        # one loss element per sample and trailing position: output [N, C, *]
+        return 1.0 / (output.numel() // output.shape[1])
+    return 1.0 / output.numel()
+
+
+def _softmax_axis(output: Tensor) -> int:
+    return 1 if output.dim() > 1 else 0
+
+
+def hessian_sqrt(loss_func: nn.Module, output: Tensor, target: Tensor) -> Tensor:
+    """Columns ``S [K, *output.shape]`` with ``sum_k S_k S_k^T = d^2 L / d output^2``.
+
+    ``L`` is the loss module's scalar (reduction included); the Hessian is block-diagonal
+    over samples (and CrossEntropy positions), and the columns are shared by all blocks:
+
+    - CrossEntropy: ``K = C``, ``S_c = sqrt(r p_c) (e_c - p)`` (``p = softmax``), since
+      ``diag(p) - p p^T = sum_c p_c (e_c - p)(e_c - p)^T``; over trailing positions
+      ``[N, C, *pos]`` one column per class and position (``K = C * prod(pos)``), each
+      non-zero at its position only.
+    - MSE: ``K`` = elements per sample, ``S_j = sqrt(2 r) e_j``.
+    - BCEWithLogits: ``K`` = elements per sample,
+      ``S_j = sqrt(r w (pos_weight y + 1 - y) sigma (1 - sigma)) e_j``.
+
+    ``r`` is ``1 / #loss elements`` for mean reduction and ``1`` for sum.
+    """
+    check_loss(loss_func)
+    out = output.detach()
+    r = _element_scale(loss_func, out, target)
+    if isinstance(loss_func, nn.CrossEntropyLoss):
+        ax = _softmax_axis(out)
+        p = out.softmax(ax)
+        C = out.shape[ax]
+        eye = torch.eye(C, dtype=out.dtype, device=out.device)
+        shape = [C] + [1] * out.dim()
+        shape[1 + ax] = C
+        e = eye.view(shape)  # [C, 1, C, 1...]: e_c along the class axis
+        coef = (r * p.movedim(ax, 0)).sqrt().unsqueeze(1 + ax)  # sqrt(r p_c) per column c
+        S = coef * (e - p.unsqueeze(0))  # [C, N, C, *pos]: column c at every position
+        pos = out.shape[2:]
+        if not pos:
+            return S
+        # the Hessian is block-diagonal over positions: one column per (class, position)
+        P = math.prod(pos)
+        onehot = torch.eye(P, dtype=out.dtype, device=out.device).view(1, P, 1, 1, *pos)
+        return (S.unsqueeze(1) * onehot).reshape(C * P, *out.shape)
+    if isinstance(loss_func, nn.MSELoss):
+        diag = torch.full_like(out, 2.0 * r)
+    else:
+        s = out.sigmoid()
+        y = target.to(out.dtype)
+        h = s * (1 - s)
+        if loss_func.pos_weight is not None:
+            h = h * (loss_func.pos_weight * y + 1 - y)
+        if loss_func.weight is not None:
+            h = h * loss_func.weight
+        diag = (r * h).expand_as(out)
+    return _diag_columns(diag.sqrt())
+
+
+def _diag_columns(d: Tensor) -> Tensor:
+    """``[K, *d.shape]`` with ``K = d[0].numel()``: column ``j`` is ``d`` on element ``j``."""
+    N = d.shape[0]
+    K = d[0].numel()
+    cols = torch.zeros(K, N, K, dtype=d.dtype, device=d.device)
+    idx = torch.arange(K, device=d.device)
+    cols[idx, :, idx] = d.reshape(N, K).T
+    return cols.view(K, *d.shape)
+
+
+def backprop_sources(
+    loss_func: nn.Module,
+    output: Tensor,
+    target: Tensor,
+    fisher: str,
+    *,
+    mc_samples: int = 1,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """Vectors ``V [K, *output.shape]`` to inject at the output for a Fisher type.
+
+    Backpropagating them gives ``g_k = J^T V_k`` for every layer output, and the curvature
+    of the scalar loss ``L`` is ``sum_k J^T V_k V_k^T J``:
+
+    - ``"type-2"``: the Hessian's square root (:func:`hessian_sqrt`), exact GGN.
+    - ``"mc"``: ``sqrt(r / M) grad_f loss(f, yhat_m)`` for ``M = mc_samples`` labels drawn
+      from the model's predictive distribution (categorical, Bernoulli, or Gaussian with
+      variance 1/2 for MSE); its expectation is the GGN.
+    - ``"rademacher"``: ``M^{-1/2} sum_k eps_mk S_k`` with Rademacher ``eps``; unbiased
+      for the GGN with ``M`` backpropagated vectors instead of ``K``.
+    - ``"empirical"``: ``sqrt(R) grad_f l_n`` with the true labels (``K = 1``), so that
+      ``sum J^T V V^T J = R sum_n grad l_n grad l_n^T``, the empirical Fisher.
+
+    ``"forward-only"`` has no backward (``G = I``) and raises here.
+    """
+    check_loss(loss_func)
+    check_fisher(fisher)
+    if mc_samples < 1:
+        raise ValueError(f"mc_samples={mc_samples} must be a positive integer.")
+    out = output.detach()
+    if fisher == "forward-only":
+        raise ValueError("fisher='forward-only' uses G = I and backpropagates nothing.")
+    if fisher == "type-2":
+        return hessian_sqrt(loss_func, out, target)
+    if fisher == "rademacher":
+        return _rademacher_sources(loss_func, out, target, mc_samples, generator)
+    if fisher == "empirical":
+        f = out.requires_grad_(True)
+        with torch.enable_grad():
+            total = per_sample_losses(loss_func, f, target).sum()
+            (grad,) = torch.autograd.grad(total, f)
+        scale = 1.0 / out.shape[0] if loss_func.reduction == "mean" else 1.0
+        return (scale**0.5 * grad).unsqueeze(0)
+    return _mc_sources(loss_func, out, target, mc_samples, generator)
+
+
+def _rademacher(shape, generator, like: Tensor) -> Tensor:
+    return (torch.randint(0, 2, tuple(shape), generator=generator) * 2 - 1).to(like)
+
+
+def _rademacher_sources(loss_func, out, target, M, generator):
+    """``v_m = M^{-1/2} sum_k eps_mk S_k`` with signs drawn independently per Hessian block."""
+    S = hessian_sqrt(loss_func, out, target)
+    if isinstance(loss_func, nn.CrossEntropyLoss):
+        # blocks: (sample, position); S [C, *out], eps per column and block
+        shape = [M, S.shape[0], *out.shape]
+        shape[2 + _softmax_axis(out)] = 1
+        return (_rademacher(shape, generator, S) * S).sum(1) / M**0.5
+    # MSE / BCE: diagonal Hessian, S_j = d_j e_j, so v = eps * d elementwise
+    d = S.sum(0)
+    return _rademacher((M, *out.shape), generator, d) * d / M**0.5
+
+
+def _mc_sources(loss_func, out, target, M, generator):
+    r = _element_scale(loss_func, out, target)
+    scale = (r / M) ** 0.5
+
+    def draw(fn):
+        return torch.stack([fn() for _ in range(M)])
+
+    if isinstance(loss_func, nn.CrossEntropyLoss):
+        ax = _softmax_axis(out)
+        p = out.softmax(ax)
+        C = out.shape[ax]
+        probs = p.movedim(ax, -1).reshape(-1, C).double().cpu()
+
+        def one():
+            idx = torch.multinomial(probs, 1, generator=generator).view(-1)
+            onehot = nn.functional.one_hot(idx, C).to(out)
+            moved = p.movedim(ax, -1)
+            return (moved - onehot.view(moved.shape)).movedim(-1, ax)
+
+        return scale * draw(one)
+    if isinstance(loss_func, nn.MSELoss):
+        # yhat = f + eps / sqrt(2): grad_f (f - yhat)^2 = -sqrt(2) eps
+        def one():
+            eps = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+            return (-(2**0.5) * eps).to(out)
+
+        return scale * draw(one)
+    if loss_func.pos_weight is not None or loss_func.weight is not None:
+        raise ValueError(
+            "fisher='mc' with nn.BCEWithLogitsLoss(weight=..., pos_weight=...) is not "
+            "defined (the weighted loss is not a likelihood); use 'type-2' or 'rademacher'."
+        )
+    s = out.sigmoid()
+    s_cpu = s.double().cpu()
+
+    def one():
+        yhat = torch.bernoulli(s_cpu, generator=generator).to(out)
+        return s - yhat
+
+    return scale * draw(one)

@@ -4,6 +4,15 @@ Public names only; see ``docs/`` for the maths and conventions.
 """
 
 from .capture import Capture, capture
+from .dense import (
+    empirical_fisher,
+    fisher,
+    ggn,
+    ggn_vector_product,
+    hessian,
+    hessian_vector_product,
+)
+from .kfac import KFACApprox, diag_ggn, ekfac, kfac
 from .losses import per_sample_losses
 from .per_sample import jacobian, per_sample_grads
 
@@ -11,8 +20,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Capture",
+    "KFACApprox",
     "capture",
+    "diag_ggn",
+    "ekfac",
+    "empirical_fisher",
+    "fisher",
+    "ggn",
+    "ggn_vector_product",
+    "hessian",
+    "hessian_vector_product",
     "jacobian",
+    "kfac",
     "per_sample_grads",
     "per_sample_losses",
 ]

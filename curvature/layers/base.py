@@ -114,6 +114,27 @@ class LayerRule:
         flat = torch.cat([g.flatten(1) for g in grads.values()], dim=1)
         return flat @ flat.T
 
+    # -- Kronecker factors ---------------------------------------------------------------
+    def kfac_factors(
+        self, module: nn.Module, calls: Sequence[Call], approx: str, with_g: bool = True
+    ) -> Optional[Tuple[Tensor, Tensor, int]]:
+        """Kronecker statistics ``(A_sum [C, D, D], G_sum [C, D_out, D_out], count)``.
+
+        ``A = A_sum / count``; ``G_sum`` sums ``g g^T`` over the pulled vectors, samples
+        (and shared positions for ``"expand"``). ``None`` when the layer has no Kronecker
+        structure: its block is then the exact block ``sum vec(grad) vec(grad)^T``.
+        ``with_g=False`` skips ``G`` (forward-only Fisher).
+        """
+        return None
+
+    def kfac_index(self, module: nn.Module, offsets: Dict[str, int]) -> Optional[Tensor]:
+        """``[C, D_out, D]`` positions in the flat parameter vector of the factor entries.
+
+        Entry ``(c, o, i)`` of the layer's matrix ``[W | b]`` (group ``c``) sits at
+        ``index[c, o, i]``, so that the block ``kron(G_c, A_c)`` acts on ``vec_row``.
+        """
+        return None
+
 
 def _buffer(
     out: Optional[Dict[str, Tensor]], key: str, shape: Tuple[int, ...], like: Tensor
@@ -251,3 +272,37 @@ class LinearFamilyRule(LayerRule):
             return out
         flat = torch.einsum("nsco,nsci->ncoi", g, a).reshape(N, -1)
         return flat @ flat.T
+
+    # -- Kronecker factors -----------------------------------------------------------
+    def kfac_factors(self, module, calls, approx, with_g=True):  # noqa: D102
+        a, g = self.expand_calls(module, calls)  # a [N, S, C, D], g [K, N, S, C, D_out]
+        N, S = a.shape[:2]
+        if approx == "expand":
+            A_sum = torch.einsum("nsci,nscj->cij", a, a)
+            count = N * S
+            G_sum = torch.einsum("knsco,knscp->cop", g, g) if with_g else None
+        else:  # reduce: mean the inputs over shared positions, sum the gradients
+            ar = a.mean(1)
+            A_sum = torch.einsum("nci,ncj->cij", ar, ar)
+            count = N
+            if with_g:
+                gr = g.sum(2)
+                G_sum = torch.einsum("knco,kncp->cop", gr, gr)
+            else:
+                G_sum = None
+        return A_sum, G_sum, count
+
+    def kfac_index(self, module, offsets):  # noqa: D102
+        has_w, has_b = self._weight_bias(module)
+        ref = module.weight if module.weight is not None else module.bias
+        out = ref.shape[0]
+        cols = []
+        if has_w:
+            in_eff = module.weight[0].numel()
+            rows = torch.arange(out).unsqueeze(1) * in_eff
+            cols.append(offsets["weight"] + rows + torch.arange(in_eff))
+        if has_b:
+            cols.append(offsets["bias"] + torch.arange(out).unsqueeze(1))
+        index = torch.cat(cols, dim=1)  # [out, D]
+        C = getattr(module, "groups", 1)
+        return index.view(C, out // C, index.shape[1])

@@ -77,3 +77,49 @@ class EmbeddingRule(LayerRule):
         same = (idx[:, None, :, None] == idx[None, :, None, :]).to(g.dtype)  # [N, M, S, T]
         gg = torch.einsum("nsd,mtd->nmst", g, g)
         return (same * gg).sum((2, 3))
+
+    # -- Kronecker factors: a one-hot input, so A is diagonal for "expand" -----------------
+    def _flat_batched(self, module, calls):
+        """Indices ``[N, S]`` and gradients ``[K, N, S, D]`` (padding positions zeroed)."""
+        idx_list, g_list = [], []
+        for call in calls:
+            idx = call.args[0]
+            N = idx.shape[0]
+            idx = idx.reshape(N, -1)
+            g = call.grads[0]
+            g = g.reshape(*g.shape[: g.dim() - idx.dim() - 1], N, idx.shape[1], g.shape[-1])
+            if module.padding_idx is not None:
+                g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
+            idx_list.append(idx)
+            g_list.append(g)
+        return torch.cat(idx_list, 1), torch.cat(g_list, -2)
+
+    def kfac_factors(self, module, calls, approx, with_g=True):  # noqa: D102
+        V = module.num_embeddings
+        idx = torch.cat([c.args[0].reshape(c.args[0].shape[0], -1) for c in calls], 1)
+        N, S = idx.shape
+        weight = torch.ones(idx.shape, dtype=module.weight.dtype, device=idx.device)
+        if module.padding_idx is not None:
+            weight = weight * (idx != module.padding_idx)
+        if approx == "expand":
+            counts = torch.zeros(V, dtype=weight.dtype, device=idx.device)
+            counts.index_add_(0, idx.reshape(-1), weight.reshape(-1))
+            A_sum, count = torch.diag(counts), N * S
+        else:
+            abar = torch.zeros(N, V, dtype=weight.dtype, device=idx.device)
+            abar.scatter_add_(1, idx, weight / S)
+            A_sum, count = abar.T @ abar, N
+        G_sum = None
+        if with_g:
+            _, g = self._flat_batched(module, calls)  # [K, N, S, D]
+            if approx == "reduce":
+                g = g.sum(-2, keepdim=True)
+            G_sum = torch.einsum("knsd,knse->de", g, g)
+            G_sum = G_sum.unsqueeze(0)
+        return A_sum.unsqueeze(0), G_sum, count
+
+    def kfac_index(self, module, offsets):  # noqa: D102
+        V, D = module.weight.shape
+        # the layer's matrix is E^T [D, V]: entry (d, v) is E[v, d]
+        index = offsets["weight"] + torch.arange(V).unsqueeze(0) * D + torch.arange(D).unsqueeze(1)
+        return index.unsqueeze(0)

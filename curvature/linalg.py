@@ -1,0 +1,64 @@
+"""The only caller of ``torch.linalg``: symmetric eigendecompositions with fallbacks.
+
+Decompositions never run in half precision: inputs are promoted to at least float32
+(float64 on retry). Every result is checked for finiteness; a failure retries in
+float64, then with a small diagonal jitter, and only then raises with the name of the
+matrix and the suggestion to raise the damping.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+
+def symmetrize(M: Tensor) -> Tensor:
+    """``(M + M^T) / 2`` over the last two axes."""
+    return 0.5 * (M + M.transpose(-1, -2))
+
+
+def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix (batched).
+
+    Args:
+        M: ``[..., D, D]`` symmetric positive semi-definite.
+        name: Used in the error message.
+
+    Returns:
+        ``(evals [..., D], evecs [..., D, D])`` in ``M``'s dtype (at least float32).
+
+    Raises:
+        RuntimeError: When the decomposition fails in float64 even with jitter.
+
+    """
+    dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
+    if not torch.isfinite(M).all():
+        raise RuntimeError(
+            f"eigh({name}): the matrix has non-finite entries (NaN/inf in the statistics); "
+            "check the data and the loss, or lower the learning rate."
+        )
+    S = symmetrize(M.to(dtype))
+    attempts = [(dtype, 0.0), (torch.float64, 0.0), (torch.float64, 1e-10)]
+    last: Exception = RuntimeError("unreachable")
+    for attempt_dtype, jitter in attempts:
+        A = S.to(attempt_dtype)
+        if jitter:
+            scale = A.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(1.0)
+            A = A + jitter * scale * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+        try:
+            evals, evecs = torch.linalg.eigh(A)
+        except RuntimeError as err:  # e.g. convergence failure
+            last = err
+            continue
+        if torch.isfinite(evals).all() and torch.isfinite(evecs).all():
+            return evals.clamp_min(0).to(dtype), evecs.to(dtype)
+    raise RuntimeError(
+        f"eigh({name}) failed in float64 even with jitter; increase the damping."
+    ) from last
+
+
+def kron_matvec(G: Tensor, A: Tensor, M: Tensor) -> Tensor:
+    """``kron(G, A) vec_row(M)`` as a matrix: ``G M A^T`` (batched over leading axes)."""
+    return G @ M @ A.transpose(-1, -2)

@@ -62,3 +62,14 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
 def kron_matvec(G: Tensor, A: Tensor, M: Tensor) -> Tensor:
     """``kron(G, A) vec_row(M)`` as a matrix: ``G M A^T`` (batched over leading axes)."""
     return G @ M @ A.transpose(-1, -2)
+
+
+def damped_solve(M: Tensor, damping: float, v: Tensor) -> Tensor:
+    """``(M + damping I)^{-1} v`` for a dense symmetric ``M [P, P]``."""
+    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    return torch.linalg.solve(symmetrize(M) + damping * eye, v)
+
+
+def top_eigenvalues(M: Tensor, k: int) -> list:
+    """The ``k`` largest eigenvalues of a dense symmetric matrix, descending."""
+    return torch.linalg.eigvalsh(symmetrize(M)).flip(0)[:k].tolist()

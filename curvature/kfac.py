@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .capture import capture
 from .dense import Data, batches
-from .layers import LayerRule, LinearFamilyRule
+from .layers import LayerRule
 from .linalg import eigh
 from .losses import backprop_sources, check_fisher, check_loss
 
@@ -272,6 +272,29 @@ def _param_offsets(model: nn.Module) -> Tuple[Dict[str, Tensor], Dict[str, int]]
     return params, offsets
 
 
+def _local_offsets(name: str, offsets: Dict[str, int]) -> Dict[str, int]:
+    prefix = f"{name}." if name else ""
+    return {n[len(prefix) :]: o for n, o in offsets.items() if n.startswith(prefix)}
+
+
+def _exact_index(module: nn.Module, name: str, offsets: Dict[str, int]) -> Tensor:
+    """Flat positions of the module's trainable parameters, ``[P_l]``."""
+    prefix = f"{name}." if name else ""
+    ix = [
+        torch.arange(offsets[prefix + n], offsets[prefix + n] + p.numel())
+        for n, p in module.named_parameters()
+        if p.requires_grad and prefix + n in offsets
+    ]
+    return torch.cat(ix)
+
+
+def _block_index(module, rule, name, suffix, offsets) -> Tensor:
+    index = rule.kfac_index(module, _local_offsets(name, offsets))
+    if index is None:  # exact block over the module's trainable parameters
+        return _exact_index(module, name, offsets).view(1, -1, 1)
+    return index[suffix]
+
+
 def _check_args(loss_func, fisher, kfac_approx, mc_samples, on_unsupported):
     check_loss(loss_func)
     check_fisher(fisher)
@@ -329,7 +352,7 @@ def kfac(
     """
     _check_args(loss_func, fisher, kfac_approx, mc_samples, on_unsupported)
     params, offsets = _param_offsets(model)
-    stats: Dict[str, list] = {}
+    stats: Dict[Tuple[str, str], list] = {}
     layers: Dict[str, Tuple[nn.Module, LayerRule]] = {}
     skipped: Dict[str, str] = {}
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
@@ -338,9 +361,7 @@ def kfac(
                 layers[name] = (module, rule)
                 res = rule.kfac_factors(module, calls, kfac_approx, fisher != "forward-only")
                 if res is None:
-                    n_params = sum(
-                        p.numel() for n, p in module.named_parameters() if p.requires_grad
-                    )
+                    n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
                     if fisher == "forward-only" or n_params > _MAX_EXACT_BLOCK:
                         skipped[name] = (
                             "no Kronecker rule"
@@ -349,37 +370,27 @@ def kfac(
                         )
                         continue
                     U = _per_vector_grads(rule, module, calls).flatten(0, 1)  # [K N, P_l]
-                    res = (torch.ones(1, 1, 1, dtype=U.dtype, device=U.device), (U.T @ U)[None], 1)
-                A_sum, G_sum, count = res
-                if name not in stats:
-                    stats[name] = [A_sum * 0, None if G_sum is None else G_sum * 0, 0]
-                s = stats[name]
-                s[0] = s[0] + A_sum
-                s[1] = None if G_sum is None else s[1] + w * G_sum
-                s[2] += count
+                    one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
+                    res = {"": (one, (U.T @ U)[None], 1)}
+                for suffix, (A_sum, G_sum, count) in res.items():
+                    s = stats.setdefault((name, suffix), [0, None, 0])
+                    s[0] = s[0] + A_sum
+                    s[1] = (
+                        None if G_sum is None else (w * G_sum if s[1] is None else s[1] + w * G_sum)
+                    )
+                    s[2] += count
     blocks = []
-    for name, (A_sum, G_sum, count) in stats.items():
+    for (name, suffix), (A_sum, G_sum, count) in stats.items():
         module, rule = layers[name]
-        prefix = f"{name}." if name else ""
-        local = {
-            n[len(prefix) :]: offsets[n] for n in offsets if n.startswith(prefix) and n in offsets
-        }
-        index = rule.kfac_index(module, local)
-        if index is None:  # exact block over the module's trainable parameters
-            ix = [
-                torch.arange(offsets[prefix + n], offsets[prefix + n] + p.numel())
-                for n, p in module.named_parameters()
-                if p.requires_grad and prefix + n in offsets
-            ]
-            index = torch.cat(ix).view(1, -1, 1)
+        index = _block_index(module, rule, name, suffix, offsets)
         A = A_sum / count
         if G_sum is None:
-            G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device).expand(
-                index.shape[0], -1, -1
-            )
+            G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device)
+            G = G.expand(index.shape[0], -1, -1).clone()
         else:
             G = G_sum
-        blocks.append(KroneckerBlock(name, A, G, index.to(A.device)))
+        full = ".".join(x for x in (name, suffix) if x)
+        blocks.append(KroneckerBlock(full, A, G, index.to(A.device)))
     covered = set()
     for b in blocks:
         covered.update(b.index.reshape(-1).tolist())
@@ -430,29 +441,33 @@ def ekfac(
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
         with cap._computing():
             for name, module, rule, calls in cap._active():
+                expanded = rule.expanded_blocks(module, calls)
+                if expanded is not None:
+                    for suffix, (a, g) in expanded.items():
+                        full = ".".join(x for x in (name, suffix) if x)
+                        _, QA, _, QG = by_name[full].eig()
+                        lam = _rotated_second_moments(a, g, QA, QG)
+                        evals[full] = evals.get(full, 0) + w * lam
+                    continue
                 if name not in by_name:
                     continue
                 b = by_name[name]
                 _, QA, _, QG = b.eig()
-                if isinstance(rule, LinearFamilyRule):
-                    lam = _rotated_second_moments(rule, module, calls, QA, QG)
+                U = _per_vector_grads(rule, module, calls)  # [K, N, P_l]
+                if b.A.shape[-1] != 1:  # Embedding: per-sample grads [V, D] = matrix^T
+                    U = U.view(*U.shape[:2], b.A.shape[-1], b.G.shape[-1]).mT
+                    rot = QG[0].mT @ U @ QA[0]
                 else:
-                    U = _per_vector_grads(rule, module, calls)  # [K, N, P_l]
-                    if b.A.shape[-1] != 1:  # Embedding: dense per-sample grads, [D_out, V]
-                        U = U.view(*U.shape[:2], -1, b.A.shape[-1], b.G.shape[-1]).mT
-                        rot = QG[0].mT @ U @ QA[0]
-                    else:
-                        rot = (U @ QG[0]).unsqueeze(-1)
-                    lam = rot.pow(2).sum((0, 1)).reshape(b.G.shape[-1], b.A.shape[-1])[None]
+                    rot = (U @ QG[0]).unsqueeze(-1)
+                lam = rot.pow(2).sum((0, 1)).reshape(b.G.shape[-1], b.A.shape[-1])[None]
                 evals[name] = evals.get(name, 0) + w * lam
     for b in approx.blocks:
         b.evals = evals[b.name]
     return approx
 
 
-def _rotated_second_moments(rule, module, calls, QA: Tensor, QG: Tensor) -> Tensor:
-    """``sum_{k,n} (QG^T grad_nk QA)^2`` for a Linear-family layer, ``[C, D_out, D]``."""
-    a, g = rule.expand_calls(module, calls)  # [N, S, C, D], [K, N, S, C, D_out]
+def _rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Tensor:
+    """``sum_{k,n} (QG^T grad_nk QA)^2`` ``[C, D_out, D]`` from expanded ``a`` and ``g``."""
     ar = torch.einsum("nsci,cij->nscj", a, QA)
     gr = torch.einsum("knsco,cop->knscp", g, QG)
     out = None
@@ -463,6 +478,20 @@ def _rotated_second_moments(rule, module, calls, QA: Tensor, QG: Tensor) -> Tens
         part = grad.pow(2).sum((0, 1))
         out = part if out is None else out + part
     return out
+
+
+def _expanded_diag(a: Tensor, g: Tensor) -> Tensor:
+    """``sum_{k,n} (sum_s g a^T)^2`` ``[C, D_out, D]``; ``(g^2)^T (a^2)`` without sharing."""
+    if a.shape[1] == 1:
+        return torch.einsum("knco,nci->coi", g[:, :, 0].pow(2), a[:, 0].pow(2))
+    d = None
+    N = a.shape[0]
+    chunk = max(1, 2**22 // max(1, g.shape[0] * g[0, 0, 0].numel() * a.shape[-1]))
+    for i in range(0, N, chunk):
+        gr = torch.einsum("knsco,nsci->kncoi", g[:, i : i + chunk], a[i : i + chunk])
+        part = gr.pow(2).sum((0, 1))
+        d = part if d is None else d + part
+    return d
 
 
 def diag_ggn(
@@ -496,38 +525,17 @@ def diag_ggn(
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
         with cap._computing():
             for name, module, rule, calls in cap._active():
-                prefix = f"{name}." if name else ""
-                local = {n[len(prefix) :]: o for n, o in offsets.items() if n.startswith(prefix)}
-                if isinstance(rule, LinearFamilyRule):
-                    a, g = rule.expand_calls(module, calls)  # [N,S,C,D], [K,N,S,C,Do]
-                    if a.shape[1] == 1:
-                        d = torch.einsum("knco,nci->coi", g[:, :, 0].pow(2), a[:, 0].pow(2))
-                    else:
-                        d = None
-                        N = a.shape[0]
-                        chunk = max(
-                            1, 2**22 // max(1, g.shape[0] * g[0, 0, 0].numel() * a.shape[-1])
-                        )
-                        for i in range(0, N, chunk):
-                            gr = torch.einsum(
-                                "knsco,nsci->kncoi", g[:, i : i + chunk], a[i : i + chunk]
-                            )
-                            part = gr.pow(2).sum((0, 1))
-                            d = part if d is None else d + part
-                    index = rule.kfac_index(module, local)
-                    flat.index_add_(
-                        0, index.reshape(-1).to(flat.device), w * d.reshape(-1).to(flat)
-                    )
-                else:
+                expanded = rule.expanded_blocks(module, calls)
+                if expanded is None:
                     U = _per_vector_grads(rule, module, calls)  # [K, N, P_l]
-                    ix = torch.cat(
-                        [
-                            torch.arange(offsets[prefix + n], offsets[prefix + n] + p.numel())
-                            for n, p in module.named_parameters()
-                            if p.requires_grad and prefix + n in offsets
-                        ]
-                    )
-                    flat.index_add_(0, ix.to(flat.device), w * U.pow(2).sum((0, 1)).to(flat))
+                    ix = _exact_index(module, name, offsets).to(flat.device)
+                    flat.index_add_(0, ix, w * U.pow(2).sum((0, 1)).to(flat))
+                    continue
+                index = rule.kfac_index(module, _local_offsets(name, offsets))
+                for suffix, (a, g) in expanded.items():
+                    d = _expanded_diag(a, g)
+                    ix = index[suffix].reshape(-1).to(flat.device)
+                    flat.index_add_(0, ix, w * d.reshape(-1).to(flat))
     out, i = {}, 0
     for n, p in params.items():
         out[n] = flat[i : i + p.numel()].view_as(p)

@@ -115,20 +115,35 @@ class LayerRule:
         return flat @ flat.T
 
     # -- Kronecker factors ---------------------------------------------------------------
+    def expanded_blocks(
+        self, module: nn.Module, calls: Sequence[Call]
+    ) -> Optional[Dict[str, Tuple[Tensor, Tensor]]]:
+        """Linear sub-layers as ``{suffix: (a [N, S, C, D], g [..., N, S, C, D_out])}``.
+
+        ``a`` includes the bias column when the bias is trainable. ``None`` for layers
+        without linear structure.
+        """
+        return None
+
     def kfac_factors(
         self, module: nn.Module, calls: Sequence[Call], approx: str, with_g: bool = True
-    ) -> Optional[Tuple[Tensor, Tensor, int]]:
-        """Kronecker statistics ``(A_sum [C, D, D], G_sum [C, D_out, D_out], count)``.
+    ) -> Optional[Dict[str, Tuple[Tensor, Optional[Tensor], int]]]:
+        """Kronecker statistics per block: ``{suffix: (A_sum, G_sum, count)}``.
 
+        ``A_sum [C, D, D]``, ``G_sum [C, D_out, D_out]``; the suffix names the block inside
+        the module (``""`` for the module itself, e.g. ``"q_proj"`` for attention).
         ``A = A_sum / count``; ``G_sum`` sums ``g g^T`` over the pulled vectors, samples
         (and shared positions for ``"expand"``). ``None`` when the layer has no Kronecker
         structure: its block is then the exact block ``sum vec(grad) vec(grad)^T``.
         ``with_g=False`` skips ``G`` (forward-only Fisher).
         """
-        return None
+        blocks = self.expanded_blocks(module, calls)
+        if blocks is None:
+            return None
+        return {k: expanded_kfac(a, g if with_g else None, approx) for k, (a, g) in blocks.items()}
 
-    def kfac_index(self, module: nn.Module, offsets: Dict[str, int]) -> Optional[Tensor]:
-        """``[C, D_out, D]`` positions in the flat parameter vector of the factor entries.
+    def kfac_index(self, module: nn.Module, offsets: Dict[str, int]) -> Optional[Dict[str, Tensor]]:
+        """Per block suffix, ``[C, D_out, D]`` positions of the entries in the flat vector.
 
         Entry ``(c, o, i)`` of the layer's matrix ``[W | b]`` (group ``c``) sits at
         ``index[c, o, i]``, so that the block ``kron(G_c, A_c)`` acts on ``vec_row``.
@@ -230,67 +245,14 @@ class LinearFamilyRule(LayerRule):
         return res
 
     def per_sample_sq_norms(self, module, calls):  # noqa: D102
-        a, g = self.expand_calls(module, calls)
-        N, S, C, D = a.shape
-        D_out = g.shape[-1]
-        if S == 1:
-            return (a.pow(2).sum(-1) * g.pow(2).sum(-1)).sum((1, 2))
-        # Gram trick over positions: sum_{s,t} (a_s . a_t)(g_s . g_t), cost S^2 (D + D_out)
-        # per sample and group, versus D D_out (S + 1) to materialize the gradient.
-        if S * S * (D + D_out) <= (S + 1) * D * D_out:
-            chunk = max(1, CHUNK_ELEMENTS // max(1, S * S * C))
-            out = []
-            for i in range(0, N, chunk):
-                aa = torch.einsum("nsci,ntci->ncst", a[i : i + chunk], a[i : i + chunk])
-                gg = torch.einsum("nsco,ntco->ncst", g[i : i + chunk], g[i : i + chunk])
-                out.append((aa * gg).sum((1, 2, 3)))
-            return torch.cat(out)
-        chunk = max(1, CHUNK_ELEMENTS // max(1, C * D * D_out))
-        out = []
-        for i in range(0, N, chunk):
-            grad = torch.einsum("nsco,nsci->ncoi", g[i : i + chunk], a[i : i + chunk])
-            out.append(grad.pow(2).sum((1, 2, 3)))
-        return torch.cat(out)
+        return expanded_sq_norms(*self.expand_calls(module, calls))
 
     def gram(self, module, calls):  # noqa: D102
-        a, g = self.expand_calls(module, calls)
-        N, S, C, D = a.shape
-        D_out = g.shape[-1]
-        if S == 1:
-            a2, g2 = a[:, 0], g[:, 0]  # [N, C, D], [N, C, D_out]
-            aa = torch.einsum("nci,mci->cnm", a2, a2)
-            gg = torch.einsum("nco,mco->cnm", g2, g2)
-            return (aa * gg).sum(0)
-        # pairwise positions: N^2 S^2 (D + D_out) C versus materializing N D D_out (S + N) C
-        if N * S * S * (D + D_out) <= (S + N) * D * D_out:
-            out = a.new_zeros(N, N)
-            chunk = max(1, CHUNK_ELEMENTS // max(1, N * S * S * C))
-            for i in range(0, N, chunk):
-                aa = torch.einsum("nsci,mtci->nmcst", a[i : i + chunk], a)
-                gg = torch.einsum("nsco,mtco->nmcst", g[i : i + chunk], g)
-                out[i : i + chunk] = (aa * gg).sum((2, 3, 4))
-            return out
-        flat = torch.einsum("nsco,nsci->ncoi", g, a).reshape(N, -1)
-        return flat @ flat.T
+        return expanded_gram(*self.expand_calls(module, calls))
 
     # -- Kronecker factors -----------------------------------------------------------
-    def kfac_factors(self, module, calls, approx, with_g=True):  # noqa: D102
-        a, g = self.expand_calls(module, calls)  # a [N, S, C, D], g [K, N, S, C, D_out]
-        N, S = a.shape[:2]
-        if approx == "expand":
-            A_sum = torch.einsum("nsci,nscj->cij", a, a)
-            count = N * S
-            G_sum = torch.einsum("knsco,knscp->cop", g, g) if with_g else None
-        else:  # reduce: mean the inputs over shared positions, sum the gradients
-            ar = a.mean(1)
-            A_sum = torch.einsum("nci,ncj->cij", ar, ar)
-            count = N
-            if with_g:
-                gr = g.sum(2)
-                G_sum = torch.einsum("knco,kncp->cop", gr, gr)
-            else:
-                G_sum = None
-        return A_sum, G_sum, count
+    def expanded_blocks(self, module, calls):  # noqa: D102
+        return {"": self.expand_calls(module, calls)}
 
     def kfac_index(self, module, offsets):  # noqa: D102
         has_w, has_b = self._weight_bias(module)
@@ -305,4 +267,73 @@ class LinearFamilyRule(LayerRule):
             cols.append(offsets["bias"] + torch.arange(out).unsqueeze(1))
         index = torch.cat(cols, dim=1)  # [out, D]
         C = getattr(module, "groups", 1)
-        return index.view(C, out // C, index.shape[1])
+        return {"": index.view(C, out // C, index.shape[1])}
+
+
+# -- maths on expanded inputs a [N, S, C, D] (bias column included) and g [..., N, S, C, D_out]
+def expanded_sq_norms(a: Tensor, g: Tensor) -> Tensor:
+    """Squared norms ``[N]`` of ``sum_s g[n, s, c] a[n, s, c]^T`` over ``c`` and entries."""
+    N, S, C, D = a.shape
+    D_out = g.shape[-1]
+    if S == 1:
+        return (a.pow(2).sum(-1) * g.pow(2).sum(-1)).sum((1, 2))
+    # Gram trick over positions: sum_{s,t} (a_s . a_t)(g_s . g_t), cost S^2 (D + D_out)
+    # per sample and group, versus D D_out (S + 1) to materialize the gradient.
+    if S * S * (D + D_out) <= (S + 1) * D * D_out:
+        chunk = max(1, CHUNK_ELEMENTS // max(1, S * S * C))
+        out = []
+        for i in range(0, N, chunk):
+            aa = torch.einsum("nsci,ntci->ncst", a[i : i + chunk], a[i : i + chunk])
+            gg = torch.einsum("nsco,ntco->ncst", g[i : i + chunk], g[i : i + chunk])
+            out.append((aa * gg).sum((1, 2, 3)))
+        return torch.cat(out)
+    chunk = max(1, CHUNK_ELEMENTS // max(1, C * D * D_out))
+    out = []
+    for i in range(0, N, chunk):
+        grad = torch.einsum("nsco,nsci->ncoi", g[i : i + chunk], a[i : i + chunk])
+        out.append(grad.pow(2).sum((1, 2, 3)))
+    return torch.cat(out)
+
+
+def expanded_gram(a: Tensor, g: Tensor) -> Tensor:
+    """Gram matrix ``[N, N]`` of the per-sample gradients ``sum_s g a^T``."""
+    N, S, C, D = a.shape
+    D_out = g.shape[-1]
+    if S == 1:
+        a2, g2 = a[:, 0], g[:, 0]  # [N, C, D], [N, C, D_out]
+        aa = torch.einsum("nci,mci->cnm", a2, a2)
+        gg = torch.einsum("nco,mco->cnm", g2, g2)
+        return (aa * gg).sum(0)
+    # pairwise positions: N^2 S^2 (D + D_out) C versus materializing N D D_out (S + N) C
+    if N * S * S * (D + D_out) <= (S + N) * D * D_out:
+        out = a.new_zeros(N, N)
+        chunk = max(1, CHUNK_ELEMENTS // max(1, N * S * S * C))
+        for i in range(0, N, chunk):
+            aa = torch.einsum("nsci,mtci->nmcst", a[i : i + chunk], a)
+            gg = torch.einsum("nsco,mtco->nmcst", g[i : i + chunk], g)
+            out[i : i + chunk] = (aa * gg).sum((2, 3, 4))
+        return out
+    flat = torch.einsum("nsco,nsci->ncoi", g, a).reshape(N, -1)
+    return flat @ flat.T
+
+
+def expanded_kfac(
+    a: Tensor, g: Optional[Tensor], approx: str
+) -> Tuple[Tensor, Optional[Tensor], int]:
+    """``(A_sum [C, D, D], G_sum [C, D_out, D_out] or None, count)`` for KFAC.
+
+    ``"expand"``: ``A_sum = sum_{n,s} a a^T`` over ``count = N S``, ``G_sum = sum_{k,n,s}
+    g g^T``; ``"reduce"``: the inputs meaned and the gradients summed over ``s`` first.
+    ``g`` carries the pulled vectors' axis ``[K]`` first.
+    """
+    N, S = a.shape[:2]
+    if approx == "expand":
+        A_sum = torch.einsum("nsci,nscj->cij", a, a)
+        G_sum = None if g is None else torch.einsum("knsco,knscp->cop", g, g)
+        return A_sum, G_sum, N * S
+    ar = a.mean(1)
+    A_sum = torch.einsum("nci,ncj->cij", ar, ar)
+    if g is None:
+        return A_sum, None, N
+    gr = g.sum(2)
+    return A_sum, torch.einsum("knco,kncp->cop", gr, gr), N

@@ -116,10 +116,10 @@ class EmbeddingRule(LayerRule):
                 g = g.sum(-2, keepdim=True)
             G_sum = torch.einsum("knsd,knse->de", g, g)
             G_sum = G_sum.unsqueeze(0)
-        return A_sum.unsqueeze(0), G_sum, count
+        return {"": (A_sum.unsqueeze(0), G_sum, count)}
 
     def kfac_index(self, module, offsets):  # noqa: D102
         V, D = module.weight.shape
         # the layer's matrix is E^T [D, V]: entry (d, v) is E[v, d]
         index = offsets["weight"] + torch.arange(V).unsqueeze(0) * D + torch.arange(D).unsqueeze(1)
-        return index.unsqueeze(0)
+        return {"": index.unsqueeze(0)}

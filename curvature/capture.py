@@ -105,6 +105,7 @@ class Capture:
                 "parameters in any layer, so there is nothing to capture."
             )
         self._calls: Dict[str, List[Call]] = {name: [] for name, _, _ in self.layers}
+        self._rules: Dict[str, LayerRule] = {name: rule for name, _, rule in self.layers}
         self._handles: List[Any] = []
         self._recording = False
 
@@ -146,7 +147,10 @@ class Capture:
             return
         inputs, _ = tree_flatten((args, kwargs))
         versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
-        self._calls[name].append(Call(args, kwargs, versions, edges, meta, index))
+        call = Call(args, kwargs, versions, edges, meta, index)
+        if self._rules[name].needs_outputs:
+            call.outputs = [leaves[i] for i in index]
+        self._calls[name].append(call)
 
     # -- backward pulls ------------------------------------------------------------------
     @property

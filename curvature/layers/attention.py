@@ -1,17 +1,35 @@
 """``nn.MultiheadAttention``: all projection weights, including ``out_proj``.
 
 ``nn.MultiheadAttention`` calls ``F.multi_head_attention_forward`` with
-``out_proj.weight`` as a plain tensor, so hooks on ``out_proj`` never fire. The rule
-therefore covers the whole module (``in_proj_weight``/``q,k,v_proj_weight``, biases,
-``bias_k``/``bias_v`` and ``out_proj``) and computes per-sample gradients with the
-``torch.func`` replay of :class:`~curvature.layers.functional.FunctionalRule` from the
-recorded inputs and the received output gradients.
+``out_proj.weight`` as a plain tensor, so hooks on ``out_proj`` never fire, and the
+projected queries, keys and values never leave the function. The rule therefore covers
+the whole module and *replays* it once, for the whole batch, from the recorded inputs:
+
+    q = query W_q^T + b_q,   k = key W_k^T + b_k,   v = value W_v^T + b_v
+    c = attention(q, [k; bias_k], [v; bias_v])       (PyTorch's own code, identity projections)
+    out = c W_o^T + b_o
+
+One backward of the received output gradients through the replay gives ``g`` w.r.t.
+``q``, ``k``, ``v`` and ``out``, and the four projections become Linear sub-layers
+(``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``) with the shared maths of
+:class:`~curvature.layers.base.LinearFamilyRule`: per-sample gradients, norms without
+materialization, Gram matrices and Kronecker factors. ``bias_k`` / ``bias_v`` get their
+per-sample gradients from the appended key/value row.
+
+The replay is checked against the recorded output; if they differ (an unusual
+configuration), the rule falls back to the exact ``torch.func`` replay per sample.
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .base import expanded_gram, expanded_sq_norms
 from .functional import FunctionalRule
 from .registry import register
 
@@ -25,25 +43,39 @@ _ARG_NAMES = (
     "average_attn_weights",
     "is_causal",
 )
+_SUB = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def _projection_params(module: nn.MultiheadAttention) -> Dict[str, Tuple[Tensor, Optional[Tensor]]]:
+    """``{sub-layer: (weight, bias)}`` as used by ``F.multi_head_attention_forward``."""
+    E = module.embed_dim
+    if module._qkv_same_embed_dim:
+        Wq, Wk, Wv = module.in_proj_weight.chunk(3)
+    else:
+        Wq, Wk, Wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+    b = module.in_proj_bias
+    bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E : 2 * E], b[2 * E :])
+    return {
+        "q_proj": (Wq, bq),
+        "k_proj": (Wk, bk),
+        "v_proj": (Wv, bv),
+        "out_proj": (module.out_proj.weight, module.out_proj.bias),
+    }
 
 
 @register(nn.MultiheadAttention)
 class MultiheadAttentionRule(FunctionalRule):
-    """Per-sample gradients of every trainable parameter of ``nn.MultiheadAttention``."""
+    """Per-sample gradients and Kronecker factors of ``nn.MultiheadAttention``."""
 
     covers_children = True
+    needs_outputs = True
 
+    # -- torch.func fallback configuration ---------------------------------------------
     def batch_axis(self, module):  # noqa: D102
         return 0 if module.batch_first else 1
 
     def arg_batch_axes(self, module, call, N):  # noqa: D102
-        if module.training and module.dropout > 0:
-            raise RuntimeError(
-                f"nn.MultiheadAttention(dropout={module.dropout}) in train mode draws "
-                "random attention masks that cannot be replayed per sample. Use "
-                "dropout=0.0 or eval mode while computing per-sample quantities."
-            )
-        ax = self.batch_axis(module)
+        self._check_dropout(module)
         named = dict(zip(_ARG_NAMES, call.args))
         named.update(call.kwargs)
         mask = named.get("attn_mask")
@@ -53,6 +85,7 @@ class MultiheadAttentionRule(FunctionalRule):
                 "is not supported for per-sample quantities; pass a shared [L, S] mask and "
                 "a key_padding_mask [N, S] instead."
             )
+        ax = self.batch_axis(module)
         args = tuple(ax if i < 3 else None for i in range(len(call.args)))
         if len(call.args) > 3 and isinstance(call.args[3], Tensor):
             args = args[:3] + (0,) + args[4:]
@@ -60,3 +93,249 @@ class MultiheadAttentionRule(FunctionalRule):
         if isinstance(call.kwargs.get("key_padding_mask"), Tensor):
             kwargs["key_padding_mask"] = 0
         return args, kwargs
+
+    @staticmethod
+    def _check_dropout(module):
+        if module.training and module.dropout > 0:
+            raise RuntimeError(
+                f"nn.MultiheadAttention(dropout={module.dropout}) in train mode draws "
+                "random attention masks that cannot be replayed. Use dropout=0.0 or eval "
+                "mode while computing per-sample quantities or curvature."
+            )
+
+    # -- the batched replay --------------------------------------------------------------
+    def _replay(self, module: nn.MultiheadAttention, call) -> Optional[dict]:
+        """Sub-layer inputs and output gradients of one call, or ``None`` on mismatch.
+
+        Returns ``{"q_proj": (a [N, S, D_in], g [..., N, S, D_out]), ..., "bias_k": g_rows
+        [..., N, E] or absent}`` with the batch first.
+        """
+        self._check_dropout(module)
+        named = dict(zip(_ARG_NAMES, call.args))
+        named.update(call.kwargs)
+        query, key, value = named["query"], named["key"], named["value"]
+        if query.dim() != 3:
+            return None  # unbatched input: no per-sample structure
+        if module.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        L, N, E = query.shape
+        kpm, am = named.get("key_padding_mask"), named.get("attn_mask")
+        params = _projection_params(module)
+        with torch.no_grad():
+            proj = {
+                s: F.linear(x, params[s][0], params[s][1]).requires_grad_(True)
+                for s, x in zip(("q_proj", "k_proj", "v_proj"), (query, key, value))
+            }
+        leaves = [proj["q_proj"], proj["k_proj"], proj["v_proj"]]
+        k_full, v_full = proj["k_proj"], proj["v_proj"]
+        extra: List[str] = []
+        if module.bias_k is not None:
+            rows_k = module.bias_k.detach().expand(1, N, E).clone().requires_grad_(True)
+            rows_v = module.bias_v.detach().expand(1, N, E).clone().requires_grad_(True)
+            with torch.enable_grad():
+                k_full = torch.cat([k_full, rows_k])
+                v_full = torch.cat([v_full, rows_v])
+            am = None if am is None else F.pad(am, (0, 1))
+            kpm = None if kpm is None else F.pad(kpm, (0, 1))
+            leaves += [rows_k, rows_v]
+            extra = ["bias_k", "bias_v"]
+        eye = torch.eye(E, dtype=query.dtype, device=query.device)
+        need_weights = bool(named.get("need_weights", True))
+        with torch.enable_grad():
+            c, weights = F.multi_head_attention_forward(
+                proj["q_proj"],
+                k_full,
+                v_full,
+                E,
+                module.num_heads,
+                None,
+                None,
+                None,
+                None,
+                module.add_zero_attn,
+                0.0,
+                eye,
+                None,
+                training=False,
+                key_padding_mask=kpm,
+                need_weights=need_weights,
+                attn_mask=am,
+                use_separate_proj_weight=True,
+                q_proj_weight=eye,
+                k_proj_weight=eye,
+                v_proj_weight=eye,
+                average_attn_weights=bool(named.get("average_attn_weights", True)),
+                is_causal=bool(named.get("is_causal", False)),
+            )
+            Wo, bo = params["out_proj"]
+            out = F.linear(c, Wo.detach(), None if bo is None else bo.detach())
+            outs = [out if not module.batch_first else out.transpose(0, 1), weights]
+        recorded = call.outputs or []
+        replayed = [outs[i] for i in call.out_index]
+        for r, t in zip(replayed, recorded):
+            tol = 1e-4 if r.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
+            if r is None or not torch.allclose(r.detach(), t.detach(), rtol=tol, atol=tol):
+                return None
+        grads = call.grads
+        batched = grads[0].dim() > recorded[0].dim()
+        targets = [c, *leaves]
+        with torch.enable_grad():
+            g_all = torch.autograd.grad(
+                replayed,
+                targets,
+                grads,
+                allow_unused=True,
+                is_grads_batched=batched,
+            )
+        g_c, g_q, g_k, g_v = g_all[:4]
+        g_out = grads[call.out_index.index(0)] if 0 in call.out_index else None
+        lead = grads[0].shape[:1] if batched else ()
+
+        def zeros_like_out(x):
+            return torch.zeros(*lead, *x.shape, dtype=x.dtype, device=x.device)
+
+        if g_out is None:
+            g_out = zeros_like_out(out)
+        elif module.batch_first:
+            g_out = g_out.transpose(-3, -2)
+        gs = {
+            "q_proj": g_q if g_q is not None else zeros_like_out(proj["q_proj"]),
+            "k_proj": g_k if g_k is not None else zeros_like_out(proj["k_proj"]),
+            "v_proj": g_v if g_v is not None else zeros_like_out(proj["v_proj"]),
+            "out_proj": g_out,
+        }
+        ins = {"q_proj": query, "k_proj": key, "v_proj": value, "out_proj": c.detach()}
+        res: dict = {}
+        for s in _SUB:  # to batch-first [N, L, D]
+            res[s] = (ins[s].detach().transpose(0, 1), gs[s].transpose(-3, -2))
+        for name, g in zip(extra, g_all[4:]):
+            res[name] = g[..., 0, :, :] if g is not None else None
+        return res
+
+    def _sublayers(self, module, calls) -> Optional[Dict[str, Tuple[Tensor, Tensor]]]:
+        """Expanded ``(a [N, S, 1, D], g [..., N, S, 1, D_out])`` per sub-layer, calls joined."""
+        per_call = []
+        for call in calls:
+            r = self._replay(module, call)
+            if r is None:
+                if not getattr(self, "_warned", False):
+                    warnings.warn(
+                        "nn.MultiheadAttention replay did not reproduce the recorded output; "
+                        "falling back to the slower torch.func replay per sample.",
+                        stacklevel=3,
+                    )
+                    self._warned = True
+                return None
+            per_call.append(r)
+        params = _projection_params(module)
+        out: Dict[str, Tuple[Tensor, Tensor]] = {}
+        for s in _SUB:
+            W, b = params[s]
+            has_w, has_b = W.requires_grad, b is not None and b.requires_grad
+            if not (has_w or has_b):
+                continue
+            a_list, g_list = [], []
+            for r in per_call:
+                a, g = r[s]
+                a = a.unsqueeze(-2)
+                parts = ([a] if has_w else []) + ([a.new_ones(*a.shape[:-1], 1)] if has_b else [])
+                a_list.append(torch.cat(parts, -1) if len(parts) > 1 else parts[0])
+                g_list.append(g.unsqueeze(-2))
+            out[s] = (torch.cat(a_list, 1), torch.cat(g_list, -3))
+        for s in ("bias_k", "bias_v"):
+            p = getattr(module, s)
+            if p is not None and p.requires_grad:
+                out[s] = sum(r[s] for r in per_call)  # [..., N, E]
+        return out
+
+    # -- per-sample quantities --------------------------------------------------------------
+    def per_sample_grads(self, module, calls, out=None):  # noqa: D102
+        subs = self._sublayers(module, calls)
+        if subs is None:
+            return super().per_sample_grads(module, calls, out)
+        params = _projection_params(module)
+        grads: Dict[str, Dict[str, Tensor]] = {}
+        for s, val in subs.items():
+            if s in ("bias_k", "bias_v"):
+                continue
+            a, g = val
+            W, b = params[s]
+            full = torch.einsum("nsco,nsci->noi", g, a)  # [N, D_out, D]
+            parts = {}
+            if W.requires_grad:
+                parts["weight"] = full[..., : W.shape[1]]
+            if b is not None and b.requires_grad:
+                parts["bias"] = full[..., -1]
+            grads[s] = parts
+        res: Dict[str, Tensor] = {}
+        if module._qkv_same_embed_dim:
+            if module.in_proj_weight.requires_grad:
+                res["in_proj_weight"] = torch.cat([grads[s]["weight"] for s in _SUB[:3]], 1)
+        else:
+            for s in _SUB[:3]:
+                if "weight" in grads.get(s, {}):
+                    res[f"{s}_weight"] = grads[s]["weight"]
+        if module.in_proj_bias is not None and module.in_proj_bias.requires_grad:
+            res["in_proj_bias"] = torch.cat([grads[s]["bias"] for s in _SUB[:3]], 1)
+        for s in ("bias_k", "bias_v"):
+            if s in subs:
+                res[s] = subs[s].unsqueeze(1)  # [N, 1, 1, E] like the parameter [1, 1, E]
+                res[s] = res[s].reshape(res[s].shape[0], *getattr(module, s).shape)
+        for k, v in grads.get("out_proj", {}).items():
+            res[f"out_proj.{k}"] = v
+        names = self.param_names(module)
+        return {k: res[k].contiguous() for k in names if k in res}
+
+    def per_sample_sq_norms(self, module, calls):  # noqa: D102
+        subs = self._sublayers(module, calls)
+        if subs is None:
+            return super().per_sample_sq_norms(module, calls)
+        total = 0
+        for s, val in subs.items():
+            if s in ("bias_k", "bias_v"):
+                total = total + val.pow(2).sum(-1)
+            else:
+                total = total + expanded_sq_norms(*val)
+        return total
+
+    def gram(self, module, calls):  # noqa: D102
+        subs = self._sublayers(module, calls)
+        if subs is None:
+            return super().gram(module, calls)
+        total = 0
+        for s, val in subs.items():
+            total = total + (val @ val.T if s in ("bias_k", "bias_v") else expanded_gram(*val))
+        return total
+
+    # -- Kronecker factors -------------------------------------------------------------------
+    def expanded_blocks(self, module, calls):  # noqa: D102
+        if module.bias_k is not None and module.bias_k.requires_grad:
+            return None  # bias_k / bias_v have no Kronecker structure: exact block
+        return self._sublayers(module, calls)
+
+    def kfac_index(self, module, offsets):  # noqa: D102
+        if module.bias_k is not None and module.bias_k.requires_grad:
+            return None
+        E = module.embed_dim
+        params = _projection_params(module)
+        index: Dict[str, Tensor] = {}
+        for i, s in enumerate(_SUB):
+            W, b = params[s]
+            cols = []
+            if W.requires_grad:
+                D_in = W.shape[1]
+                if s == "out_proj":
+                    base = offsets["out_proj.weight"]
+                elif module._qkv_same_embed_dim:
+                    base = offsets["in_proj_weight"] + i * E * D_in
+                else:
+                    base = offsets[f"{s}_weight"]
+                cols.append(base + torch.arange(E).unsqueeze(1) * D_in + torch.arange(D_in))
+            if b is not None and b.requires_grad:
+                base = (
+                    offsets["out_proj.bias"] if s == "out_proj" else offsets["in_proj_bias"] + i * E
+                )
+                cols.append(base + torch.arange(E).unsqueeze(1))
+            if cols:
+                index[s] = torch.cat(cols, 1).unsqueeze(0)
+        return index

@@ -40,6 +40,8 @@ class Call:
         out_index: Position of each recorded output in the flattened output structure.
         grads: Gradients w.r.t. the recorded outputs after a pull, one per output
             (with a leading ``[K]`` axis for batched pulls), else ``None``.
+        outputs: The recorded outputs themselves, kept only for rules that set
+            ``needs_outputs`` (to verify a replay), else ``None``.
 
     """
 
@@ -50,6 +52,7 @@ class Call:
     out_meta: List[Tuple[torch.Size, torch.dtype, torch.device]]
     out_index: List[int]
     grads: Optional[List[Tensor]] = field(default=None, repr=False)
+    outputs: Optional[List[Tensor]] = field(default=None, repr=False)
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""
@@ -73,6 +76,8 @@ class LayerRule:
 
     #: Whether the rule also covers the parameters of the module's children.
     covers_children: bool = False
+    #: Whether calls keep references to the module's outputs (see ``Call.outputs``).
+    needs_outputs: bool = False
 
     def param_names(self, module: nn.Module) -> List[str]:
         """Names (relative to ``module``) of the trainable parameters the rule covers."""

@@ -133,14 +133,18 @@ class Capture:
         self._handles.clear()
 
     def __del__(self) -> None:
-        self.remove_hooks()
+        if hasattr(self, "_handles"):
+            self.remove_hooks()
 
     def _record(self, name: str, module: nn.Module, args, kwargs, output) -> None:
         leaves, _ = tree_flatten(output)
-        edges, meta, index = [], [], []
+        edges, meta, index, views = [], [], [], []
+        base_ok = self._rules[name].base_edge_outputs
         for i, t in enumerate(leaves):
             if isinstance(t, Tensor) and t.grad_fn is not None:
-                edges.append(get_gradient_edge(t))
+                edge, view = _output_edge(t, i in base_ok)
+                edges.append(edge)
+                views.append(view)
                 meta.append((t.shape, t.dtype, t.device))
                 index.append(i)
         if not edges:  # e.g. a forward under no_grad: nothing to differentiate
@@ -148,6 +152,7 @@ class Capture:
         inputs, _ = tree_flatten((args, kwargs))
         versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
         call = Call(args, kwargs, versions, edges, meta, index)
+        call.out_views = views
         if self._rules[name].needs_outputs:
             call.outputs = [leaves[i] for i in index]
         self._calls[name].append(call)
@@ -226,6 +231,15 @@ class Capture:
             raise
         finally:
             self._recording = bool(self._handles)
+        for c in calls:
+            for view in c.out_views:
+                if view is not None and view[0] == "check" and view[1]._version != view[2]:
+                    raise RuntimeError(
+                        "A layer output that is a view of another tensor was modified in "
+                        "place after the layer (e.g. ReLU(inplace=True) on a reshaped "
+                        "output), which detaches the recorded gradient edge. Use an "
+                        "out-of-place op after this layer."
+                    )
         if all(g is None for g in grads):
             raise ValueError(
                 "The given outputs do not depend on the captured forward: compute them "
@@ -238,19 +252,26 @@ class Capture:
         it = iter(grads)
         for c in calls:
             c.grads = []
-            for shape, dtype, device in c.out_meta:
+            for (shape, dtype, device), view in zip(c.out_meta, c.out_views):
                 g = next(it)
-                c.grads.append(
-                    torch.zeros(*lead, *shape, dtype=dtype, device=device) if g is None else g
-                )
+                if g is None:
+                    g = torch.zeros(*lead, *shape, dtype=dtype, device=device)
+                elif view is not None and view[0] == "base":  # take the view of the base's g
+                    _, size, stride, offset, numel = view
+                    g = g.contiguous().as_strided(
+                        (*lead, *size), (numel,) * len(lead) + stride, offset
+                    )
+                c.grads.append(g)
 
     @contextmanager
     def _computing(self) -> Iterator[None]:
         """Compute from pulled ``g`` without building a graph; release ``g`` after."""
+        recording, self._recording = self._recording, False  # replays must not record
         try:
             with torch.no_grad():
                 yield
         finally:
+            self._recording = recording and bool(self._handles)
             for calls in self._calls.values():
                 for c in calls:
                     c.grads = None
@@ -335,6 +356,38 @@ class Capture:
         self._pull_losses(losses, retain_graph)
         with self._computing():
             return sum(rule.gram(module, calls) for _, module, rule, calls in self._active())
+
+
+def _output_edge(t: Tensor, base_ok: bool):
+    """The gradient edge to record for output ``t`` and how to map its gradient back.
+
+    In-place ops on a *view* rebase the view's history, so the view's own edge would drop
+    out of the graph. When the rule knows that the base of this output is used by nothing
+    else (``base_ok``, e.g. the matmul result behind ``nn.Linear`` on ``[N, S, D]``) and
+    ``t`` covers the whole (contiguous) base, the base's edge is recorded instead, with
+    ``(size, stride, offset, numel)`` to take the same view of the base's gradient. Other
+    views keep their edge with ``(t, version)``, to raise a clear error if they are
+    modified in place.
+    """
+    if t._is_view():
+        base = t._base
+        if (
+            base_ok
+            and base is not None
+            and base.grad_fn is not None
+            and base.is_contiguous()
+            and base.numel() == t.numel()
+        ):
+            offset = t.storage_offset() - base.storage_offset()
+            return get_gradient_edge(base), (
+                "base",
+                tuple(t.shape),
+                tuple(t.stride()),
+                offset,
+                t.numel(),
+            )
+        return get_gradient_edge(t), ("check", t, t._version)
+    return get_gradient_edge(t), None
 
 
 def _check_out(name: str, buf: Tensor, param: Tensor, N: int) -> None:

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
+from torch.func import functional_call, grad, jacrev, vmap
 from torch.func import hessian as _hessian
 
 from .losses import backprop_sources, check_loss
@@ -94,16 +94,33 @@ def ggn(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:
     return _accumulate(model, loss_func, data, block)
 
 
+def _loss_and_params(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor):
+    """The batch loss with a graph to the trainable parameters (plain autograd)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.enable_grad():
+        return loss_func(model(X), y), params
+
+
 def hessian(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:
-    """The Hessian of the loss w.r.t. the trainable parameters, ``[P, P]``."""
+    """The Hessian of the loss w.r.t. the trainable parameters, ``[P, P]``.
+
+    Reverse-over-reverse autograd, one row at a time (forward-mode AD misses
+    ``Embedding.padding_idx`` and some LayerNorm cross terms in torch 2.13).
+    """
 
     def block(params, X, y):
-        flat = _flat(params, 0)
-
-        def loss_of(v):
-            return loss_func(_forward(model, _unflat(v, params), X), y)
-
-        return _hessian(loss_of)(flat)
+        loss, ps = _loss_and_params(model, loss_func, X, y)
+        grads = torch.autograd.grad(loss, ps, create_graph=True)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        rows = []
+        for i in range(flat.numel()):
+            row = torch.autograd.grad(flat[i], ps, retain_graph=True, allow_unused=True)
+            rows.append(
+                torch.cat(
+                    [(torch.zeros_like(p) if r is None else r).reshape(-1) for r, p in zip(row, ps)]
+                )
+            )
+        return torch.stack(rows).detach()
 
     return _accumulate(model, loss_func, data, block)
 
@@ -169,23 +186,30 @@ def fisher(
 def ggn_vector_product(
     model: nn.Module, loss_func: nn.Module, data: Data, v: Sequence[Tensor]
 ) -> List[Tensor]:
-    """``GGN v`` with ``v`` a list of tensors shaped like the trainable parameters."""
+    """``GGN v = J^T H J v`` with ``v`` a list of tensors shaped like the trainable parameters.
+
+    Reverse mode only: ``J v`` is the gradient w.r.t. ``u`` of ``<J^T u, v>``.
+    """
     check_loss(loss_func)
     params = trainable(model)
-    vs = _as_tree(v, params)
+    vs = list(_as_tree(v, params).values())
     bs = batches(data)
     total = None
     for w, (X, y) in zip(_weights(loss_func, bs), bs):
-
-        def f(p, X=X):
-            return _forward(model, p, X)
-
-        out, Jv = jvp(f, (params,), (vs,))
-        _, hvp_fn = vjp(lambda o, y=y: grad(lambda o2: loss_func(o2, y))(o), out.detach())
-        (HJv,) = hvp_fn(Jv)
-        _, vjp_fn = vjp(f, params)
-        (res,) = vjp_fn(HJv)
-        flat = w * _flat(res, 0)
+        ps = [p for p in model.parameters() if p.requires_grad]
+        with torch.enable_grad():
+            out = model(X)
+            u = torch.zeros_like(out, requires_grad=True)
+            JTu = torch.autograd.grad(out, ps, u, create_graph=True, allow_unused=True)
+            inner = sum((a * b).sum() for a, b in zip(JTu, vs) if a is not None)
+            (Jv,) = torch.autograd.grad(inner, u)
+            f = out.detach().requires_grad_(True)
+            (gf,) = torch.autograd.grad(loss_func(f, y), f, create_graph=True)
+            (HJv,) = torch.autograd.grad(gf, f, Jv)
+            res = torch.autograd.grad(out, ps, HJv, allow_unused=True)
+        flat = w * torch.cat(
+            [(torch.zeros_like(p) if r is None else r).reshape(-1) for r, p in zip(res, ps)]
+        )
         total = flat if total is None else total + flat
     return list(_unflat(total, params).values())
 
@@ -193,19 +217,27 @@ def ggn_vector_product(
 def hessian_vector_product(
     model: nn.Module, loss_func: nn.Module, data: Data, v: Sequence[Tensor]
 ) -> List[Tensor]:
-    """``H v`` (Hessian of the loss) with ``v`` shaped like the trainable parameters."""
+    """``H v`` (Hessian of the loss) with ``v`` shaped like the trainable parameters.
+
+    Reverse-over-reverse: the gradient of ``<grad L, v>``.
+    """
     check_loss(loss_func)
     params = trainable(model)
-    vs = _as_tree(v, params)
+    vs = list(_as_tree(v, params).values())
     bs = batches(data)
     total = None
     for w, (X, y) in zip(_weights(loss_func, bs), bs):
-
-        def g(p, X=X, y=y):
-            return grad(lambda q: loss_func(_forward(model, q, X), y))(p)
-
-        _, Hv = jvp(g, (params,), (vs,))
-        flat = w * _flat(Hv, 0)
+        loss, ps = _loss_and_params(model, loss_func, X, y)
+        with torch.enable_grad():
+            grads = torch.autograd.grad(loss, ps, create_graph=True)
+            inner = sum((g * b).sum() for g, b in zip(grads, vs))
+            Hv = torch.autograd.grad(inner, ps, allow_unused=True)
+        flat = (
+            w
+            * torch.cat(
+                [(torch.zeros_like(p) if r is None else r).reshape(-1) for r, p in zip(Hv, ps)]
+            ).detach()
+        )
         total = flat if total is None else total + flat
     return list(_unflat(total, params).values())
 

@@ -44,6 +44,26 @@ def check_loss(loss_func: nn.Module) -> None:
         )
 
 
+def _ignored_mask(loss_func: nn.Module, output: Tensor, target: Tensor) -> Optional[Tensor]:
+    """For CrossEntropy with class targets: ``[N, 1, *pos]`` 0/1 mask of kept positions.
+
+    Raises for ignored targets with ``reduction="mean"`` (the mean then runs over the
+    kept entries only and does not split into per-sample losses).
+    """
+    if not isinstance(loss_func, nn.CrossEntropyLoss) or target.is_floating_point():
+        return None
+    ignored = target == loss_func.ignore_index
+    if not bool(ignored.any()):
+        return None
+    if loss_func.reduction == "mean":
+        raise ValueError(
+            f"target contains ignore_index={loss_func.ignore_index} with reduction "
+            "'mean': the batch mean then runs over the non-ignored entries only and "
+            "does not split into per-sample losses. Use reduction='sum'."
+        )
+    return (~ignored).unsqueeze(1).to(output.dtype)
+
+
 def reduction_scale(loss_func: nn.Module, batch_size: int) -> float:
     """``R`` in ``L = R * sum_n l_n``: ``1 / N`` for mean, ``1`` for sum."""
     return 1.0 / batch_size if loss_func.reduction == "mean" else 1.0
@@ -63,16 +83,7 @@ def per_sample_losses(loss_func: nn.Module, output: Tensor, target: Tensor) -> T
     """
     check_loss(loss_func)
     if isinstance(loss_func, nn.CrossEntropyLoss):
-        if (
-            loss_func.reduction == "mean"
-            and not target.is_floating_point()
-            and bool((target == loss_func.ignore_index).any())
-        ):
-            raise ValueError(
-                f"target contains ignore_index={loss_func.ignore_index} with reduction "
-                "'mean': the batch mean then runs over the non-ignored entries only and "
-                "does not split into per-sample losses. Use reduction='sum'."
-            )
+        _ignored_mask(loss_func, output, target)
         elementwise = F.cross_entropy(
             output,
             target,
@@ -150,6 +161,9 @@ def hessian_sqrt(loss_func: nn.Module, output: Tensor, target: Tensor) -> Tensor
         e = eye.view(shape)  # [C, 1, C, 1...]: e_c along the class axis
         coef = (r * p.movedim(ax, 0)).sqrt().unsqueeze(1 + ax)  # sqrt(r p_c) per column c
         S = coef * (e - p.unsqueeze(0))  # [C, N, C, *pos]: column c at every position
+        mask = _ignored_mask(loss_func, out, target) if out.dim() > 1 else None
+        if mask is not None:  # ignored positions have a zero loss Hessian
+            S = S * mask
         pos = out.shape[2:]
         if not pos:
             return S
@@ -263,7 +277,9 @@ def _mc_sources(loss_func, out, target, M, generator):
             moved = p.movedim(ax, -1)
             return (moved - onehot.view(moved.shape)).movedim(-1, ax)
 
-        return scale * draw(one)
+        mask = _ignored_mask(loss_func, out, target) if out.dim() > 1 else None
+        V = scale * draw(one)
+        return V if mask is None else V * mask
     if isinstance(loss_func, nn.MSELoss):
         # yhat = f + eps / sqrt(2): grad_f (f - yhat)^2 = -sqrt(2) eps
         def one():

@@ -119,3 +119,25 @@ def test_out_buffer_of_wrong_shape_is_refused():
     losses = nn.functional.cross_entropy(out, y, reduction="none")
     with pytest.raises(ValueError, match=r"out\['0.weight'\] must be"):
         cap.per_sample_grads(losses, out={"0.weight": torch.zeros(4, 5, 6)})
+
+
+class _ViewOut(nn.Module):
+    """A parameterized layer whose output is a view (handled by the torch.func fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return (x @ self.w).view(x.shape[0], 2, 2)
+
+
+def test_inplace_op_on_an_unsafe_view_output_raises_instead_of_silent_zeros():
+    model = _ViewOut()
+    X = torch.randn(5, 3)
+    with curvature.capture(model) as cap:
+        out = model(X)
+    out.relu_()  # rebases the view: its recorded edge leaves the graph
+    losses = out.pow(2).flatten(1).sum(1)
+    with pytest.raises(RuntimeError, match="view of another tensor was modified in place"):
+        cap.per_sample_grads(losses)

@@ -69,10 +69,15 @@ class MultiheadAttentionRule(FunctionalRule):
 
     covers_children = True
     needs_outputs = True
+    base_edge_outputs = (0,)  # the out-projection result behind the output view
 
     # -- torch.func fallback configuration ---------------------------------------------
     def batch_axis(self, module):  # noqa: D102
         return 0 if module.batch_first else 1
+
+    def out_batch_axes(self, module, call):  # noqa: D102
+        # the attention output follows batch_first; the attention weights are [N, L, S]
+        return tuple(self.batch_axis(module) if i == 0 else 0 for i in call.out_index)
 
     def arg_batch_axes(self, module, call, N):  # noqa: D102
         self._check_dropout(module)

@@ -53,6 +53,7 @@ class Call:
     out_index: List[int]
     grads: Optional[List[Tensor]] = field(default=None, repr=False)
     outputs: Optional[List[Tensor]] = field(default=None, repr=False)
+    out_views: List[Any] = field(default_factory=list, repr=False)
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""
@@ -78,6 +79,9 @@ class LayerRule:
     covers_children: bool = False
     #: Whether calls keep references to the module's outputs (see ``Call.outputs``).
     needs_outputs: bool = False
+    #: Outputs (flattened positions) that, when views, are the only use of their base
+    #: tensor, so the base's gradient edge can stand in for theirs (survives in-place ops).
+    base_edge_outputs: Tuple[int, ...] = ()
 
     def param_names(self, module: nn.Module) -> List[str]:
         """Names (relative to ``module``) of the trainable parameters the rule covers."""

@@ -29,10 +29,10 @@ class EmbeddingRule(LayerRule):
         idx_list, g_list = [], []
         for call in calls:
             idx = call.args[0]
-            if idx.dim() < 2:
+            if idx.dim() == 0:
                 raise ValueError(
-                    f"nn.Embedding got indices of shape {tuple(idx.shape)}; per-sample "
-                    "quantities need a leading batch axis, e.g. [N, S]."
+                    "nn.Embedding got a single index (0-d); per-sample quantities need a "
+                    "leading batch axis, e.g. [N] or [N, S]."
                 )
             N = idx.shape[0]
             idx = idx.reshape(N, -1)
@@ -83,11 +83,11 @@ class EmbeddingRule(LayerRule):
         """Indices ``[N, S]`` and gradients ``[K, N, S, D]`` (padding positions zeroed)."""
         idx_list, g_list = [], []
         for call in calls:
-            idx = call.args[0]
-            N = idx.shape[0]
-            idx = idx.reshape(N, -1)
+            raw = call.args[0]
+            N = raw.shape[0]
+            idx = raw.reshape(N, -1)
             g = call.grads[0]
-            g = g.reshape(*g.shape[: g.dim() - idx.dim() - 1], N, idx.shape[1], g.shape[-1])
+            g = g.reshape(*g.shape[: g.dim() - raw.dim() - 1], N, idx.shape[1], g.shape[-1])
             if module.padding_idx is not None:
                 g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
             idx_list.append(idx)

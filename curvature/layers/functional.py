@@ -38,6 +38,10 @@ class FunctionalRule(LayerRule):
         """The batch axis of the module's tensor inputs and outputs."""
         return 0
 
+    def out_batch_axes(self, module: nn.Module, call: Call) -> Tuple[int, ...]:
+        """The batch axis of each recorded output (``batch_axis`` by default)."""
+        return tuple(self.batch_axis(module) for _ in call.out_index)
+
     def batch_size(self, module, call):  # noqa: D102
         return call.args[0].shape[self.batch_axis(module)]
 
@@ -57,14 +61,23 @@ class FunctionalRule(LayerRule):
     def per_sample_grads(self, module, calls, out=None):  # noqa: D102
         names = self.param_names(module)
         params = {n: p.detach() for n, p in module.named_parameters() if n in names}
-        ax = self.batch_axis(module)
         total: Dict[str, Tensor] = {}
         for call in calls:
             N = self.batch_size(module, call)
             arg_dims, kw_dims = self.arg_batch_axes(module, call, N)
+            out_dims = self.out_batch_axes(module, call)
             grads = [gr for gr in call.grads]
 
-            def sample_grad(p, args, kwargs, gs, arg_dims=arg_dims, kw_dims=kw_dims, call=call):
+            def sample_grad(
+                p,
+                args,
+                kwargs,
+                gs,
+                arg_dims=arg_dims,
+                kw_dims=kw_dims,
+                call=call,
+                out_dims=out_dims,
+            ):
                 # re-insert a batch axis of size one so the module sees its usual layout
                 args = tuple(a.unsqueeze(d) if d is not None else a for a, d in zip(args, arg_dims))
                 kwargs = {
@@ -75,7 +88,7 @@ class FunctionalRule(LayerRule):
                 def f(p):
                     out = functional_call(module, p, args, kwargs)
                     leaves, _ = tree_flatten(out)
-                    return tuple(leaves[i].squeeze(ax) for i in call.out_index)
+                    return tuple(leaves[i].squeeze(d) for i, d in zip(call.out_index, out_dims))
 
                 _, pullback = vjp(f, p)
                 return pullback(tuple(gs))[0]
@@ -86,7 +99,7 @@ class FunctionalRule(LayerRule):
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     per_sample = vmap(
                         sample_grad,
-                        in_dims=(None, arg_dims, kw_dims, tuple(ax for _ in grads)),
+                        in_dims=(None, arg_dims, kw_dims, out_dims),
                         chunk_size=self.chunk_size,
                     )(params, call.args, call.kwargs, tuple(grads))
             except RuntimeError as err:

@@ -12,6 +12,8 @@ from .registry import register
 class LinearRule(LinearFamilyRule):
     """``z = W a + b`` with ``a [N, S..., D_in]`` flattened to ``[N, S, 1, D_in]``."""
 
+    base_edge_outputs = (0,)  # the matmul result behind a reshaped output
+
     def expand(self, module, call):  # noqa: D102
         x = call.args[0]
         N = x.shape[0]

@@ -1,0 +1,30 @@
+"""The one place where the per-sample cases are expanded (dtype x reduction x batch size)."""
+
+from __future__ import annotations
+
+import pytest
+from cases import BATCH_SIZES, CASES, DTYPES, REDUCTIONS, Problem, build
+
+GRID = [
+    pytest.param(
+        (case, dtype, reduction, N),
+        id=f"{case.name}-{str(dtype).removeprefix('torch.')}-{reduction}-N{N}",
+    )
+    for case in CASES
+    for dtype in DTYPES
+    for reduction in REDUCTIONS
+    for N in BATCH_SIZES
+]
+
+
+@pytest.fixture(scope="session", params=GRID)
+def problem(request) -> Problem:
+    """A built case; its twin's gradients are computed once and shared by the tests."""
+    return build(*request.param)
+
+
+def pytest_configure(config):
+    # torch.func's twins run ops without a batching rule (attention, bilinear): slow, not wrong
+    config.addinivalue_line(
+        "filterwarnings", "ignore:There is a performance drop because we have not yet implemented"
+    )

@@ -108,6 +108,8 @@ class Capture:
         self._rules: Dict[str, LayerRule] = {name: rule for name, _, rule in self.layers}
         self._handles: List[Any] = []
         self._recording = False
+        self._push = False  # push mode: node pre-hooks store g during the user's backward
+        self._pushing = True  # off while our own pulls run
 
     # -- hooks -------------------------------------------------------------------------
     def __enter__(self) -> Capture:
@@ -155,7 +157,44 @@ class Capture:
         call.out_views = views
         if self._rules[name].needs_outputs:
             call.outputs = [leaves[i] for i in index]
+        if self._push:
+            call.pushed = [None] * len(edges)
+            ref = weakref.ref(self)
+            for j, edge in enumerate(edges):
+                edge.node.register_prehook(_make_prehook(ref, call, j, edge.output_nr))
         self._calls[name].append(call)
+
+    def watch_backward(self, enabled: bool = True) -> None:
+        """Push mode: store ``g`` of every later recorded call during the user's backward.
+
+        Each recorded output's autograd node gets a pre-hook that keeps the gradient it
+        receives (the gradient of whatever scalar the user backpropagates). Completed calls
+        are handed out by :meth:`take_pushed`. Our own pulls never trigger it.
+        """
+        self._push = enabled
+
+    def take_pushed(self) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
+        """Calls that received gradients in a user backward since the last take.
+
+        Their ``grads`` are set (zeros for outputs that received none); they are removed
+        from the capture, and calls still waiting for their backward stay.
+        """
+        out = []
+        for name, module, rule in self.layers:
+            done = [c for c in self._calls[name] if any(g is not None for g in c.pushed or ())]
+            if not done:
+                continue
+            self._calls[name] = [c for c in self._calls[name] if c not in done]
+            for c in done:
+                _assign_grads(c, c.pushed, ())
+                c.pushed = None
+            out.append((name, module, rule, done))
+        return out
+
+    def clear(self) -> None:
+        """Forget every recorded call (and its pushed gradients)."""
+        for calls in self._calls.values():
+            calls.clear()
 
     # -- backward pulls ------------------------------------------------------------------
     @property
@@ -212,6 +251,7 @@ class Capture:
         calls = [c for _, _, _, cs in active for c in cs]
         edges = [e for c in calls for e in c.out_edges]
         self._recording = False
+        self._pushing = False
         try:
             grads = torch.autograd.grad(
                 outputs,
@@ -231,6 +271,7 @@ class Capture:
             raise
         finally:
             self._recording = bool(self._handles)
+            self._pushing = True
         for c in calls:
             for view in c.out_views:
                 if view is not None and view[0] == "check" and view[1]._version != view[2]:
@@ -251,17 +292,7 @@ class Capture:
             lead = (first.shape[0],)
         it = iter(grads)
         for c in calls:
-            c.grads = []
-            for (shape, dtype, device), view in zip(c.out_meta, c.out_views):
-                g = next(it)
-                if g is None:
-                    g = torch.zeros(*lead, *shape, dtype=dtype, device=device)
-                elif view is not None and view[0] == "base":  # take the view of the base's g
-                    _, size, stride, offset, numel = view
-                    g = g.contiguous().as_strided(
-                        (*lead, *size), (numel,) * len(lead) + stride, offset
-                    )
-                c.grads.append(g)
+            _assign_grads(c, [next(it) for _ in c.out_edges], lead)
 
     @contextmanager
     def _computing(self) -> Iterator[None]:
@@ -358,6 +389,22 @@ class Capture:
             return sum(rule.gram(module, calls) for _, module, rule, calls in self._active())
 
 
+def _assign_grads(c: Call, grads: Sequence[Optional[Tensor]], lead: Tuple[int, ...]) -> None:
+    """Store the gradients received for a call's recorded edges as ``c.grads``.
+
+    Missing gradients (unused outputs) become zeros; a gradient received on a view's base
+    edge is mapped to the view.
+    """
+    c.grads = []
+    for (shape, dtype, device), view, g in zip(c.out_meta, c.out_views, grads):
+        if g is None:
+            g = torch.zeros(*lead, *shape, dtype=dtype, device=device)
+        elif view is not None and view[0] == "base":  # take the view of the base's g
+            _, size, stride, offset, numel = view
+            g = g.contiguous().as_strided((*lead, *size), (numel,) * len(lead) + stride, offset)
+        c.grads.append(g)
+
+
 def _output_edge(t: Tensor, base_ok: bool):
     """The gradient edge to record for output ``t`` and how to map its gradient back.
 
@@ -402,6 +449,18 @@ def _check_out(name: str, buf: Tensor, param: Tensor, N: int) -> None:
             f"out[{name!r}] must be a contiguous {param.dtype} tensor of shape {shape} on "
             f"{param.device}; got {buf.dtype} {tuple(buf.shape)} on {buf.device}."
         )
+
+
+def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, output_nr: int):
+    def prehook(grad_outputs):
+        cap = ref()
+        if cap is not None and cap._pushing and call.pushed is not None:
+            g = grad_outputs[output_nr]
+            if g is not None:
+                call.pushed[j] = g if call.pushed[j] is None else call.pushed[j] + g
+        return None
+
+    return prehook
 
 
 def _make_forward_hook(ref: weakref.ReferenceType[Capture], name: str):

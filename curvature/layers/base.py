@@ -54,6 +54,7 @@ class Call:
     grads: Optional[List[Tensor]] = field(default=None, repr=False)
     outputs: Optional[List[Tensor]] = field(default=None, repr=False)
     out_views: List[Any] = field(default_factory=list, repr=False)
+    pushed: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""

@@ -441,29 +441,55 @@ def ekfac(
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
         with cap._computing():
             for name, module, rule, calls in cap._active():
-                expanded = rule.expanded_blocks(module, calls)
-                if expanded is not None:
-                    for suffix, (a, g) in expanded.items():
-                        full = ".".join(x for x in (name, suffix) if x)
-                        _, QA, _, QG = by_name[full].eig()
-                        lam = _rotated_second_moments(a, g, QA, QG)
-                        evals[full] = evals.get(full, 0) + w * lam
-                    continue
-                if name not in by_name:
-                    continue
-                b = by_name[name]
-                _, QA, _, QG = b.eig()
-                U = _per_vector_grads(rule, module, calls)  # [K, N, P_l]
-                if b.A.shape[-1] != 1:  # Embedding: per-sample grads [V, D] = matrix^T
-                    U = U.view(*U.shape[:2], b.A.shape[-1], b.G.shape[-1]).mT
-                    rot = QG[0].mT @ U @ QA[0]
-                else:
-                    rot = (U @ QG[0]).unsqueeze(-1)
-                lam = rot.pow(2).sum((0, 1)).reshape(b.G.shape[-1], b.A.shape[-1])[None]
-                evals[name] = evals.get(name, 0) + w * lam
+                bases = {k: (b.eig()[1], b.eig()[3]) for k, b in by_name.items()}
+                for full, lam in eigenvalue_corrections(name, module, rule, calls, bases).items():
+                    evals[full] = evals.get(full, 0) + w * lam
     for b in approx.blocks:
         b.evals = evals[b.name]
     return approx
+
+
+def eigenvalue_corrections(
+    name: str,
+    module: nn.Module,
+    rule: LayerRule,
+    calls,
+    bases: Dict[str, Tuple[Tensor, Tensor]],
+) -> Dict[str, Tensor]:
+    """EKFAC's ``sum_{k,n} (QG^T grad_nk QA)^2`` for each of the layer's blocks.
+
+    Args:
+        name: Module name; blocks are named ``name`` or ``name.suffix``.
+        module: The layer.
+        rule: Its rule.
+        calls: Its calls, with pulled ``grads [K, ...]``.
+        bases: Block name to ``(QA [C, D, D], QG [C, D_out, D_out])``; blocks without a
+            basis are skipped.
+
+    Returns:
+        Block name to ``[C, D_out, D]``.
+
+    """
+    out: Dict[str, Tensor] = {}
+    expanded = rule.expanded_blocks(module, calls)
+    if expanded is not None:
+        for suffix, (a, g) in expanded.items():
+            full = ".".join(x for x in (name, suffix) if x)
+            if full in bases:
+                QA, QG = bases[full]
+                out[full] = _rotated_second_moments(a, g, QA, QG)
+        return out
+    if name not in bases:
+        return out
+    QA, QG = bases[name]
+    U = _per_vector_grads(rule, module, calls)  # [K, N, P_l]
+    D, D_out = QA.shape[-1], QG.shape[-1]
+    if D != 1:  # Embedding: per-sample grads [V, D_out] are the layer matrix transposed
+        rot = QG[0].mT @ U.view(*U.shape[:2], D, D_out).mT @ QA[0]
+    else:
+        rot = (U @ QG[0]).unsqueeze(-1)
+    out[name] = rot.pow(2).sum((0, 1)).reshape(D_out, D)[None]
+    return out
 
 
 def _rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Tensor:

@@ -50,7 +50,11 @@ def _ignored_mask(loss_func: nn.Module, output: Tensor, target: Tensor) -> Optio
     Raises for ignored targets with ``reduction="mean"`` (the mean then runs over the
     kept entries only and does not split into per-sample losses).
     """
-    if not isinstance(loss_func, nn.CrossEntropyLoss) or target.is_floating_point():
+    if (
+        not isinstance(loss_func, nn.CrossEntropyLoss)
+        or target is None
+        or target.is_floating_point()
+    ):
         return None
     ignored = target == loss_func.ignore_index
     if not bool(ignored.any()):
@@ -175,9 +179,14 @@ def hessian_sqrt(loss_func: nn.Module, output: Tensor, target: Tensor) -> Tensor
         diag = torch.full_like(out, 2.0 * r)
     else:
         s = out.sigmoid()
-        y = target.to(out.dtype)
         h = s * (1 - s)
         if loss_func.pos_weight is not None:
+            if target is None:
+                raise ValueError(
+                    "The loss Hessian of nn.BCEWithLogitsLoss(pos_weight=...) depends on the "
+                    "targets; pass them (optim.register_output(output, loss_func, target))."
+                )
+            y = target.to(out.dtype)
             h = h * (loss_func.pos_weight * y + 1 - y)
         if loss_func.weight is not None:
             h = h * loss_func.weight

@@ -1,0 +1,497 @@
+"""The shared base of curvature optimizers: statistics collection, schedule, state.
+
+A :class:`CurvatureOptimizer` owns a :class:`~curvature.capture.Capture` on the model for
+its whole life. What it collects depends on the Fisher type:
+
+- ``"empirical"``: layer inputs from the forward and, through node pre-hooks, the
+  gradients of the user's own ``loss.backward()`` w.r.t. each layer output. With
+  ``g = R grad l_n`` (``R = 1/N`` for a mean loss), ``G = (1/R) sum_n g g^T``.
+- ``"mc"``, ``"type-2"``, ``"rademacher"``: at the end of each training forward of the
+  model (or at :meth:`register_output`), the vectors of
+  :func:`~curvature.losses.backprop_sources` are backpropagated on the existing graph in
+  one batched call; the user's backward is untouched.
+- ``"forward-only"``: inputs only, ``G = I``.
+
+Statistics of the forwards between two ``step()`` calls (gradient accumulation) are
+averaged, then folded into running estimates with ``factor_decay`` every
+``factor_every`` steps; decompositions are refreshed every ``inverse_every`` steps.
+Statistics accumulate in float32 (float64 for float64 models) whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..capture import Capture, _unwrap
+from ..layers import LayerRule
+from ..losses import FISHER_TYPES, SUPPORTED_LOSSES, backprop_sources, check_loss
+
+_UNSUPPORTED = ("warn", "error", "diagonal")
+
+
+class CurvatureOptimizer(Optimizer):
+    """Base class: constructor validation, statistics collection, ``step`` skeleton.
+
+    Subclasses implement :meth:`_update_statistics` (fold one step's statistics into the
+    running estimates), :meth:`_refresh` (decompositions) and :meth:`_precondition`
+    (map gradients to update directions).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-2,
+        damping: float = 1e-3,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        *,
+        fisher: str = "empirical",
+        loss_func: Optional[nn.Module] = None,
+        mc_samples: int = 1,
+        kfac_approx: str = "expand",
+        factor_decay: float = 0.95,
+        factor_every: int = 1,
+        inverse_every: int = 10,
+        kl_clip: Optional[float] = None,
+        damping_mode: str = "exact",
+        unsupported: str = "warn",
+        auto_output: bool = True,
+        seed: int = 0,
+        param_groups: Optional[Sequence[Dict[str, Any]]] = None,
+        grad_scaler: Optional[Any] = None,
+    ):
+        name = type(self).__name__
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{name}(model={type(model).__name__}): model must be an nn.Module.")
+        _check(name, "lr", lr, lr >= 0, "must be >= 0")
+        _check(
+            name,
+            "damping",
+            damping,
+            damping > 0,
+            "must be > 0; it is added to the curvature before inversion, typical values "
+            "1e-4 ... 1e-1",
+        )
+        _check(name, "momentum", momentum, 0 <= momentum < 1, "must be in [0, 1)")
+        _check(name, "weight_decay", weight_decay, weight_decay >= 0, "must be >= 0")
+        _check(name, "fisher", fisher, fisher in FISHER_TYPES, f"must be one of {FISHER_TYPES}")
+        if fisher in ("mc", "type-2", "rademacher") and loss_func is None:
+            raise ValueError(
+                f"{name}(fisher={fisher!r}) needs loss_func=... (e.g. nn.CrossEntropyLoss()): "
+                "the model output and the loss define the curvature backward."
+            )
+        if loss_func is not None:
+            if not isinstance(loss_func, SUPPORTED_LOSSES):
+                raise ValueError(
+                    f"{name}(loss_func={loss_func!r}): unsupported loss; use one of "
+                    "nn.CrossEntropyLoss, nn.MSELoss, nn.BCEWithLogitsLoss."
+                )
+            check_loss(loss_func)
+        _check(
+            name,
+            "mc_samples",
+            mc_samples,
+            isinstance(mc_samples, int) and mc_samples >= 1,
+            "must be a positive int",
+        )
+        _check(
+            name,
+            "kfac_approx",
+            kfac_approx,
+            kfac_approx in ("expand", "reduce"),
+            "must be 'expand' or 'reduce'",
+        )
+        _check(name, "factor_decay", factor_decay, 0 <= factor_decay < 1, "must be in [0, 1)")
+        for arg, val in (("factor_every", factor_every), ("inverse_every", inverse_every)):
+            _check(name, arg, val, isinstance(val, int) and val >= 1, "must be a positive int")
+        _check(name, "kl_clip", kl_clip, kl_clip is None or kl_clip > 0, "must be None or > 0")
+        _check(
+            name,
+            "damping_mode",
+            damping_mode,
+            damping_mode in ("exact", "pi"),
+            "must be 'exact' (eigenbasis) or 'pi' (Tikhonov with the pi heuristic)",
+        )
+        _check(
+            name,
+            "unsupported",
+            unsupported,
+            unsupported in _UNSUPPORTED,
+            f"must be one of {_UNSUPPORTED}",
+        )
+
+        self.model = _unwrap(model)
+        defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if param_groups is None:
+            groups: Any = [{"params": trainable}]
+        else:
+            groups = [dict(g) for g in param_groups]
+        super().__init__(groups, defaults)
+        for g in self.param_groups:
+            for key in ("lr", "damping", "momentum", "weight_decay"):
+                if g[key] < 0 or (key == "damping" and g[key] <= 0):
+                    raise ValueError(f"{name}: param group {key}={g[key]} is invalid.")
+
+        self.fisher = fisher
+        self.loss_func = loss_func
+        self.mc_samples = mc_samples
+        self.kfac_approx = kfac_approx
+        self.factor_decay = factor_decay
+        self.factor_every = factor_every
+        self.inverse_every = inverse_every
+        self.kl_clip = kl_clip
+        self.damping_mode = damping_mode
+        self.unsupported = unsupported
+        self.auto_output = auto_output
+        self.grad_scaler = grad_scaler
+        self.generator = torch.Generator().manual_seed(seed)
+        self.steps = 0
+        self.skipped_statistics = 0
+        self._registered = False
+
+        # parameter bookkeeping: flat positions over the model's trainable parameters
+        self._names = {p: n for n, p in self.model.named_parameters()}
+        own = [p for g in self.param_groups for p in g["params"]]
+        missing = [p for p in own if p not in self._names]
+        if missing:
+            raise ValueError(
+                f"{name}: {len(missing)} parameter(s) in param_groups do not belong to the model."
+            )
+        self._offsets: Dict[str, int] = {}
+        i = 0
+        for n, p in self.model.named_parameters():
+            if p.requires_grad:
+                self._offsets[n] = i
+                i += p.numel()
+        self._num_flat = i
+
+        self._capture = Capture(self.model, fallback="functorch")
+        self._capture.__enter__()
+        if fisher == "empirical":
+            self._capture.watch_backward(True)
+        ref = weakref.ref(self)
+        self._root_handle = self.model.register_forward_hook(_root_hook(ref))
+        self._pre_handle = self.model.register_forward_pre_hook(_pre_hook(ref))
+        self._step_stats: Dict[Tuple[str, str], list] = {}
+        self._layers: Dict[str, Tuple[nn.Module, LayerRule]] = {
+            n: (m, r) for n, m, r in self._capture.layers
+        }
+        self._closed = False
+        self._check_coverage()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook (the optimizer can still ``step`` with plain gradients)."""
+        if getattr(self, "_closed", True):
+            return
+        self._capture.remove_hooks()
+        self._capture.clear()
+        self._root_handle.remove()
+        self._pre_handle.remove()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    # -- coverage ------------------------------------------------------------------------
+    def _covered_names(self) -> List[str]:
+        raise NotImplementedError
+
+    def _check_coverage(self) -> None:
+        covered = set(self._covered_names())
+        own = {self._names[p] for g in self.param_groups for p in g["params"]}
+        bare = sorted(own - covered)
+        self.uncovered = bare
+        if not bare:
+            return
+        msg = f"{type(self).__name__}: no curvature rule covers {bare}; " + (
+            "they are preconditioned by their diagonal Fisher."
+            if self.unsupported == "diagonal"
+            else "they are updated with the plain gradient."
+        )
+        if self.unsupported == "error":
+            raise ValueError(
+                msg.replace("they are updated", "pass unsupported='warn' to update them")
+            )
+        warnings.warn(msg, stacklevel=3)
+
+    # -- statistics -----------------------------------------------------------------------
+    @property
+    def _due(self) -> bool:
+        return self.steps % self.factor_every == 0
+
+    def _on_forward_start(self) -> None:
+        # empirical: fold the calls whose backward already ran (bounded memory under
+        # gradient accumulation); drop calls whose backward never came (eval forwards).
+        if self.fisher == "empirical":
+            self._consume(self._capture.take_pushed(), scale_by_reduction=True)
+            self._capture.clear()
+        self._capture._recording = self._due and self.model.training and not self._closed
+
+    def _on_forward_end(self, output: Any) -> None:
+        if not (self._due and self.model.training and torch.is_grad_enabled()):
+            return
+        if self.fisher == "forward-only":
+            calls = [(n, m, r, cs) for n, m, r, cs in self._capture._active()]
+            self._consume(calls, with_g=False)
+            self._capture.clear()
+            return
+        if self.fisher == "empirical" or not self.auto_output or self._registered:
+            return
+        if not isinstance(output, Tensor) or output.grad_fn is None:
+            raise ValueError(
+                f"{type(self).__name__}(fisher={self.fisher!r}): the model output is not a "
+                "tensor with a graph; name the curvature outputs with "
+                "optim.register_output(output, loss_func) and pass auto_output=False."
+            )
+        self._pull(output, self.loss_func, None)
+
+    def register_output(
+        self, output: Tensor, loss_func: Optional[nn.Module] = None, target: Optional[Tensor] = None
+    ) -> None:
+        """Use ``output`` (with ``loss_func``) for this step's curvature backward.
+
+        May be called several times per step (several heads, a PINN's interior and
+        boundary residuals): their statistics add up. The first call of a step discards
+        the statistics of the automatic model-output backward of that step.
+        """
+        if self.fisher in ("empirical", "forward-only"):
+            raise ValueError(
+                f"register_output is for fisher in ('mc', 'type-2', 'rademacher'); this "
+                f"optimizer uses fisher={self.fisher!r}."
+            )
+        loss_func = loss_func if loss_func is not None else self.loss_func
+        if loss_func is None:
+            raise ValueError("register_output(output) needs a loss_func.")
+        check_loss(loss_func)
+        if not self._registered:
+            self._step_stats.clear()
+            self._registered = True
+        if self._due:
+            self._pull(output, loss_func, target)
+
+    def _pull(self, output: Tensor, loss_func: nn.Module, target: Optional[Tensor]) -> None:
+        V = backprop_sources(
+            loss_func,
+            output,
+            target,
+            self.fisher,
+            mc_samples=self.mc_samples,
+            generator=self.generator,
+        )
+        self._capture.pull(output, V, is_grads_batched=True, retain_graph=True)
+        calls = self._capture._active()
+        self._consume(calls)
+        self._capture.clear()
+
+    def _consume(self, calls, with_g: bool = True, scale_by_reduction: bool = False) -> None:
+        """Fold calls (with ``grads`` set) into this step's statistics, then release them."""
+        with self._capture._computing():
+            for name, module, rule, cs in calls:
+                if scale_by_reduction:  # user backward: g = R grad l_n, no [K] axis yet
+                    for c in cs:
+                        N = rule.batch_size(module, c)
+                        scale = _reduction_rescale(self.loss_func, N, self.grad_scaler)
+                        c.grads = [(g * scale).unsqueeze(0) for g in c.grads]
+                self._accumulate(name, module, rule, cs, with_g)
+
+    def _accumulate(self, name, module, rule, calls, with_g) -> None:
+        raise NotImplementedError
+
+    def _add_step_stat(
+        self, key: Tuple[str, str], values: Sequence[Optional[Tensor]], count
+    ) -> None:
+        """Add statistics sums of one forward, skipping non-finite ones (counted)."""
+        if any(v is not None and not torch.isfinite(v).all() for v in values):
+            self.skipped_statistics += 1
+            return
+        slot = self._step_stats.get(key)
+        if slot is None:
+            self._step_stats[key] = [list(values), count, 1]
+            return
+        slot[0] = [a if b is None else (b if a is None else a + b) for a, b in zip(slot[0], values)]
+        slot[1] += count
+        slot[2] += 1
+
+    # -- the step -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:
+        """One update. ``closure`` (optional) re-evaluates the loss, as in ``torch.optim``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.fisher == "empirical":
+            self._consume(self._capture.take_pushed(), scale_by_reduction=True)
+            self._capture.clear()
+        if self._due and self._step_stats:
+            self._update_statistics(self._step_stats)
+        self._step_stats = {}
+        self._registered = False
+        if self.steps % self.inverse_every == 0 or self._needs_refresh():
+            self._refresh()
+        grads = self._flat_grads()
+        if grads is not None:
+            directions = self._precondition(grads)
+            self._apply(directions, grads)
+        self.steps += 1
+        self._capture._recording = self._due and not self._closed
+        return loss
+
+    def _needs_refresh(self) -> bool:
+        return False
+
+    def _flat_grads(self) -> Optional[Tensor]:
+        ref = None
+        for p in self._offsets_params():
+            if p.grad is not None:
+                ref = p.grad
+                break
+        if ref is None:
+            return None
+        dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
+        flat = torch.zeros(self._num_flat, dtype=dtype, device=ref.device)
+        for n, p in self.model.named_parameters():
+            if n in self._offsets and p.grad is not None:
+                o = self._offsets[n]
+                flat[o : o + p.numel()] = p.grad.reshape(-1)
+        return flat
+
+    def _offsets_params(self) -> Iterable[Tensor]:
+        for n, p in self.model.named_parameters():
+            if n in self._offsets:
+                yield p
+
+    def _group_of(self) -> Dict[Tensor, Dict[str, Any]]:
+        return {p: g for g in self.param_groups for p in g["params"]}
+
+    def _apply(self, directions: Tensor, grads: Tensor) -> None:
+        """Momentum, decoupled weight decay, KL clipping; ``p -= lr * update``."""
+        groups = self._group_of()
+        nu = 1.0
+        if self.kl_clip is not None:
+            vg = 0.0
+            for n, p in self.model.named_parameters():
+                if p in groups and n in self._offsets:
+                    o = self._offsets[n]
+                    lr = groups[p]["lr"]
+                    vg += lr**2 * float(
+                        (directions[o : o + p.numel()] * grads[o : o + p.numel()]).sum()
+                    )
+            nu = min(1.0, math.sqrt(self.kl_clip / vg)) if vg > 0 else 1.0
+        self.last_kl_scale = nu
+        for n, p in self.model.named_parameters():
+            if p not in groups or n not in self._offsets or p.grad is None:
+                continue
+            g = groups[p]
+            o = self._offsets[n]
+            d = (nu * directions[o : o + p.numel()]).view_as(p).to(p.dtype)
+            if not torch.isfinite(d).all():
+                warnings.warn(
+                    f"{type(self).__name__}: non-finite update for '{n}' skipped "
+                    "(NaN/inf gradients?).",
+                    stacklevel=3,
+                )
+                continue
+            if g["weight_decay"]:
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+            if g["momentum"]:
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = d.clone()
+                else:
+                    buf.mul_(g["momentum"]).add_(d)
+                d = buf
+            p.add_(d, alpha=-g["lr"])
+
+    # -- state -----------------------------------------------------------------------------
+    def _curvature_state(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_curvature_state(self, state: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
+        sd = super().state_dict()
+        sd["curvature"] = {
+            "steps": self.steps,
+            "skipped_statistics": self.skipped_statistics,
+            "generator": self.generator.get_state(),
+            **self._curvature_state(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # noqa: D102
+        state_dict = dict(state_dict)
+        curv = state_dict.pop("curvature", None)
+        super().load_state_dict(state_dict)
+        if curv is None:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state has no 'curvature' entry "
+                "(was it saved by a different optimizer?)."
+            )
+        self.steps = curv["steps"]
+        self.skipped_statistics = curv["skipped_statistics"]
+        self.generator.set_state(curv["generator"])
+        self._load_curvature_state(curv)
+        self._capture._recording = self._due and not self._closed
+
+    # -- subclass interface ------------------------------------------------------------------
+    def _update_statistics(self, step_stats) -> None:
+        raise NotImplementedError
+
+    def _refresh(self) -> None:
+        raise NotImplementedError
+
+    def _precondition(self, grads: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+def _check(name: str, arg: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}({arg}={value!r}): {arg} {allowed}.")
+
+
+def _reduction_rescale(loss_func: Optional[nn.Module], N: int, grad_scaler: Any) -> float:
+    """``1 / sqrt(R)`` (and the AMP loss scale removed): ``g -> sqrt(N) g`` for a mean loss."""
+    mean = loss_func is None or loss_func.reduction == "mean"
+    scale = math.sqrt(N) if mean else 1.0
+    if grad_scaler is not None and grad_scaler.is_enabled():
+        scale /= float(grad_scaler.get_scale())
+    return scale
+
+
+def _root_hook(ref):
+    def hook(module, args, output):
+        opt = ref()
+        if opt is not None and not opt._closed:
+            opt._on_forward_end(output)
+
+    return hook
+
+
+def _pre_hook(ref):
+    def hook(module, args):
+        opt = ref()
+        if opt is not None and not opt._closed:
+            opt._on_forward_start()
+
+    return hook

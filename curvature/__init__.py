@@ -14,12 +14,15 @@ from .dense import (
 )
 from .kfac import KFACApprox, diag_ggn, ekfac, kfac
 from .losses import per_sample_losses
+from .optim import EKFAC, KFAC
 from .per_sample import jacobian, per_sample_grads
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Capture",
+    "EKFAC",
+    "KFAC",
     "KFACApprox",
     "capture",
     "diag_ggn",

@@ -95,10 +95,19 @@ def ggn(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:
 
 
 def _loss_and_params(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor):
-    """The batch loss with a graph to the trainable parameters (plain autograd)."""
+    """The batch loss with a graph to the trainable parameters (plain autograd).
+
+    Attention runs the math kernel: the fused CPU kernels cannot be differentiated twice.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    with torch.enable_grad():
+    with torch.enable_grad(), _math_attention():
         return loss_func(model(X), y), params
+
+
+def _math_attention():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def hessian(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:
@@ -197,7 +206,7 @@ def ggn_vector_product(
     total = None
     for w, (X, y) in zip(_weights(loss_func, bs), bs):
         ps = [p for p in model.parameters() if p.requires_grad]
-        with torch.enable_grad():
+        with torch.enable_grad(), _math_attention():
             out = model(X)
             u = torch.zeros_like(out, requires_grad=True)
             JTu = torch.autograd.grad(out, ps, u, create_graph=True, allow_unused=True)

@@ -424,6 +424,8 @@ def ekfac(
     gradient of vector ``k`` for sample ``n`` (summed over shared positions). A second
     pass over ``data`` (with the same seed) computes it once the basis is known.
     """
+    if fisher == "forward-only":
+        raise ValueError("ekfac(fisher='forward-only') is undefined: there are no gradients.")
     approx = kfac(
         model,
         loss_func,
@@ -434,8 +436,6 @@ def ekfac(
         seed=seed,
         on_unsupported=on_unsupported,
     )
-    if fisher == "forward-only":
-        raise ValueError("ekfac(fisher='forward-only') is undefined: there are no gradients.")
     by_name = {b.name: b for b in approx.blocks}
     evals: Dict[str, Tensor] = {}
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):

@@ -315,7 +315,9 @@ class MultiheadAttentionRule(FunctionalRule):
     # -- Kronecker factors -------------------------------------------------------------------
     def expanded_blocks(self, module, calls):  # noqa: D102
         if module.bias_k is not None and module.bias_k.requires_grad:
-            return None  # bias_k / bias_v have no Kronecker structure: exact block
+            return None
+        if any(c.grads is None for c in calls):
+            return None  # forward-only: the replay needs output gradients
         return self._sublayers(module, calls)
 
     def kfac_index(self, module, offsets):  # noqa: D102

@@ -183,8 +183,9 @@ class LinearFamilyRule(LayerRule):
     def expand(self, module: nn.Module, call: Call) -> Tuple[Tensor, Tensor]:
         """Return ``(a [N, S, G, D_in], g [..., N, S, G, D_out])`` of one call.
 
-        ``g`` carries the leading axes of ``call.grads`` (``[K]`` for batched pulls).
-        ``a`` is the raw input (bias column not appended).
+        ``g`` carries the leading axes of ``call.grads`` (``[K]`` for batched pulls);
+        it is ``None`` when no backward ran (forward-only statistics). ``a`` is the raw
+        input (bias column not appended).
         """
         raise NotImplementedError
 
@@ -218,7 +219,8 @@ class LinearFamilyRule(LayerRule):
             g_list.append(g)
         if len(calls) == 1:
             return a_list[0], g_list[0]
-        return torch.cat(a_list, dim=1), torch.cat(g_list, dim=-3)
+        g_cat = None if g_list[0] is None else torch.cat(g_list, dim=-3)
+        return torch.cat(a_list, dim=1), g_cat
 
     # -- per-sample quantities ---------------------------------------------------------
     def per_sample_grads(self, module, calls, out=None):  # noqa: D102

@@ -55,6 +55,8 @@ class ConvRule(LinearFamilyRule):
     def expand(self, module, call):  # noqa: D102
         a = unfold_patches(module, call.args[0])
         N, S, G, _ = a.shape
+        if call.grads is None:  # forward-only statistics
+            return a, None
         g = call.grads[0]  # [..., N, C_out, *O]
         lead = g.shape[: g.dim() - call.args[0].dim()]
         g = g.reshape(*lead, N, G, -1, S).transpose(-1, -3).transpose(-1, -2)

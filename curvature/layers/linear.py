@@ -18,6 +18,8 @@ class LinearRule(LinearFamilyRule):
         x = call.args[0]
         N = x.shape[0]
         a = x.reshape(N, -1, 1, x.shape[-1])
+        if call.grads is None:  # forward-only statistics
+            return a, None
         g = call.grads[0]
         g = g.reshape(*g.shape[: g.dim() - x.dim()], N, -1, 1, g.shape[-1])
         return a, g

@@ -1,0 +1,6 @@
+"""Curvature optimizers: ``torch.optim.Optimizer`` subclasses on one shared base."""
+
+from .base import CurvatureOptimizer
+from .kfac import EKFAC, KFAC
+
+__all__ = ["CurvatureOptimizer", "EKFAC", "KFAC"]

@@ -1,0 +1,290 @@
+"""``KFAC`` and ``EKFAC`` optimizers (``torch.optim.Optimizer`` subclasses).
+
+Per layer block (see :mod:`curvature.kfac` for the maths), with running factors ``A``
+and ``G`` and damping ``lambda``, the update direction for the gradient matrix ``M``
+(rows: outputs, columns: inputs with the bias last) is
+
+    exact (default):  QG [ (QG^T M QA) / (lG lA^T + lambda) ] QA^T
+    pi:               (G + sqrt(lambda)/pi I)^{-1} M (A + pi sqrt(lambda) I)^{-1}
+    EKFAC:            QG [ (QG^T M QA) / (Lambda + lambda) ] QA^T
+
+with ``Lambda`` the running second moments of the per-sample (per-vector) gradients in
+the Kronecker eigenbasis (George et al., 2018), re-estimated in each new basis.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from ..kfac import (
+    _MAX_EXACT_BLOCK,
+    _exact_index,
+    _local_offsets,
+    _per_vector_grads,
+    eigenvalue_corrections,
+)
+from ..linalg import eigh
+from .base import CurvatureOptimizer
+
+Key = Tuple[str, str]
+
+
+def _block_name(key: Key) -> str:
+    return ".".join(x for x in key if x)
+
+
+class KFAC(CurvatureOptimizer):
+    """Kronecker-factored natural gradient (Martens & Grosse, 2015).
+
+    Example:
+        >>> optim = curvature.KFAC(model, lr=1e-2, damping=1e-3)  # doctest: +SKIP
+        >>> for X, y in loader:
+        ...     optim.zero_grad()
+        ...     loss_func(model(X), y).backward()
+        ...     optim.step()
+
+    Args:
+        model: The model (a DDP wrapper is unwrapped for hooks).
+        lr: Learning rate.
+        damping: ``lambda > 0`` added to the curvature before inversion.
+        momentum: Heavy-ball momentum on the preconditioned direction.
+        weight_decay: Decoupled weight decay (``p -= lr * weight_decay * p``).
+        fisher: ``"empirical"`` (default; from your own backward), ``"mc"``,
+            ``"type-2"``, ``"rademacher"`` (from the model output and ``loss_func``,
+            backpropagated by the optimizer on the existing graph), ``"forward-only"``.
+        loss_func: The loss module; required for ``"mc"``, ``"type-2"`` and
+            ``"rademacher"``; for ``"empirical"`` it tells the reduction (mean if
+            omitted).
+        mc_samples: Samples for ``"mc"`` / ``"rademacher"``.
+        kfac_approx: ``"expand"`` or ``"reduce"`` for weight-sharing layers.
+        factor_decay: EMA decay of the factors.
+        factor_every: Collect statistics every this many steps.
+        inverse_every: Refresh decompositions every this many steps.
+        kl_clip: Scale updates so that ``lr^2 d^T g <= kl_clip`` (None: off).
+        damping_mode: ``"exact"`` or ``"pi"``.
+        unsupported: For parameters no rule covers: ``"warn"`` (plain gradient, one
+            warning), ``"error"``, or ``"diagonal"`` (diagonal empirical Fisher).
+        auto_output: Run the curvature backward at the end of every training forward
+            of the model (``"mc"``/``"type-2"``/``"rademacher"``); set ``False`` when
+            the outputs are named with :meth:`register_output`.
+        seed: Seed of the sampling generator (saved in ``state_dict``).
+        param_groups: Optional ``torch.optim``-style groups of the model's parameters
+            with per-group ``lr``, ``damping``, ``momentum``, ``weight_decay``.
+        grad_scaler: A ``torch.amp.GradScaler`` whose loss scale is removed from the
+            empirical statistics.
+
+    Warning:
+        Statistics of ``"empirical"`` assume each backward's loss is the mean (or sum,
+        per ``loss_func``) over its batch; each forward's backward must run before the
+        next training forward.
+
+    """
+
+    _ekfac = False
+
+    def __init__(self, model, lr=1e-2, damping=1e-3, momentum=0.0, weight_decay=0.0, **kwargs):
+        self.factors_: Dict[Key, List[Tensor]] = {}
+        self._eig: Dict[Key, Tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._lambda: Dict[Key, Tensor] = {}
+        self._diag: Dict[str, Tensor] = {}
+        super().__init__(model, lr, damping, momentum, weight_decay, **kwargs)
+        self._index = self._block_indices()
+        by_offset = {
+            o: p
+            for n, p in self.model.named_parameters()
+            if (o := self._offsets.get(n)) is not None
+        }
+        starts = sorted(by_offset)
+        self._block_param = {}
+        for key, ix in self._index.items():
+            pos = int(ix.reshape(-1)[0])
+            start = max(o for o in starts if o <= pos)
+            self._block_param[key] = by_offset[start]
+
+    # -- structure ---------------------------------------------------------------------------
+    def _block_indices(self) -> Dict[Key, Tensor]:
+        index: Dict[Key, Tensor] = {}
+        for name, (module, rule) in self._layers.items():
+            local = rule.kfac_index(module, _local_offsets(name, self._offsets))
+            if local is not None:
+                for suffix, ix in local.items():
+                    index[(name, suffix)] = ix
+            elif self._exact_ok(module):
+                index[(name, "")] = _exact_index(module, name, self._offsets).view(1, -1, 1)
+        return index
+
+    def _exact_ok(self, module) -> bool:
+        n = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        return self.fisher != "forward-only" and n <= _MAX_EXACT_BLOCK
+
+    def _covered_names(self) -> List[str]:
+        index = self._block_indices()
+        covered = set()
+        for ix in index.values():
+            covered.update(ix.reshape(-1).tolist())
+        return [n for n, o in self._offsets.items() if o in covered]
+
+    def factors(self) -> Dict[str, Tuple[Tensor, Tensor]]:
+        """Block name to the running ``(A, G)`` (``[groups, D, D]`` for grouped convs)."""
+        out = {}
+        for key, (A, G) in self.factors_.items():
+            out[_block_name(key)] = (A[0], G[0]) if A.shape[0] == 1 else (A, G)
+        return out
+
+    # -- statistics ----------------------------------------------------------------------------
+    def _stat_dtype(self, t: Tensor) -> torch.dtype:
+        return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+    def _accumulate(self, name, module, rule, calls, with_g) -> None:
+        res = rule.kfac_factors(module, calls, self.kfac_approx, with_g)
+        if res is None:
+            if (name, "") not in self._index:
+                return
+            U = _per_vector_grads(rule, module, calls).flatten(0, 1)
+            one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
+            res = {"": (one, (U.T @ U)[None], 1)}
+        lambdas: Dict[str, Tensor] = {}
+        if self._ekfac and with_g and self._eig:
+            bases = {}
+            for key in res:
+                k = (name, key)
+                if k in self._eig:
+                    _, QA, _, QG = self._eig[k]
+                    bases[_block_name(k)] = (QA, QG)
+            lambdas = eigenvalue_corrections(name, module, rule, calls, bases)
+        for suffix, (A_sum, G_sum, count) in res.items():
+            key = (name, suffix)
+            dt = self._stat_dtype(A_sum)
+            lam = lambdas.get(_block_name(key))
+            self._add_step_stat(
+                key,
+                [
+                    A_sum.to(dt),
+                    None if G_sum is None else G_sum.to(dt),
+                    None if lam is None else lam.to(dt),
+                ],
+                count,
+            )
+
+    def _update_statistics(self, step_stats) -> None:
+        beta = self.factor_decay
+        for key, (values, count, n_fwd) in step_stats.items():
+            A_sum, G_sum, lam = values
+            A = A_sum / count
+            if G_sum is None:  # forward-only: G = I
+                D_out = self._index[key].shape[1]
+                G = torch.eye(D_out, dtype=A.dtype, device=A.device).expand(A.shape[0], -1, -1)
+            else:
+                G = G_sum / n_fwd
+            old = self.factors_.get(key)
+            if old is None:
+                self.factors_[key] = [A, G.clone()]
+            else:
+                old[0].mul_(beta).add_(A, alpha=1 - beta)
+                old[1].mul_(beta).add_(G, alpha=1 - beta)
+            if lam is not None:
+                lam = lam / n_fwd
+                prev = self._lambda.get(key)
+                self._lambda[key] = (
+                    lam if prev is None else prev.mul_(beta).add_(lam, alpha=1 - beta)
+                )
+
+    def _needs_refresh(self) -> bool:
+        return any(k not in self._eig for k in self.factors_)
+
+    def _refresh(self) -> None:
+        for key, (A, G) in self.factors_.items():
+            name = _block_name(key) or "<model>"
+            try:
+                lA, QA = eigh(A, name=f"A of '{name}'")
+                lG, QG = eigh(G, name=f"G of '{name}'")
+            except RuntimeError as err:
+                if key in self._eig:
+                    warnings.warn(
+                        f"{type(self).__name__}: decomposition of '{name}' failed ({err}); "
+                        "keeping the previous one. Consider a larger damping.",
+                        stacklevel=3,
+                    )
+                    continue
+                raise RuntimeError(
+                    f"{type(self).__name__}: decomposition of layer '{name}' failed "
+                    f"repeatedly; increase damping (now "
+                    f"{self.param_groups[0]['damping']}). Cause: {err}"
+                ) from err
+            self._eig[key] = (lA, QA, lG, QG)
+            if self._ekfac:
+                self._lambda.pop(key, None)  # stale: re-estimated in the new basis
+
+    # -- preconditioning ------------------------------------------------------------------------
+    def _precondition(self, grads: Tensor) -> Tensor:
+        groups = self._group_of()
+        out = grads.clone()
+        covered = torch.zeros(grads.numel(), dtype=torch.bool, device=grads.device)
+        for key, index in self._index.items():
+            if key not in self._eig:
+                continue
+            ix = index.to(grads.device)
+            covered[ix.reshape(-1)] = True
+            M = grads[ix]
+            group = groups.get(self._block_param[key], self.param_groups[0])
+            lam = group["damping"]
+            lA, QA, lG, QG = (t.to(grads.dtype) for t in self._eig[key])
+            rot = QG.mT @ M @ QA
+            if self._ekfac and key in self._lambda:
+                rot = rot / (self._lambda[key].to(grads.dtype) + lam)
+            elif self.damping_mode == "exact" or self._ekfac:
+                rot = rot / (lG[..., :, None] * lA[..., None, :] + lam)
+            else:
+                dA, dG = lA.shape[-1], lG.shape[-1]
+                pi = ((lA.sum(-1) / dA) / (lG.sum(-1) / dG).clamp_min(1e-30)).clamp_min(1e-30)
+                pi = pi.sqrt()
+                root = lam**0.5
+                rot = rot / (lG + (root / pi)[..., None])[..., :, None]
+                rot = rot / (lA + (pi * root)[..., None])[..., None, :]
+            out[ix] = QG @ rot @ QA.mT
+        if self.unsupported == "diagonal":
+            out = self._diagonal_fallback(grads, out, covered)
+        return out
+
+    def _diagonal_fallback(self, grads: Tensor, out: Tensor, covered: Tensor) -> Tensor:
+        """Uncovered parameters: ``g / (sqrt-free EMA of g^2 + lambda)`` (diagonal EF)."""
+        beta = self.factor_decay
+        rest = ~covered
+        if not rest.any():
+            return out
+        sq = grads[rest].pow(2)
+        prev = self._diag.get("ema")
+        self._diag["ema"] = sq if prev is None else prev.mul_(beta).add_(sq, alpha=1 - beta)
+        lam = self.param_groups[0]["damping"]
+        out[rest] = grads[rest] / (self._diag["ema"] + lam)
+        return out
+
+    # -- state ------------------------------------------------------------------------------------
+    def _curvature_state(self) -> Dict[str, Any]:
+        return {
+            "factors": {k: [t.clone() for t in v] for k, v in self.factors_.items()},
+            "eig": {k: tuple(t.clone() for t in v) for k, v in self._eig.items()},
+            "lambda": {k: v.clone() for k, v in self._lambda.items()},
+            "diag": {k: v.clone() for k, v in self._diag.items()},
+        }
+
+    def _load_curvature_state(self, state: Dict[str, Any]) -> None:
+        self.factors_ = {tuple(k): [t.clone() for t in v] for k, v in state["factors"].items()}
+        self._eig = {tuple(k): tuple(t.clone() for t in v) for k, v in state["eig"].items()}
+        self._lambda = {tuple(k): v.clone() for k, v in state["lambda"].items()}
+        self._diag = {k: v.clone() for k, v in state["diag"].items()}
+
+
+class EKFAC(KFAC):
+    """Eigenvalue-corrected KFAC (George et al., 2018); the same arguments as :class:`KFAC`.
+
+    The Kronecker eigenbasis is refreshed every ``inverse_every`` steps; in between, the
+    eigenvalues are replaced by the running second moments of the per-sample gradients
+    projected into that basis, re-estimated every ``factor_every`` steps.
+    """
+
+    _ekfac = True

@@ -14,13 +14,14 @@ from .dense import (
 )
 from .kfac import KFACApprox, diag_ggn, ekfac, kfac
 from .losses import per_sample_losses
-from .optim import EKFAC, KFAC
+from .optim import EKFAC, KFAC, DiagonalNaturalGradient
 from .per_sample import jacobian, per_sample_grads
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Capture",
+    "DiagonalNaturalGradient",
     "EKFAC",
     "KFAC",
     "KFACApprox",

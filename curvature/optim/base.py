@@ -222,7 +222,7 @@ class CurvatureOptimizer(Optimizer):
         if not bare:
             return
         msg = f"{type(self).__name__}: no curvature rule covers {bare}; " + (
-            "they are preconditioned by their diagonal Fisher."
+            "they are preconditioned by their per-sample Fisher diagonal."
             if self.unsupported == "diagonal"
             else "they are updated with the plain gradient."
         )

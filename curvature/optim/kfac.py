@@ -143,6 +143,9 @@ class KFAC(CurvatureOptimizer):
         res = rule.kfac_factors(module, calls, self.kfac_approx, with_g)
         if res is None:
             if (name, "") not in self._index:
+                if self.unsupported == "diagonal" and with_g:  # diagonal Fisher fallback
+                    d = _per_vector_grads(rule, module, calls).pow(2).sum((0, 1))
+                    self._add_step_stat((name, "<diag>"), [d.to(self._stat_dtype(d))], 1)
                 return
             U = _per_vector_grads(rule, module, calls).flatten(0, 1)
             one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
@@ -173,6 +176,10 @@ class KFAC(CurvatureOptimizer):
     def _update_statistics(self, step_stats) -> None:
         beta = self.factor_decay
         for key, (values, count, n_fwd) in step_stats.items():
+            if key[1] == "<diag>":
+                d, prev = values[0] / n_fwd, self._diag.get(key[0])
+                self._diag[key[0]] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)
+                continue
             A_sum, G_sum, lam = values
             A = A_sum / count
             if G_sum is None:  # forward-only: G = I
@@ -223,12 +230,10 @@ class KFAC(CurvatureOptimizer):
     def _precondition(self, grads: Tensor) -> Tensor:
         groups = self._group_of()
         out = grads.clone()
-        covered = torch.zeros(grads.numel(), dtype=torch.bool, device=grads.device)
         for key, index in self._index.items():
             if key not in self._eig:
                 continue
             ix = index.to(grads.device)
-            covered[ix.reshape(-1)] = True
             M = grads[ix]
             group = groups.get(self._block_param[key], self.param_groups[0])
             lam = group["damping"]
@@ -246,22 +251,16 @@ class KFAC(CurvatureOptimizer):
                 rot = rot / (lG + (root / pi)[..., None])[..., :, None]
                 rot = rot / (lA + (pi * root)[..., None])[..., None, :]
             out[ix] = QG @ rot @ QA.mT
-        if self.unsupported == "diagonal":
-            out = self._diagonal_fallback(grads, out, covered)
+        for name, d in self._diag.items():  # layers on the diagonal fallback
+            module, _ = self._layers[name]
+            ix = _exact_index(module, name, self._offsets).to(grads.device)
+            group = groups.get(self._layer_param(name), self.param_groups[0])
+            out[ix] = grads[ix] / (d.to(grads.dtype) + group["damping"])
         return out
 
-    def _diagonal_fallback(self, grads: Tensor, out: Tensor, covered: Tensor) -> Tensor:
-        """Uncovered parameters: ``g / (sqrt-free EMA of g^2 + lambda)`` (diagonal EF)."""
-        beta = self.factor_decay
-        rest = ~covered
-        if not rest.any():
-            return out
-        sq = grads[rest].pow(2)
-        prev = self._diag.get("ema")
-        self._diag["ema"] = sq if prev is None else prev.mul_(beta).add_(sq, alpha=1 - beta)
-        lam = self.param_groups[0]["damping"]
-        out[rest] = grads[rest] / (self._diag["ema"] + lam)
-        return out
+    def _layer_param(self, name: str):
+        module, _ = self._layers[name]
+        return next(p for p in module.parameters() if p.requires_grad)
 
     # -- state ------------------------------------------------------------------------------------
     def _curvature_state(self) -> Dict[str, Any]:

@@ -60,12 +60,15 @@ class CurvatureOptimizer(Optimizer):
         factor_every: int = 1,
         inverse_every: int = 10,
         kl_clip: Optional[float] = None,
-        damping_mode: str = "exact",
+        damping_mode: str = "pi",
         unsupported: str = "warn",
         auto_output: bool = True,
         seed: int = 0,
         param_groups: Optional[Sequence[Dict[str, Any]]] = None,
         grad_scaler: Optional[Any] = None,
+        adaptive_damping: bool = False,
+        damping_adaptation_interval: int = 5,
+        damping_adaptation_decay: float = 0.95,
     ):
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -152,6 +155,11 @@ class CurvatureOptimizer(Optimizer):
         self.unsupported = unsupported
         self.auto_output = auto_output
         self.grad_scaler = grad_scaler
+        self.adaptive_damping = adaptive_damping
+        self.damping_adaptation_interval = damping_adaptation_interval
+        self.damping_adaptation_decay = damping_adaptation_decay
+        self.last_reduction_ratio: Optional[float] = None
+        self._evaluating = False
         self.generator = torch.Generator().manual_seed(seed)
         self.steps = 0
         self.skipped_statistics = 0
@@ -238,6 +246,9 @@ class CurvatureOptimizer(Optimizer):
         return self.steps % self.factor_every == 0
 
     def _on_forward_start(self) -> None:
+        if self._evaluating:
+            self._capture._recording = False
+            return
         # empirical: fold the calls whose backward already ran (bounded memory under
         # gradient accumulation); drop calls whose backward never came (eval forwards).
         if self.fisher == "empirical":
@@ -246,6 +257,8 @@ class CurvatureOptimizer(Optimizer):
         self._capture._recording = self._due and self.model.training and not self._closed
 
     def _on_forward_end(self, output: Any) -> None:
+        if self._evaluating:
+            return
         if not (self._due and self.model.training and torch.is_grad_enabled()):
             return
         if self.fisher == "forward-only":
@@ -333,7 +346,21 @@ class CurvatureOptimizer(Optimizer):
     # -- the step -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:
-        """One update. ``closure`` (optional) re-evaluates the loss, as in ``torch.optim``."""
+        """One update. ``closure`` (optional) re-evaluates the loss, as in ``torch.optim``.
+
+        With ``adaptive_damping=True`` a closure is required: every
+        ``damping_adaptation_interval`` steps it is evaluated again after the update to
+        compare the actual loss change with the quadratic model's prediction
+        ``q(d) = g^T d + 1/2 d^T (C + lambda) d`` (``C`` the curvature approximation):
+        the reduction ratio ``rho > 3/4`` multiplies the damping by
+        ``damping_adaptation_decay``, ``rho < 1/4`` divides it (Levenberg-Marquardt,
+        Martens & Grosse 2015).
+        """
+        if self.adaptive_damping and closure is None:
+            raise ValueError(
+                f"{type(self).__name__}(adaptive_damping=True).step() needs a closure that "
+                "re-evaluates the loss (and calls backward)."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -348,12 +375,50 @@ class CurvatureOptimizer(Optimizer):
         if self.steps % self.inverse_every == 0 or self._needs_refresh():
             self._refresh()
         grads = self._flat_grads()
+        adapt = (
+            self.adaptive_damping
+            and grads is not None
+            and self.steps % self.damping_adaptation_interval == 0
+        )
+        before = self._flat_params() if adapt else None
         if grads is not None:
             directions = self._precondition(grads)
             self._apply(directions, grads)
+        if adapt:
+            self._adapt_damping(closure, float(loss.detach()), grads, self._flat_params() - before)
         self.steps += 1
         self._capture._recording = self._due and not self._closed
         return loss
+
+    def _flat_params(self) -> Tensor:
+        return torch.cat(
+            [
+                p.detach().reshape(-1).double()
+                for n, p in self.model.named_parameters()
+                if n in self._offsets
+            ]
+        )
+
+    def _adapt_damping(self, closure, loss_before: float, grads: Tensor, delta: Tensor) -> None:
+        self._evaluating = True
+        try:
+            with torch.enable_grad():
+                loss_after = float(closure().detach())
+        finally:
+            self._evaluating = False
+        lam = self.param_groups[0]["damping"]
+        d = delta.to(grads.dtype)
+        q = float(grads @ d + 0.5 * (d @ self._curvature_matvec(d)) + 0.5 * lam * (d @ d))
+        rho = (loss_after - loss_before) / q if q < 0 else float("nan")
+        self.last_reduction_ratio = rho
+        omega = self.damping_adaptation_decay
+        factor = omega if rho > 0.75 else (1 / omega if (rho < 0.25 or rho != rho) else 1.0)
+        for g in self.param_groups:
+            g["damping"] = g["damping"] * factor
+
+    def _curvature_matvec(self, v: Tensor) -> Tensor:
+        """The curvature approximation times a flat vector (no damping)."""
+        raise NotImplementedError
 
     def _needs_refresh(self) -> bool:
         return False

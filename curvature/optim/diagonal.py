@@ -80,6 +80,13 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             out[ix] = grads[ix] / (d.to(grads.dtype) + damping[ix])
         return out
 
+    def _curvature_matvec(self, v: Tensor) -> Tensor:
+        out = torch.zeros_like(v)
+        for name, d in self.diagonal_.items():
+            ix = self._ix[name].to(v.device)
+            out[ix] = d.to(v.dtype) * v[ix]
+        return out
+
     def _curvature_state(self) -> Dict[str, Any]:
         return {
             "diagonal": {k: v.clone() for k, v in self.diagonal_.items()},

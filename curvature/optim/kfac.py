@@ -65,7 +65,10 @@ class KFAC(CurvatureOptimizer):
         factor_every: Collect statistics every this many steps.
         inverse_every: Refresh decompositions every this many steps.
         kl_clip: Scale updates so that ``lr^2 d^T g <= kl_clip`` (None: off).
-        damping_mode: ``"exact"`` or ``"pi"``.
+        damping_mode: ``"pi"`` (default; Tikhonov damping of each factor with the pi
+            heuristic, more conservative in directions where one factor is large) or
+            ``"exact"`` (``kron(G, A) + lambda I`` inverted exactly in the eigenbasis).
+            EKFAC always damps its corrected eigenvalues exactly.
         unsupported: For parameters no rule covers: ``"warn"`` (plain gradient, one
             warning), ``"error"``, or ``"diagonal"`` (diagonal empirical Fisher).
         auto_output: Run the curvature backward at the end of every training forward
@@ -256,6 +259,25 @@ class KFAC(CurvatureOptimizer):
             ix = _exact_index(module, name, self._offsets).to(grads.device)
             group = groups.get(self._layer_param(name), self.param_groups[0])
             out[ix] = grads[ix] / (d.to(grads.dtype) + group["damping"])
+        return out
+
+    def _curvature_matvec(self, v: Tensor) -> Tensor:
+        out = torch.zeros_like(v)
+        for key, index in self._index.items():
+            if key not in self._eig:
+                continue
+            ix = index.to(v.device)
+            lA, QA, lG, QG = (t.to(v.dtype) for t in self._eig[key])
+            rot = QG.mT @ v[ix] @ QA
+            if self._ekfac and key in self._lambda:
+                rot = rot * self._lambda[key].to(v.dtype)
+            else:
+                rot = rot * (lG[..., :, None] * lA[..., None, :])
+            out[ix] = QG @ rot @ QA.mT
+        for name, d in self._diag.items():
+            module, _ = self._layers[name]
+            ix = _exact_index(module, name, self._offsets).to(v.device)
+            out[ix] = d.to(v.dtype) * v[ix]
         return out
 
     def _layer_param(self, name: str):

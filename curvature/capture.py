@@ -155,6 +155,7 @@ class Capture:
         versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
         call = Call(args, kwargs, versions, edges, meta, index)
         call.out_views = views
+        call.slots = _forward_laplacian_slots()
         if self._rules[name].needs_outputs:
             call.outputs = [leaves[i] for i in index]
         if self._push:
@@ -229,6 +230,7 @@ class Capture:
         *,
         is_grads_batched: bool = False,
         retain_graph: bool = True,
+        unreached: str = "zeros",
     ) -> None:
         """Backpropagate through the captured graph and store ``g`` on every call.
 
@@ -243,6 +245,8 @@ class Capture:
             grad_outputs: Vectors injected at ``outputs`` (ones for scalars if omitted).
             is_grads_batched: Whether ``grad_outputs`` have a leading batch axis ``[K]``.
             retain_graph: Keep the graph for further pulls or a later ``backward()``.
+            unreached: Calls that ``outputs`` do not depend on get zero gradients
+                (``"zeros"``) or keep ``grads=None`` (``"skip"``).
 
         """
         active = self._active()
@@ -292,7 +296,11 @@ class Capture:
             lead = (first.shape[0],)
         it = iter(grads)
         for c in calls:
-            _assign_grads(c, [next(it) for _ in c.out_edges], lead)
+            gs = [next(it) for _ in c.out_edges]
+            if unreached == "skip" and all(g is None for g in gs):
+                c.grads = None
+                continue
+            _assign_grads(c, gs, lead)
 
     @contextmanager
     def _computing(self) -> Iterator[None]:
@@ -387,6 +395,14 @@ class Capture:
         self._pull_losses(losses, retain_graph)
         with self._computing():
             return sum(rule.gram(module, calls) for _, module, rule, calls in self._active())
+
+
+def _forward_laplacian_slots() -> Optional[int]:
+    try:
+        from .laplacian import current_slots
+    except ImportError:  # pragma: no cover - laplacian module not available
+        return None
+    return current_slots()
 
 
 def _assign_grads(c: Call, grads: Sequence[Optional[Tensor]], lead: Tuple[int, ...]) -> None:

@@ -73,3 +73,16 @@ def damped_solve(M: Tensor, damping: float, v: Tensor) -> Tensor:
 def top_eigenvalues(M: Tensor, k: int) -> list:
     """The ``k`` largest eigenvalues of a dense symmetric matrix, descending."""
     return torch.linalg.eigvalsh(symmetrize(M)).flip(0)[:k].tolist()
+
+
+def generalized_eigh(B: Tensor, A: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
+    """``(mu, P)`` with ``P^T A P = I`` and ``P^T B P = diag(mu)`` (``A`` positive definite).
+
+    Simultaneous diagonalization of two symmetric matrices (batched), used to invert a sum
+    of two Kronecker products exactly: with ``A = Q diag(l) Q^T``,
+    ``A^{-1/2} B A^{-1/2} = U diag(mu) U^T`` and ``P = A^{-1/2} U``.
+    """
+    lA, QA = eigh(A, name=name)
+    inv_sqrt = QA @ torch.diag_embed(lA.clamp_min(torch.finfo(lA.dtype).tiny).rsqrt()) @ QA.mT
+    mu, U = eigh(inv_sqrt @ B @ inv_sqrt, name=name)
+    return mu, inv_sqrt @ U

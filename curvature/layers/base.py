@@ -42,6 +42,8 @@ class Call:
             (with a leading ``[K]`` axis for batched pulls), else ``None``.
         outputs: The recorded outputs themselves, kept only for rules that set
             ``needs_outputs`` (to verify a replay), else ``None``.
+        slots: In a forward Laplacian, the number ``d + 2`` of stacked slots (value,
+            ``d`` derivatives, Laplacian) on the axis before the features, else ``None``.
 
     """
 
@@ -55,6 +57,7 @@ class Call:
     outputs: Optional[List[Tensor]] = field(default=None, repr=False)
     out_views: List[Any] = field(default_factory=list, repr=False)
     pushed: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
+    slots: Optional[int] = None
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""
@@ -199,6 +202,20 @@ class LinearFamilyRule(LayerRule):
             bias is not None and bias.requires_grad,
         )
 
+    @staticmethod
+    def bias_column(call: Call, a: Tensor) -> Tensor:
+        """The bias coordinate ``[N, S, C, 1]`` of the expanded input.
+
+        1 everywhere, except in a forward Laplacian (``call.slots`` set), where the bias
+        acts on the value slot only: 1 on slot 0 and 0 on the derivative slots.
+        """
+        col = a.new_ones(*a.shape[:-1], 1)
+        if call.slots is not None:
+            col = col.view(a.shape[0], -1, call.slots, *a.shape[2:-1], 1).clone()
+            col[:, :, 1:] = 0
+            col = col.view(*a.shape[:-1], 1)
+        return col
+
     def expand_calls(self, module: nn.Module, calls: Sequence[Call]) -> Tuple[Tensor, Tensor]:
         """Expanded inputs with trainable columns, all calls concatenated along ``S``.
 
@@ -214,7 +231,7 @@ class LinearFamilyRule(LayerRule):
             a, g = self.expand(module, call)
             parts = [a] if has_w else []
             if has_b:
-                parts.append(a.new_ones(*a.shape[:-1], 1))
+                parts.append(self.bias_column(call, a))
             a_list.append(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
             g_list.append(g)
         if len(calls) == 1:
@@ -250,7 +267,8 @@ class LinearFamilyRule(LayerRule):
                     else:
                         flat.baddbmm_(gt, at)
             if has_b:
-                b = g.sum(1).reshape(N, *module.bias.shape)
+                col = self.bias_column(call, a)  # [N, S, C, 1]
+                b = (g * col).sum(1).reshape(N, *module.bias.shape)
                 res["bias"] = b if i == 0 else res["bias"] + b
         if has_b and out is not None and "bias" in out:
             res["bias"] = out["bias"].copy_(res["bias"])

@@ -164,6 +164,7 @@ class CurvatureOptimizer(Optimizer):
         self.steps = 0
         self.skipped_statistics = 0
         self._registered = False
+        self._term = 0
 
         # parameter bookkeeping: flat positions over the model's trainable parameters
         self._names = {p: n for n, p in self.model.named_parameters()}
@@ -282,8 +283,12 @@ class CurvatureOptimizer(Optimizer):
         """Use ``output`` (with ``loss_func``) for this step's curvature backward.
 
         May be called several times per step (several heads, a PINN's interior and
-        boundary residuals): their statistics add up. The first call of a step discards
-        the statistics of the automatic model-output backward of that step.
+        boundary residuals). Each registration of a step is its own *term* (numbered in
+        call order): a layer reached by several terms is preconditioned with the sum of
+        their Kronecker products, inverted exactly for two terms (see
+        :class:`~curvature.KFAC`). The first call of a step discards the statistics of
+        the automatic model-output backward of that step. Only the layer calls that
+        ``output`` depends on are used.
         """
         if self.fisher in ("empirical", "forward-only"):
             raise ValueError(
@@ -297,8 +302,10 @@ class CurvatureOptimizer(Optimizer):
         if not self._registered:
             self._step_stats.clear()
             self._registered = True
+            self._term = 0
         if self._due:
             self._pull(output, loss_func, target)
+        self._term += 1
 
     def _pull(self, output: Tensor, loss_func: nn.Module, target: Optional[Tensor]) -> None:
         V = backprop_sources(
@@ -309,10 +316,14 @@ class CurvatureOptimizer(Optimizer):
             mc_samples=self.mc_samples,
             generator=self.generator,
         )
-        self._capture.pull(output, V, is_grads_batched=True, retain_graph=True)
-        calls = self._capture._active()
-        self._consume(calls)
-        self._capture.clear()
+        self._capture.pull(output, V, is_grads_batched=True, retain_graph=True, unreached="skip")
+        reached = []
+        for name, module, rule, cs in self._capture._active():
+            done = [c for c in cs if c.grads is not None]
+            if done:
+                reached.append((name, module, rule, done))
+                self._capture._calls[name] = [c for c in cs if c.grads is None]
+        self._consume(reached)
 
     def _consume(self, calls, with_g: bool = True, scale_by_reduction: bool = False) -> None:
         """Fold calls (with ``grads`` set) into this step's statistics, then release them."""
@@ -331,7 +342,11 @@ class CurvatureOptimizer(Optimizer):
     def _add_step_stat(
         self, key: Tuple[str, str], values: Sequence[Optional[Tensor]], count
     ) -> None:
-        """Add statistics sums of one forward, skipping non-finite ones (counted)."""
+        """Add statistics sums of one forward, skipping non-finite ones (counted).
+
+        Keys get the current term appended: ``(name, suffix, term)``.
+        """
+        key = (*key, self._term if self._registered else 0)
         if any(v is not None and not torch.isfinite(v).all() for v in values):
             self.skipped_statistics += 1
             return
@@ -372,6 +387,7 @@ class CurvatureOptimizer(Optimizer):
             self._update_statistics(self._step_stats)
         self._step_stats = {}
         self._registered = False
+        self._term = 0
         if self.steps % self.inverse_every == 0 or self._needs_refresh():
             self._refresh()
         grads = self._flat_grads()

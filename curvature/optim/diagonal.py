@@ -59,7 +59,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 
     def _update_statistics(self, step_stats) -> None:
         beta = self.factor_decay
-        for (name, _), (values, _, n_fwd) in step_stats.items():
+        for (name, _, _), (values, _, n_fwd) in step_stats.items():
             d = values[0] / n_fwd
             prev = self.diagonal_.get(name)
             self.diagonal_[name] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)

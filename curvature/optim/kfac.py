@@ -27,10 +27,14 @@ from ..kfac import (
     _per_vector_grads,
     eigenvalue_corrections,
 )
-from ..linalg import eigh
+from ..linalg import eigh, generalized_eigh
 from .base import CurvatureOptimizer
 
 Key = Tuple[str, str]
+
+
+def _clone(x):
+    return x.clone() if isinstance(x, Tensor) else x
 
 
 def _block_name(key: Key) -> str:
@@ -90,7 +94,7 @@ class KFAC(CurvatureOptimizer):
     _ekfac = False
 
     def __init__(self, model, lr=1e-2, damping=1e-3, momentum=0.0, weight_decay=0.0, **kwargs):
-        self.factors_: Dict[Key, List[Tensor]] = {}
+        self.factors_: Dict[Key, Dict[int, List[Tensor]]] = {}
         self._eig: Dict[Key, Tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._lambda: Dict[Key, Tensor] = {}
         self._diag: Dict[str, Tensor] = {}
@@ -131,11 +135,18 @@ class KFAC(CurvatureOptimizer):
             covered.update(ix.reshape(-1).tolist())
         return [n for n, o in self._offsets.items() if o in covered]
 
-    def factors(self) -> Dict[str, Tuple[Tensor, Tensor]]:
-        """Block name to the running ``(A, G)`` (``[groups, D, D]`` for grouped convs)."""
-        out = {}
-        for key, (A, G) in self.factors_.items():
-            out[_block_name(key)] = (A[0], G[0]) if A.shape[0] == 1 else (A, G)
+    def factors(self) -> Dict[str, Any]:
+        """Block name to the running ``(A, G)`` (``[groups, D, D]`` for grouped convs).
+
+        A block reached by several registered outputs (terms) maps to the list of their
+        ``(A, G)`` in registration order.
+        """
+        out: Dict[str, Any] = {}
+        for key, terms in self.factors_.items():
+            pairs = [
+                (A[0], G[0]) if A.shape[0] == 1 else (A, G) for _, (A, G) in sorted(terms.items())
+            ]
+            out[_block_name(key)] = pairs[0] if len(pairs) == 1 else pairs
         return out
 
     # -- statistics ----------------------------------------------------------------------------
@@ -158,8 +169,8 @@ class KFAC(CurvatureOptimizer):
             bases = {}
             for key in res:
                 k = (name, key)
-                if k in self._eig:
-                    _, QA, _, QG = self._eig[k]
+                if k in self._eig and self._eig[k][0] == "one":
+                    _, _, QA, _, QG = self._eig[k]
                     bases[_block_name(k)] = (QA, QG)
             lambdas = eigenvalue_corrections(name, module, rule, calls, bases)
         for suffix, (A_sum, G_sum, count) in res.items():
@@ -178,11 +189,12 @@ class KFAC(CurvatureOptimizer):
 
     def _update_statistics(self, step_stats) -> None:
         beta = self.factor_decay
-        for key, (values, count, n_fwd) in step_stats.items():
-            if key[1] == "<diag>":
-                d, prev = values[0] / n_fwd, self._diag.get(key[0])
-                self._diag[key[0]] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)
+        for (name, suffix, term), (values, count, n_fwd) in step_stats.items():
+            if suffix == "<diag>":
+                d, prev = values[0] / n_fwd, self._diag.get(name)
+                self._diag[name] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)
                 continue
+            key = (name, suffix)
             A_sum, G_sum, lam = values
             A = A_sum / count
             if G_sum is None:  # forward-only: G = I
@@ -190,13 +202,14 @@ class KFAC(CurvatureOptimizer):
                 G = torch.eye(D_out, dtype=A.dtype, device=A.device).expand(A.shape[0], -1, -1)
             else:
                 G = G_sum / n_fwd
-            old = self.factors_.get(key)
+            terms = self.factors_.setdefault(key, {})
+            old = terms.get(term)
             if old is None:
-                self.factors_[key] = [A, G.clone()]
+                terms[term] = [A, G.clone()]
             else:
                 old[0].mul_(beta).add_(A, alpha=1 - beta)
                 old[1].mul_(beta).add_(G, alpha=1 - beta)
-            if lam is not None:
+            if lam is not None and term == 0:
                 lam = lam / n_fwd
                 prev = self._lambda.get(key)
                 self._lambda[key] = (
@@ -206,12 +219,32 @@ class KFAC(CurvatureOptimizer):
     def _needs_refresh(self) -> bool:
         return any(k not in self._eig for k in self.factors_)
 
+    def _block_damping(self, key: Key) -> float:
+        group = self._group_of().get(self._block_param[key], self.param_groups[0])
+        return group["damping"]
+
+    @staticmethod
+    def _two_terms(terms: Dict[int, List[Tensor]]) -> Tuple[List[Tensor], List[Tensor]]:
+        """The first term and the rest (merged: mean of the ``A``, sum of the ``G``)."""
+        ordered = [terms[t] for t in sorted(terms)]
+        first, rest = ordered[0], ordered[1:]
+        if len(rest) == 1:
+            return first, rest[0]
+        A = sum(r[0] for r in rest) / len(rest)
+        G = sum(r[1] for r in rest)
+        return first, [A, G]
+
     def _refresh(self) -> None:
-        for key, (A, G) in self.factors_.items():
+        for key, terms in self.factors_.items():
             name = _block_name(key) or "<model>"
             try:
-                lA, QA = eigh(A, name=f"A of '{name}'")
-                lG, QG = eigh(G, name=f"G of '{name}'")
+                if len(terms) == 1:
+                    A, G = next(iter(terms.values()))
+                    lA, QA = eigh(A, name=f"A of '{name}'")
+                    lG, QG = eigh(G, name=f"G of '{name}'")
+                    self._eig[key] = ("one", lA, QA, lG, QG)
+                else:
+                    self._eig[key] = self._decompose_two(key, terms)
             except RuntimeError as err:
                 if key in self._eig:
                     warnings.warn(
@@ -222,12 +255,26 @@ class KFAC(CurvatureOptimizer):
                     continue
                 raise RuntimeError(
                     f"{type(self).__name__}: decomposition of layer '{name}' failed "
-                    f"repeatedly; increase damping (now "
-                    f"{self.param_groups[0]['damping']}). Cause: {err}"
+                    f"repeatedly; increase damping (now {self._block_damping(key)}). "
+                    f"Cause: {err}"
                 ) from err
-            self._eig[key] = (lA, QA, lG, QG)
             if self._ekfac:
                 self._lambda.pop(key, None)  # stale: re-estimated in the new basis
+
+    def _decompose_two(self, key: Key, terms) -> tuple:
+        """``(A1 + pi sqrt(l) I) x (G1 + sqrt(l)/pi I) + A2 x G2`` simultaneously diagonalized."""
+        (A1, G1), (A2, G2) = self._two_terms(terms)
+        lam = self._block_damping(key)
+        dA, dG = A1.shape[-1], G1.shape[-1]
+        trA = A1.diagonal(dim1=-2, dim2=-1).sum(-1) / dA
+        trG = G1.diagonal(dim1=-2, dim2=-1).sum(-1) / dG
+        pi = (trA / trG.clamp_min(1e-30)).clamp_min(1e-30).sqrt()[..., None, None]
+        eyeA = torch.eye(dA, dtype=A1.dtype, device=A1.device)
+        eyeG = torch.eye(dG, dtype=G1.dtype, device=G1.device)
+        name = _block_name(key)
+        muA, PA = generalized_eigh(A2, A1 + pi * lam**0.5 * eyeA, name=f"A of '{name}'")
+        muG, PG = generalized_eigh(G2, G1 + lam**0.5 / pi * eyeG, name=f"G of '{name}'")
+        return ("two", muA, PA, muG, PG, lam)
 
     # -- preconditioning ------------------------------------------------------------------------
     def _precondition(self, grads: Tensor) -> Tensor:
@@ -238,9 +285,17 @@ class KFAC(CurvatureOptimizer):
                 continue
             ix = index.to(grads.device)
             M = grads[ix]
-            group = groups.get(self._block_param[key], self.param_groups[0])
-            lam = group["damping"]
-            lA, QA, lG, QG = (t.to(grads.dtype) for t in self._eig[key])
+            lam = self._block_damping(key)
+            kind, *parts = self._eig[key]
+            if kind == "two":
+                if parts[-1] != lam:  # the damping changed (adaptive): decompose again
+                    self._eig[key] = self._decompose_two(key, self.factors_[key])
+                    kind, *parts = self._eig[key]
+                muA, PA, muG, PG = (t.to(grads.dtype) for t in parts[:4])
+                rot = (PG.mT @ M @ PA) / (1 + muG[..., :, None] * muA[..., None, :])
+                out[ix] = PG @ rot @ PA.mT
+                continue
+            lA, QA, lG, QG = (t.to(grads.dtype) for t in parts)
             rot = QG.mT @ M @ QA
             if self._ekfac and key in self._lambda:
                 rot = rot / (self._lambda[key].to(grads.dtype) + lam)
@@ -264,16 +319,19 @@ class KFAC(CurvatureOptimizer):
     def _curvature_matvec(self, v: Tensor) -> Tensor:
         out = torch.zeros_like(v)
         for key, index in self._index.items():
-            if key not in self._eig:
+            if key not in self.factors_:
                 continue
             ix = index.to(v.device)
-            lA, QA, lG, QG = (t.to(v.dtype) for t in self._eig[key])
-            rot = QG.mT @ v[ix] @ QA
-            if self._ekfac and key in self._lambda:
-                rot = rot * self._lambda[key].to(v.dtype)
+            M = v[ix]
+            if self._ekfac and key in self._lambda and self._eig.get(key, ("",))[0] == "one":
+                _, _, QA, _, QG = (
+                    t if isinstance(t, str) else t.to(v.dtype) for t in self._eig[key]
+                )
+                out[ix] = QG @ ((QG.mT @ M @ QA) * self._lambda[key].to(v.dtype)) @ QA.mT
             else:
-                rot = rot * (lG[..., :, None] * lA[..., None, :])
-            out[ix] = QG @ rot @ QA.mT
+                out[ix] = sum(
+                    G.to(v.dtype) @ M @ A.to(v.dtype) for A, G in self.factors_[key].values()
+                )
         for name, d in self._diag.items():
             module, _ = self._layers[name]
             ix = _exact_index(module, name, self._offsets).to(v.device)
@@ -287,15 +345,21 @@ class KFAC(CurvatureOptimizer):
     # -- state ------------------------------------------------------------------------------------
     def _curvature_state(self) -> Dict[str, Any]:
         return {
-            "factors": {k: [t.clone() for t in v] for k, v in self.factors_.items()},
-            "eig": {k: tuple(t.clone() for t in v) for k, v in self._eig.items()},
+            "factors": {
+                k: {t: [x.clone() for x in v] for t, v in terms.items()}
+                for k, terms in self.factors_.items()
+            },
+            "eig": {k: tuple(_clone(t) for t in v) for k, v in self._eig.items()},
             "lambda": {k: v.clone() for k, v in self._lambda.items()},
             "diag": {k: v.clone() for k, v in self._diag.items()},
         }
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
-        self.factors_ = {tuple(k): [t.clone() for t in v] for k, v in state["factors"].items()}
-        self._eig = {tuple(k): tuple(t.clone() for t in v) for k, v in state["eig"].items()}
+        self.factors_ = {
+            tuple(k): {t: [x.clone() for x in v] for t, v in terms.items()}
+            for k, terms in state["factors"].items()
+        }
+        self._eig = {tuple(k): tuple(_clone(t) for t in v) for k, v in state["eig"].items()}
         self._lambda = {tuple(k): v.clone() for k, v in state["lambda"].items()}
         self._diag = {k: v.clone() for k, v in state["diag"].items()}
 

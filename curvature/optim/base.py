@@ -69,6 +69,7 @@ class CurvatureOptimizer(Optimizer):
         adaptive_damping: bool = False,
         damping_adaptation_interval: int = 5,
         damping_adaptation_decay: float = 0.95,
+        line_search_grid: Optional[Sequence[float]] = None,
     ):
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -156,6 +157,16 @@ class CurvatureOptimizer(Optimizer):
         self.auto_output = auto_output
         self.grad_scaler = grad_scaler
         self.adaptive_damping = adaptive_damping
+        if line_search_grid is not None:
+            grid = [float(x) for x in line_search_grid]
+            if not grid or any(x <= 0 for x in grid):
+                raise ValueError(
+                    f"{name}(line_search_grid={line_search_grid!r}): a non-empty sequence of "
+                    "positive learning rates, e.g. [2.0 ** -k for k in range(10)]."
+                )
+            line_search_grid = grid
+        self.line_search_grid = line_search_grid
+        self.last_line_search_lr: Optional[float] = None
         self.damping_adaptation_interval = damping_adaptation_interval
         self.damping_adaptation_decay = damping_adaptation_decay
         self.last_reduction_ratio: Optional[float] = None
@@ -371,6 +382,11 @@ class CurvatureOptimizer(Optimizer):
         ``damping_adaptation_decay``, ``rho < 1/4`` divides it (Levenberg-Marquardt,
         Martens & Grosse 2015).
         """
+        if self.line_search_grid is not None and closure is None:
+            raise ValueError(
+                f"{type(self).__name__}(line_search_grid=...).step() needs a closure that "
+                "returns the loss."
+            )
         if self.adaptive_damping and closure is None:
             raise ValueError(
                 f"{type(self).__name__}(adaptive_damping=True).step() needs a closure that "
@@ -399,12 +415,53 @@ class CurvatureOptimizer(Optimizer):
         before = self._flat_params() if adapt else None
         if grads is not None:
             directions = self._precondition(grads)
-            self._apply(directions, grads)
+            if self.line_search_grid is not None:
+                self._line_search(closure, directions)
+            else:
+                self._apply(directions, grads)
         if adapt:
             self._adapt_damping(closure, float(loss.detach()), grads, self._flat_params() - before)
         self.steps += 1
         self._capture._recording = self._due and not self._closed
         return loss
+
+    def _line_search(self, closure, directions: Tensor) -> None:
+        """Take the step ``-lr d`` with the ``lr`` of the grid that gives the lowest loss.
+
+        The grid replaces the groups' learning rates; momentum and weight decay are not
+        applied (the variant of Dangel, Mueller & Zeinhofer, 2024, for PINNs).
+        """
+        params = [
+            (p, self._offsets[n]) for n, p in self.model.named_parameters() if n in self._offsets
+        ]
+        start = [p.detach().clone() for p, _ in params]
+
+        def move(lr: float) -> None:
+            for (p, o), p0 in zip(params, start):
+                d = directions[o : o + p.numel()].view_as(p).to(p.dtype)
+                p.copy_(p0 - lr * d)
+
+        best, best_loss = None, float("inf")
+        self._evaluating = True
+        try:
+            for lr in self.line_search_grid:
+                move(lr)
+                with torch.enable_grad():
+                    value = float(closure().detach())
+                if value < best_loss:
+                    best, best_loss = lr, value
+        finally:
+            self._evaluating = False
+        self.last_line_search_lr = best
+        if best is None:  # every candidate gave a non-finite loss: stay
+            for (p, _), p0 in zip(params, start):
+                p.copy_(p0)
+            warnings.warn(
+                f"{type(self).__name__}: line search found no finite loss; step skipped.",
+                stacklevel=3,
+            )
+            return
+        move(best)
 
     def _flat_params(self) -> Tensor:
         return torch.cat(

@@ -158,6 +158,7 @@ class Capture:
         call.slots = _forward_laplacian_slots()
         if self._rules[name].needs_outputs:
             call.outputs = [leaves[i] for i in index]
+            call.output_versions = [t._version for t in call.outputs]
         if self._push:
             call.pushed = [None] * len(edges)
             ref = weakref.ref(self)

@@ -55,6 +55,7 @@ class Call:
     out_index: List[int]
     grads: Optional[List[Tensor]] = field(default=None, repr=False)
     outputs: Optional[List[Tensor]] = field(default=None, repr=False)
+    output_versions: Optional[List[int]] = field(default=None, repr=False)
     out_views: List[Any] = field(default_factory=list, repr=False)
     pushed: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
     slots: Optional[int] = None

@@ -117,9 +117,8 @@ class Capture:
             raise RuntimeError("This capture is already active (nested `with`).")
         for calls in self._calls.values():
             calls.clear()
-        ref = weakref.ref(self)
         for name, module, _ in self.layers:
-            hook = _make_forward_hook(ref, name)
+            hook = WeakHook(self, "_on_forward", module, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         self._recording = True
         return self
@@ -137,6 +136,10 @@ class Capture:
     def __del__(self) -> None:
         if hasattr(self, "_handles"):
             self.remove_hooks()
+
+    def _on_forward(self, name: str, module: nn.Module, args, kwargs, output) -> None:
+        if self._recording:
+            self._record(name, module, args, kwargs, output)
 
     def _record(self, name: str, module: nn.Module, args, kwargs, output) -> None:
         leaves, _ = tree_flatten(output)
@@ -480,13 +483,37 @@ def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, outpu
     return prehook
 
 
-def _make_forward_hook(ref: weakref.ReferenceType[Capture], name: str):
-    def hook(module: nn.Module, args, kwargs, output):
-        cap = ref()
-        if cap is not None and cap._recording:
-            cap._record(name, module, args, kwargs, output)
+class WeakHook:
+    """A picklable hook bound weakly to its owner and to the module it was registered on.
 
-    return hook
+    It calls ``owner.<method>(*args)`` only on that very module: copies of the module
+    (``copy.deepcopy`` copies hook dictionaries) and unpickled modules get a hook that
+    does nothing, so they never feed statistics into the original owner.
+    """
+
+    def __init__(self, owner: Any, method: str, module: nn.Module, *extra: Any):
+        self._owner = weakref.ref(owner)
+        self._module = weakref.ref(module)
+        self._method = method
+        self._extra = extra
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:  # noqa: D102
+        owner = self._owner() if self._owner is not None else None
+        if owner is None or module is not (self._module() if self._module else None):
+            return None
+        getattr(owner, self._method)(*self._extra, module, *args)
+        return None
+
+    def __deepcopy__(self, memo: dict) -> WeakHook:
+        copy = WeakHook.__new__(WeakHook)
+        copy._owner, copy._module, copy._method, copy._extra = None, None, self._method, ()
+        return copy
+
+    def __getstate__(self) -> dict:
+        return {"_method": self._method}
+
+    def __setstate__(self, state: dict) -> None:
+        self._owner, self._module, self._method, self._extra = None, None, state["_method"], ()
 
 
 def capture(model: nn.Module, *, fallback: str = "functorch") -> Capture:

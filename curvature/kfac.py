@@ -494,8 +494,8 @@ def eigenvalue_corrections(
 
 def _rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Tensor:
     """``sum_{k,n} (QG^T grad_nk QA)^2`` ``[C, D_out, D]`` from expanded ``a`` and ``g``."""
-    ar = torch.einsum("nsci,cij->nscj", a, QA)
-    gr = torch.einsum("knsco,cop->knscp", g, QG)
+    ar = torch.einsum("nsci,cij->nscj", a.to(QA.dtype), QA)
+    gr = torch.einsum("knsco,cop->knscp", g.to(QG.dtype), QG)
     out = None
     K, N = gr.shape[:2]
     chunk = max(1, 2**22 // max(1, K * a.shape[2] * QA.shape[-1] * QG.shape[-1]))

@@ -203,6 +203,23 @@ def _cos(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return c, -torch.sin(z), -c
 
 
+def _power(p: Any) -> Derivatives:
+    if isinstance(p, Tensor):
+        if p.numel() != 1:
+            raise ValueError(
+                f"laplacian(method='forward'): z ** p needs a scalar exponent; got shape "
+                f"{tuple(p.shape)}."
+            )
+        p = p.item()
+
+    def rule(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        if p == 2:
+            return z * z, 2 * z, torch.full_like(z, 2.0)
+        return z**p, p * z ** (p - 1), p * (p - 1) * z ** (p - 2)
+
+    return rule
+
+
 def _exp(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     e = torch.exp(z)
     return e, e, e
@@ -263,6 +280,7 @@ _SUB = (operator.sub, torch.sub, "sub")
 _MUL = (operator.mul, torch.mul, "mul")
 _DIV = (operator.truediv, torch.div, "div")
 _NEG = (operator.neg, torch.neg, "neg")
+_POW = (operator.pow, torch.pow, "pow")
 
 
 # -- the public function --------------------------------------------------------------------
@@ -699,6 +717,8 @@ def _state_step(
             return lambda env: _product(env[a], env[b])
         s, c = (a, b) if a_state else (b, a)
         return lambda env: env[s] * _constant(value(env, c), env[s])
+    if target in _POW and a_state and not b_state:  # z^p, p a constant number
+        return lambda env: _elementwise(_power(value(env, b)), env[a])
     if target in _DIV and a_state and not b_state:
         return lambda env: env[a] / _constant(value(env, b), env[a])
     raise unsupported(node, f"operation {name} on input-dependent tensors")

@@ -279,6 +279,8 @@ def _mc_sources(loss_func, out, target, M, generator):
         p = out.softmax(ax)
         C = out.shape[ax]
         probs = p.movedim(ax, -1).reshape(-1, C).double().cpu()
+        if not torch.isfinite(probs).all():  # nothing to sample from: non-finite vectors
+            return torch.full((M, *out.shape), float("nan"), dtype=out.dtype, device=out.device)
 
         def one():
             idx = torch.multinomial(probs, 1, generator=generator).view(-1)

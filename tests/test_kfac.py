@@ -371,8 +371,6 @@ def test_factor_shapes(module, X, A_shape, G_shape):
     assert A.shape == A_shape and G.shape == G_shape
 
 
-
-
 def test_forward_only_has_identity_G_and_the_type2_A():
     model, loss_func, X, y = _build(EXACT["deep-linear-mse-N7"], "mean")
     K2 = curvature.kfac(model, loss_func, (X, y))

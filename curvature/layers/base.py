@@ -24,7 +24,7 @@ from .._memory import empty_large
 CHUNK_ELEMENTS = 2**24
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
     """One invocation of a module recorded during a captured forward.
 
@@ -230,6 +230,8 @@ class LinearFamilyRule(LayerRule):
         a_list, g_list = [], []
         for call in calls:
             a, g = self.expand(module, call)
+            if g is not None and a.dtype != g.dtype:  # e.g. bf16 inputs under autocast
+                a = a.to(torch.promote_types(a.dtype, g.dtype))
             parts = [a] if has_w else []
             if has_b:
                 parts.append(self.bias_column(call, a))

@@ -131,7 +131,7 @@ def per_sample_weight_grads(
     gradient of a convolution with ``N * G`` groups is exactly the stack of the per-sample
     weight gradients (the trick of "expanded weights").
     """
-    x, padding = _conv_input(module, x)
+    x, padding = _conv_input(module, x.to(g.dtype))
     N = x.shape[0]
     W = module.weight
     shape = (N * W.shape[0], *W.shape[1:])

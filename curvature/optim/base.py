@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..capture import Capture, _unwrap
+from ..capture import Capture, WeakHook, _unwrap
 from ..layers import LayerRule
 from ..losses import FISHER_TYPES, SUPPORTED_LOSSES, backprop_sources, check_loss
 
@@ -142,7 +141,10 @@ class CurvatureOptimizer(Optimizer):
         for g in self.param_groups:
             for key in ("lr", "damping", "momentum", "weight_decay"):
                 if g[key] < 0 or (key == "damping" and g[key] <= 0):
-                    raise ValueError(f"{name}: param group {key}={g[key]} is invalid.")
+                    allowed = "must be > 0" if key == "damping" else "must be >= 0"
+                    raise ValueError(
+                        f"{name}: param group {key}={g[key]} is invalid; {key} {allowed}."
+                    )
 
         self.fisher = fisher
         self.loss_func = loss_func
@@ -176,6 +178,7 @@ class CurvatureOptimizer(Optimizer):
         self.skipped_statistics = 0
         self._registered = False
         self._term = 0
+        self._forward_scale = 1.0
 
         # parameter bookkeeping: flat positions over the model's trainable parameters
         self._names = {p: n for n, p in self.model.named_parameters()}
@@ -185,6 +188,13 @@ class CurvatureOptimizer(Optimizer):
             raise ValueError(
                 f"{name}: {len(missing)} parameter(s) in param_groups do not belong to the model."
             )
+        self._closed = False
+        self._build()
+        self._check_coverage()
+
+    def _build(self) -> None:
+        """Flat offsets of the trainable parameters, the capture and the root hooks."""
+        self._trainable = tuple(n for n, p in self.model.named_parameters() if p.requires_grad)
         self._offsets: Dict[str, int] = {}
         i = 0
         for n, p in self.model.named_parameters():
@@ -192,20 +202,39 @@ class CurvatureOptimizer(Optimizer):
                 self._offsets[n] = i
                 i += p.numel()
         self._num_flat = i
-
         self._capture = Capture(self.model, fallback="functorch")
         self._capture.__enter__()
-        if fisher == "empirical":
+        if self.fisher == "empirical":
             self._capture.watch_backward(True)
-        ref = weakref.ref(self)
-        self._root_handle = self.model.register_forward_hook(_root_hook(ref))
-        self._pre_handle = self.model.register_forward_pre_hook(_pre_hook(ref))
-        self._step_stats: Dict[Tuple[str, str], list] = {}
+        self._root_handle = self.model.register_forward_hook(
+            WeakHook(self, "_root_forward_end", self.model)
+        )
+        self._pre_handle = self.model.register_forward_pre_hook(
+            WeakHook(self, "_root_forward_start", self.model)
+        )
+        self._step_stats: Dict[Tuple[str, str, int], list] = {}
         self._layers: Dict[str, Tuple[nn.Module, LayerRule]] = {
             n: (m, r) for n, m, r in self._capture.layers
         }
-        self._closed = False
-        self._check_coverage()
+
+    def _check_trainable(self) -> None:
+        """Rebuild (and reset the curvature) when parameters were frozen or unfrozen."""
+        now = tuple(n for n, p in self.model.named_parameters() if p.requires_grad)
+        if now == self._trainable or self._closed:
+            return
+        warnings.warn(
+            f"{type(self).__name__}: the trainable parameters changed since the last step; "
+            "the curvature estimates are reset.",
+            stacklevel=3,
+        )
+        self._capture.remove_hooks()
+        self._root_handle.remove()
+        self._pre_handle.remove()
+        self._build()
+        self._reset_curvature()
+
+    def _reset_curvature(self) -> None:
+        raise NotImplementedError
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
@@ -257,15 +286,23 @@ class CurvatureOptimizer(Optimizer):
     def _due(self) -> bool:
         return self.steps % self.factor_every == 0
 
+    def _root_forward_start(self, module, args) -> None:
+        if not self._closed:
+            self._on_forward_start()
+
+    def _root_forward_end(self, module, args, output) -> None:
+        if not self._closed:
+            self._on_forward_end(output)
+
     def _on_forward_start(self) -> None:
         if self._evaluating:
             self._capture._recording = False
             return
         # empirical: fold the calls whose backward already ran (bounded memory under
-        # gradient accumulation); drop calls whose backward never came (eval forwards).
+        # gradient accumulation); calls still waiting for their backward stay.
         if self.fisher == "empirical":
             self._consume(self._capture.take_pushed(), scale_by_reduction=True)
-            self._capture.clear()
+        self._forward_scale = self._loss_scale()
         self._capture._recording = self._due and self.model.training and not self._closed
 
     def _on_forward_end(self, output: Any) -> None:
@@ -286,7 +323,14 @@ class CurvatureOptimizer(Optimizer):
                 "tensor with a graph; name the curvature outputs with "
                 "optim.register_output(output, loss_func) and pass auto_output=False."
             )
-        self._pull(output, self.loss_func, None)
+        self._pull(output, self.loss_func, None, keep_calls=False)
+
+    def _loss_scale(self) -> float:
+        """The AMP loss scale of the current forward (1 without a grad scaler)."""
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            return float(scaler.get_scale())
+        return 1.0
 
     def register_output(
         self, output: Tensor, loss_func: Optional[nn.Module] = None, target: Optional[Tensor] = None
@@ -315,10 +359,20 @@ class CurvatureOptimizer(Optimizer):
             self._registered = True
             self._term = 0
         if self._due:
-            self._pull(output, loss_func, target)
+            self._pull(output, loss_func, target, keep_calls=True)
         self._term += 1
 
-    def _pull(self, output: Tensor, loss_func: nn.Module, target: Optional[Tensor]) -> None:
+    def _pull(
+        self, output: Tensor, loss_func: nn.Module, target: Optional[Tensor], keep_calls: bool
+    ) -> None:
+        """Backpropagate the Fisher's vectors from ``output``; fold the reached calls.
+
+        ``keep_calls``: registered outputs may share layer calls (two heads of one
+        forward), so calls stay until ``step()``; the automatic output owns its forward.
+        """
+        if not torch.isfinite(output.detach()).all():
+            self.skipped_statistics += 1
+            return
         V = backprop_sources(
             loss_func,
             output,
@@ -333,7 +387,8 @@ class CurvatureOptimizer(Optimizer):
             done = [c for c in cs if c.grads is not None]
             if done:
                 reached.append((name, module, rule, done))
-                self._capture._calls[name] = [c for c in cs if c.grads is None]
+                if not keep_calls:
+                    self._capture._calls[name] = [c for c in cs if c.grads is None]
         self._consume(reached)
 
     def _consume(self, calls, with_g: bool = True, scale_by_reduction: bool = False) -> None:
@@ -343,8 +398,12 @@ class CurvatureOptimizer(Optimizer):
                 if scale_by_reduction:  # user backward: g = R grad l_n, no [K] axis yet
                     for c in cs:
                         N = rule.batch_size(module, c)
-                        scale = _reduction_rescale(self.loss_func, N, self.grad_scaler)
-                        c.grads = [(g * scale).unsqueeze(0) for g in c.grads]
+                        scale = _reduction_rescale(self.loss_func, N) / self._forward_scale
+                        c.grads = [(_promote(g) * scale).unsqueeze(0) for g in c.grads]
+                else:
+                    for c in cs:
+                        if c.grads is not None:
+                            c.grads = [_promote(g) for g in c.grads]
                 self._accumulate(name, module, rule, cs, with_g)
 
     def _accumulate(self, name, module, rule, calls, with_g) -> None:
@@ -396,9 +455,10 @@ class CurvatureOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_trainable()
         if self.fisher == "empirical":
             self._consume(self._capture.take_pushed(), scale_by_reduction=True)
-            self._capture.clear()
+        self._capture.clear()  # calls whose backward never came (or kept for registration)
         if self._due and self._step_stats:
             self._update_statistics(self._step_stats)
         self._step_stats = {}
@@ -608,28 +668,12 @@ def _check(name: str, arg: str, value: Any, ok: bool, allowed: str) -> None:
         raise ValueError(f"{name}({arg}={value!r}): {arg} {allowed}.")
 
 
-def _reduction_rescale(loss_func: Optional[nn.Module], N: int, grad_scaler: Any) -> float:
-    """``1 / sqrt(R)`` (and the AMP loss scale removed): ``g -> sqrt(N) g`` for a mean loss."""
+def _reduction_rescale(loss_func: Optional[nn.Module], N: int) -> float:
+    """``1 / sqrt(R)``: ``g -> sqrt(N) g`` for a mean loss, 1 for a sum."""
     mean = loss_func is None or loss_func.reduction == "mean"
-    scale = math.sqrt(N) if mean else 1.0
-    if grad_scaler is not None and grad_scaler.is_enabled():
-        scale /= float(grad_scaler.get_scale())
-    return scale
+    return math.sqrt(N) if mean else 1.0
 
 
-def _root_hook(ref):
-    def hook(module, args, output):
-        opt = ref()
-        if opt is not None and not opt._closed:
-            opt._on_forward_end(output)
-
-    return hook
-
-
-def _pre_hook(ref):
-    def hook(module, args):
-        opt = ref()
-        if opt is not None and not opt._closed:
-            opt._on_forward_start()
-
-    return hook
+def _promote(t: Tensor) -> Tensor:
+    """Statistics never accumulate in half precision."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

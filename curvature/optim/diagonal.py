@@ -44,6 +44,9 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             covered += [prefix + n for n, p in module.named_parameters() if p.requires_grad]
         return [n for n in self._offsets if n in set(covered)]
 
+    def _reset_curvature(self) -> None:
+        self.diagonal_, self._ix = {}, {}
+
     def _accumulate(self, name, module, rule, calls, with_g) -> None:
         expanded = rule.expanded_blocks(module, calls)
         if expanded is None:

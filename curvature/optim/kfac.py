@@ -4,12 +4,19 @@ Per layer block (see :mod:`curvature.kfac` for the maths), with running factors 
 and ``G`` and damping ``lambda``, the update direction for the gradient matrix ``M``
 (rows: outputs, columns: inputs with the bias last) is
 
-    exact (default):  QG [ (QG^T M QA) / (lG lA^T + lambda) ] QA^T
-    pi:               (G + sqrt(lambda)/pi I)^{-1} M (A + pi sqrt(lambda) I)^{-1}
+    pi (default):     (G + sqrt(lambda)/pi I)^{-1} M (A + pi sqrt(lambda) I)^{-1}
+    exact:            QG [ (QG^T M QA) / (lG lA^T + lambda) ] QA^T
     EKFAC:            QG [ (QG^T M QA) / (Lambda + lambda) ] QA^T
 
 with ``Lambda`` the running second moments of the per-sample (per-vector) gradients in
-the Kronecker eigenbasis (George et al., 2018), re-estimated in each new basis.
+the Kronecker eigenbasis (George et al., 2018). When the basis is refreshed, ``Lambda``
+is carried over as the diagonal of the previous EKFAC matrix in the new basis.
+
+A block reached by two registered outputs (terms; e.g. a PINN's interior and boundary
+residuals) is preconditioned with the exact inverse of
+``(A1 + pi sqrt(lambda) I) x (G1 + sqrt(lambda)/pi I) + A2 x G2`` (simultaneous
+diagonalization; more terms are merged into the second). This damping is always of the
+pi form, and such blocks use no eigenvalue correction.
 """
 
 from __future__ import annotations
@@ -99,6 +106,13 @@ class KFAC(CurvatureOptimizer):
         self._lambda: Dict[Key, Tensor] = {}
         self._diag: Dict[str, Tensor] = {}
         super().__init__(model, lr, damping, momentum, weight_decay, **kwargs)
+        self._structure()
+
+    def _reset_curvature(self) -> None:
+        self.factors_, self._eig, self._lambda, self._diag = {}, {}, {}, {}
+        self._structure()
+
+    def _structure(self) -> None:
         self._index = self._block_indices()
         by_offset = {
             o: p
@@ -242,7 +256,14 @@ class KFAC(CurvatureOptimizer):
                     A, G = next(iter(terms.values()))
                     lA, QA = eigh(A, name=f"A of '{name}'")
                     lG, QG = eigh(G, name=f"G of '{name}'")
+                    previous = self._eig.get(key)
                     self._eig[key] = ("one", lA, QA, lG, QG)
+                    if self._ekfac and key in self._lambda and previous and previous[0] == "one":
+                        # diag of the previous EKFAC matrix in the new basis
+                        RA = (QA.mT @ previous[2]).pow(2)
+                        RG = (QG.mT @ previous[4]).pow(2)
+                        self._lambda[key] = RG @ self._lambda[key] @ RA.mT
+                    continue
                 else:
                     self._eig[key] = self._decompose_two(key, terms)
             except RuntimeError as err:
@@ -258,8 +279,7 @@ class KFAC(CurvatureOptimizer):
                     f"repeatedly; increase damping (now {self._block_damping(key)}). "
                     f"Cause: {err}"
                 ) from err
-            if self._ekfac:
-                self._lambda.pop(key, None)  # stale: re-estimated in the new basis
+            self._lambda.pop(key, None)  # two-term blocks use no eigenvalue correction
 
     def _decompose_two(self, key: Key, terms) -> tuple:
         """``(A1 + pi sqrt(l) I) x (G1 + sqrt(l)/pi I) + A2 x G2`` simultaneously diagonalized."""

@@ -1,0 +1,875 @@
+"""The KFAC / EKFAC optimizers (SPEC section 4) in the ordinary training loop.
+
+Checked against the offline functions: on its first step an optimizer has seen exactly one
+batch, so its factors are ``curvature.kfac(model, loss_func, (X, y))``'s factors and its
+update is ``-lr * kfac(...).inverse_matvec(grad, damping)`` (the factor decay only enters
+from the second step). EKFAC has no eigenvalue corrections in the first basis yet and takes
+KFAC's exact step; from the next collected statistics on it uses ``ekfac(...)``'s
+eigenvalues in that basis. Everything that is exact runs in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import math
+import warnings
+import weakref
+from functools import cache
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+
+KFAC, EKFAC = curvature.KFAC, curvature.EKFAC
+FISHERS = ("empirical", "type-2", "mc", "rademacher", "forward-only")
+# (optimizer, fisher): EKFAC has no forward-only variant (there are no gradients to rotate)
+VARIANTS = [
+    pytest.param(cls, fisher, id=f"{cls.__name__}-{fisher}")
+    for cls in (KFAC, EKFAC)
+    for fisher in FISHERS
+    if not (cls is EKFAC and fisher == "forward-only")
+]
+
+
+@pytest.fixture(autouse=True)
+def _float64_seed_one_thread():
+    # tiny matrices: one intra-op thread is faster (and far faster on a loaded machine)
+    old_dtype, old_threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+        torch.set_num_threads(old_threads)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def mlp(sizes=(4, 6, 3), seed=0, act=nn.Tanh):
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        if i:
+            layers.append(act())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
+
+
+def batch(N=10, D=4, C=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)
+
+
+@cache
+def _digits_numpy(n):
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    X = (X[:n] - X[:n].mean(0)) / (X[:n].std(0) + 1.0)
+    return X, y[:n]
+
+
+def digits(n=200):
+    pytest.importorskip("sklearn")
+    X, y = _digits_numpy(n)
+    return torch.tensor(X, dtype=torch.get_default_dtype()), torch.tensor(y)
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_step(opt, model, loss_func, X, y):
+    opt.zero_grad()
+    loss = loss_func(model(X), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def assert_lists_close(a, b, atol, rtol=0.0):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
+
+
+def assert_factors_close(opt_factors, offline_factors, atol=1e-12):
+    assert set(opt_factors) == set(offline_factors)
+    for name, (A, G) in offline_factors.items():
+        torch.testing.assert_close(opt_factors[name][0], A, atol=atol, rtol=1e-10)
+        torch.testing.assert_close(opt_factors[name][1], G, atol=atol, rtol=1e-10)
+
+
+def first_step(cls, model, loss_func, X, y, **kw):
+    """Take one optimizer step; return the optimizer, the gradients and the update."""
+    kw.setdefault("lr", 1.0)
+    kw.setdefault("damping", 1e-2)
+    opt = cls(model, fisher=kw.pop("fisher", "empirical"), loss_func=loss_func, **kw)
+    before = params(model)
+    opt.zero_grad()
+    loss_func(model(X), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    delta = [p.detach() - q for p, q in zip(model.parameters(), before)]
+    return opt, grads, delta
+
+
+# -- exactness -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_type2_step_solves_linear_least_squares(cls, reduction):
+    """For a Linear layer with MSE, kron(G, A) is the exact Hessian: one step is Newton's."""
+    N, D, C = 40, 5, 3
+    X = torch.randn(N, D)
+    y = X @ torch.randn(D, C) + 0.3 * torch.randn(N, C) + 1.0
+    model = nn.Linear(D, C)
+    loss_func = nn.MSELoss(reduction=reduction)
+    opt = cls(
+        model,
+        lr=1.0,
+        damping=1e-12,
+        fisher="type-2",
+        loss_func=loss_func,
+        damping_mode="exact",
+    )
+    train_step(opt, model, loss_func, X, y)
+    sol = torch.linalg.lstsq(torch.cat([X, torch.ones(N, 1)], 1), y).solution
+    torch.testing.assert_close(model.weight.detach(), sol[:D].T, atol=1e-10, rtol=0)
+    torch.testing.assert_close(model.bias.detach(), sol[D], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("damping_mode", ["exact", "pi"])
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_kfac_first_step_is_offline_inverse_matvec(fisher, damping_mode, reduction):
+    model = mlp((4, 6, 5, 3))
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss(reduction=reduction)
+    approx = curvature.kfac(copy.deepcopy(model), loss_func, (X, y), fisher=fisher)
+    lr, damping = 0.3, 1e-2
+    opt, grads, delta = first_step(
+        KFAC,
+        model,
+        loss_func,
+        X,
+        y,
+        lr=lr,
+        damping=damping,
+        fisher=fisher,
+        damping_mode=damping_mode,
+        factor_decay=0.5,  # irrelevant on the first step
+    )
+    expected = approx.inverse_matvec(grads, damping, mode=damping_mode)
+    assert_lists_close(delta, [-lr * e for e in expected], atol=1e-12)
+    assert_factors_close(opt.factors(), approx.factors)
+    assert opt.steps == 1
+
+
+@pytest.mark.parametrize("damping_mode", ["exact", "pi"])
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_ekfac_first_step_equals_kfac_exact_step(fisher, damping_mode):
+    """No eigenvalue corrections exist in the first basis: EKFAC takes KFAC's exact step
+    (EKFAC always damps its eigenvalues exactly, ``damping_mode`` is for KFAC's pi)."""
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    kw = dict(lr=0.5, damping=1e-2, fisher=fisher)
+    _, _, d_ekfac = first_step(EKFAC, mlp(), loss_func, X, y, damping_mode=damping_mode, **kw)
+    _, grads, d_kfac = first_step(KFAC, mlp(), loss_func, X, y, damping_mode="exact", **kw)
+    assert_lists_close(d_ekfac, d_kfac, atol=1e-14)
+    expected = curvature.kfac(mlp(), loss_func, (X, y), fisher=fisher).inverse_matvec(grads, 1e-2)
+    assert_lists_close(d_ekfac, [-0.5 * e for e in expected], atol=1e-12)
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_ekfac_uses_corrected_eigenvalues_from_the_second_step(fisher):
+    """Step 1 with lr=0 (parameters unchanged, so step 2 sees the same curvature); step 2
+    preconditions with the Kronecker basis of step 1 and the eigenvalues re-estimated in it:
+    exactly ``curvature.ekfac`` on that batch."""
+    model = mlp((4, 6, 5, 3))
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    reference = curvature.ekfac(copy.deepcopy(model), loss_func, (X, y), fisher=fisher)
+    kfac_ref = curvature.kfac(copy.deepcopy(model), loss_func, (X, y), fisher=fisher)
+    damping = 1e-3
+    opt = EKFAC(model, lr=0.0, damping=damping, fisher=fisher, loss_func=loss_func)
+    train_step(opt, model, loss_func, X, y)
+    before = params(model)
+    opt.param_groups[0]["lr"] = 1.0
+    opt.zero_grad()
+    loss_func(model(X), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    delta = [p.detach() - q for p, q in zip(model.parameters(), before)]
+    expected = reference.inverse_matvec(grads, damping)
+    assert_lists_close(delta, [-e for e in expected], atol=1e-9)
+    # and it is not KFAC's step
+    kfac_step = kfac_ref.inverse_matvec(grads, damping)
+    assert max(float((d + e).abs().max()) for d, e in zip(delta, kfac_step)) > 1e-6
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_factors_after_first_step_match_offline_on_digits(fisher, reduction):
+    X, y = digits(64)
+    model = mlp((64, 16, 10))
+    loss_func = nn.CrossEntropyLoss(reduction=reduction)
+    approx = curvature.kfac(copy.deepcopy(model), loss_func, (X, y), fisher=fisher)
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=loss_func)
+    train_step(opt, model, loss_func, X, y)
+    assert_factors_close(opt.factors(), approx.factors)
+
+
+def test_factors_are_exponential_moving_averages():
+    """Step k folds the batch factors in with ``factor_decay``; with a fixed model (lr=0)
+    and two alternating batches the running factors follow the EMA recursion."""
+    model = mlp()
+    loss_func = nn.CrossEntropyLoss()
+    b1, b2 = batch(seed=1), batch(seed=2)
+    f1 = curvature.kfac(copy.deepcopy(model), loss_func, b1).factors
+    f2 = curvature.kfac(copy.deepcopy(model), loss_func, b2).factors
+    beta = 0.7
+    opt = KFAC(model, lr=0.0, damping=1e-2, fisher="type-2", loss_func=loss_func, factor_decay=beta)
+    train_step(opt, model, loss_func, *b1)
+    train_step(opt, model, loss_func, *b2)
+    expected = {k: tuple(beta * a + (1 - beta) * b for a, b in zip(f1[k], f2[k])) for k in f1}
+    assert_factors_close(opt.factors(), expected)
+
+
+def test_factor_every_skips_statistics():
+    model = mlp()
+    loss_func = nn.CrossEntropyLoss()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=loss_func, factor_every=3)
+    train_step(opt, model, loss_func, *batch(seed=1))
+    first = {k: (A.clone(), G.clone()) for k, (A, G) in opt.factors().items()}
+    for seed in (2, 3):  # steps 1 and 2 collect nothing
+        train_step(opt, model, loss_func, *batch(seed=seed))
+    assert_factors_close(opt.factors(), first, atol=0)
+    train_step(opt, model, loss_func, *batch(seed=4))  # step 3 collects
+    assert any(not torch.equal(opt.factors()[k][1], first[k][1]) for k in first)
+
+
+# -- every Fisher type in the ordinary loop --------------------------------------------------------
+@pytest.mark.parametrize("cls,fisher", VARIANTS)
+def test_every_fisher_type_trains_digits(cls, fisher):
+    X, y = digits(200)
+    model = mlp((64, 16, 10))
+    loss_func = nn.CrossEntropyLoss()
+    opt = cls(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=loss_func)
+    with torch.no_grad():
+        start = float(loss_func(model(X), y))
+    for s in range(20):
+        i = (s * 40) % 200
+        train_step(opt, model, loss_func, X[i : i + 40], y[i : i + 40])
+    with torch.no_grad():
+        end = float(loss_func(model(X), y))
+    assert math.isfinite(end)
+    # forward-only (G = I) preconditions with the inputs only and is slower
+    assert end < (0.5 if fisher == "forward-only" else 0.2) * start, (start, end)
+    assert opt.steps == 20
+    assert set(opt.factors()) == {"0", "2"}
+
+
+@pytest.mark.parametrize(
+    "loss_func,make_target",
+    [
+        (nn.MSELoss(), lambda out: torch.randn_like(out)),
+        (nn.BCEWithLogitsLoss(), lambda out: torch.rand_like(out).round()),
+    ],
+    ids=["mse", "bce"],
+)
+@pytest.mark.parametrize("fisher", ["empirical", "type-2", "mc", "rademacher"])
+def test_other_losses_in_the_loop(loss_func, make_target, fisher):
+    model = mlp((4, 8, 3))
+    X = torch.randn(32, 4)
+    with torch.no_grad():
+        y = make_target(model(X))
+    opt = KFAC(model, lr=0.2, damping=1e-2, fisher=fisher, loss_func=loss_func)
+    with torch.no_grad():
+        start = float(loss_func(model(X), y))
+    for _ in range(10):
+        train_step(opt, model, loss_func, X, y)
+    with torch.no_grad():
+        assert float(loss_func(model(X), y)) < start
+
+
+# -- torch.optim compatibility ---------------------------------------------------------------------
+def test_is_a_torch_optimizer():
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    g = opt.param_groups[0]
+    assert (g["lr"], g["damping"], g["momentum"], g["weight_decay"]) == (0.1, 1e-2, 0.0, 0.0)
+
+
+def test_param_groups_with_own_lr_and_damping():
+    model = mlp((4, 6, 3))
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    approx = curvature.kfac(copy.deepcopy(model), loss_func, (X, y), fisher="empirical")
+    groups = [
+        {"params": list(model[0].parameters()), "lr": 0.3, "damping": 1e-1},
+        {"params": list(model[2].parameters()), "lr": 0.7, "damping": 1e-3},
+    ]
+    opt, grads, delta = first_step(
+        KFAC, model, loss_func, X, y, param_groups=groups, damping_mode="exact"
+    )
+    assert [g["lr"] for g in opt.param_groups] == [0.3, 0.7]
+    first = approx.inverse_matvec(grads, 1e-1)
+    second = approx.inverse_matvec(grads, 1e-3)
+    expected = [-0.3 * first[0], -0.3 * first[1], -0.7 * second[2], -0.7 * second[3]]
+    assert_lists_close(delta, expected, atol=1e-12)
+
+
+def test_param_group_with_zero_lr_is_frozen():
+    model = mlp()
+    loss_func = nn.CrossEntropyLoss()
+    groups = [
+        {"params": list(model[0].parameters()), "lr": 0.0},
+        {"params": list(model[2].parameters())},
+    ]
+    opt = KFAC(model, lr=0.5, damping=1e-2, param_groups=groups, momentum=0.9)
+    before = params(model)
+    for seed in range(3):
+        train_step(opt, model, loss_func, *batch(seed=seed))
+    after = params(model)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert not torch.equal(after[2], before[2])
+
+
+def test_lr_scheduler_drives_the_step_size():
+    loss_func = nn.CrossEntropyLoss()
+    data = [batch(seed=s) for s in range(4)]
+    model = mlp()
+    opt = KFAC(model, lr=0.4, damping=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for X, y in data:
+        train_step(opt, model, loss_func, X, y)
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.4 * 0.5**4)
+    # the same run with the learning rate set by hand
+    manual = mlp()
+    opt2 = KFAC(manual, lr=0.4, damping=1e-2)
+    for k, (X, y) in enumerate(data):
+        opt2.param_groups[0]["lr"] = 0.4 * 0.5**k
+        train_step(opt2, manual, loss_func, X, y)
+    for p, q in zip(model.parameters(), manual.parameters()):
+        assert torch.equal(p, q)
+    # and the step is proportional to lr
+    X, y = data[0]
+    _, _, d1 = first_step(KFAC, mlp(), loss_func, X, y, lr=0.1)
+    _, _, d2 = first_step(KFAC, mlp(), loss_func, X, y, lr=0.2)
+    assert_lists_close(d2, [2 * d for d in d1], atol=1e-14)
+
+
+def test_zero_grad_set_to_none_and_steps_without_gradients():
+    model = mlp()
+    loss_func = nn.CrossEntropyLoss()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=loss_func)
+    train_step(opt, model, loss_func, *batch())
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    before = params(model)
+    opt.step()  # no gradients at all: nothing moves, nothing crashes
+    assert_lists_close(params(model), before, atol=0)
+    loss_func(model(batch()[0]), batch()[1]).backward()
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    opt.step()  # zero gradients: a zero update
+    assert_lists_close(params(model), before, atol=0)
+    assert opt.steps == 3
+
+
+def test_closure_returns_the_loss_and_takes_the_same_step():
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    model = mlp()
+    opt = KFAC(model, lr=0.2, damping=1e-2)
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_func(model(X), y)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor)
+    with torch.no_grad():
+        assert float(loss) == pytest.approx(float(loss_func(mlp()(X), y)), rel=1e-14)
+    reference = mlp()
+    train_step(KFAC(reference, lr=0.2, damping=1e-2), reference, loss_func, X, y)
+    assert_lists_close(params(model), params(reference), atol=0)
+    assert opt.step() is None  # without a closure, step returns None as in torch.optim
+
+
+def test_momentum_is_heavy_ball_on_the_preconditioned_direction():
+    """``buf = m buf + d``, ``p -= lr buf``: with the same batch, step 2 of the momentum run
+    differs from the plain run by ``m (p1 - p0)``."""
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    runs = {}
+    for m in (0.0, 0.9):
+        model = mlp()
+        opt = KFAC(model, lr=0.3, damping=1e-2, momentum=m)
+        traj = [params(model)]
+        for _ in range(2):
+            train_step(opt, model, loss_func, X, y)
+            traj.append(params(model))
+        runs[m] = traj
+    p0, p1, p2 = runs[0.0]
+    q0, q1, q2 = runs[0.9]
+    assert_lists_close(q1, p1, atol=0)  # the first buffer is the first direction
+    expected = [a + 0.9 * (b - c) for a, b, c in zip(p2, p1, p0)]
+    assert_lists_close(q2, expected, atol=1e-12)
+
+
+def test_weight_decay_is_decoupled():
+    """``p <- (1 - lr wd) p - lr d`` with ``d`` the direction without decay."""
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    lr, wd = 0.3, 0.1
+    p0 = params(mlp())
+    _, _, plain = first_step(KFAC, mlp(), loss_func, X, y, lr=lr)
+    model = mlp()
+    first_step(KFAC, model, loss_func, X, y, lr=lr, weight_decay=wd)
+    expected = [q + d - lr * wd * q for q, d in zip(p0, plain)]
+    assert_lists_close(params(model), expected, atol=1e-14)
+
+
+def test_kl_clip_scales_the_update():
+    """``nu = min(1, sqrt(kl_clip / (lr^2 d^T g)))`` multiplies the update."""
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    lr = 0.5
+    _, grads, plain = first_step(KFAC, mlp(), loss_func, X, y, lr=lr)
+    vg = -lr * sum(float((d * g).sum()) for d, g in zip(plain, grads))  # lr^2 d^T g
+    assert vg > 0
+    _, _, loose = first_step(KFAC, mlp(), loss_func, X, y, lr=lr, kl_clip=10 * vg)
+    assert_lists_close(loose, plain, atol=0)
+    _, _, clipped = first_step(KFAC, mlp(), loss_func, X, y, lr=lr, kl_clip=vg / 16)
+    assert_lists_close(clipped, [d / 4 for d in plain], atol=1e-14)
+
+
+# -- state -----------------------------------------------------------------------------------------
+def _run(cls, fisher, data, split=None, **extra):
+    loss_func = nn.CrossEntropyLoss()
+    kw = dict(
+        lr=0.1,
+        damping=1e-2,
+        momentum=0.5,
+        weight_decay=1e-3,
+        fisher=fisher,
+        loss_func=loss_func,
+        factor_every=2,
+        inverse_every=3,
+        seed=7,
+    )
+    kw.update(extra)
+    model = mlp((4, 6, 3))
+    opt = cls(model, **kw)
+    for i, (X, y) in enumerate(data):
+        if i == split:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf)  # weights_only default of this torch
+            opt.close()
+            model = mlp((4, 6, 3), seed=123)  # a fresh model with other initial values
+            opt = cls(model, **kw)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+            assert opt.steps == split
+        train_step(opt, model, loss_func, X, y)
+    return params(model), opt
+
+
+@pytest.mark.parametrize("cls,fisher", VARIANTS)
+def test_state_dict_round_trip_continues_bit_for_bit(cls, fisher):
+    data = [batch(N=8, seed=s) for s in range(25)]
+    straight, opt = _run(cls, fisher, data)
+    resumed, opt2 = _run(cls, fisher, data, split=5)
+    for p, q in zip(straight, resumed):
+        assert torch.equal(p, q)
+    assert opt.steps == opt2.steps == 25
+    for k, (A, G) in opt.factors().items():
+        assert torch.equal(A, opt2.factors()[k][0]) and torch.equal(G, opt2.factors()[k][1])
+
+
+def test_state_dict_holds_the_sampling_generator():
+    """The round trip of the sampled Fisher types is not vacuous: another seed (another
+    stream of sampled labels) gives another trajectory."""
+    data = [batch(N=8, seed=s) for s in range(6)]
+    for fisher in ("mc", "rademacher"):
+        seven, opt = _run(KFAC, fisher, data)
+        eight, _ = _run(KFAC, fisher, data, seed=8)
+        assert not all(torch.equal(p, q) for p, q in zip(seven, eight))
+        state = opt.state_dict()["curvature"]
+        assert state["steps"] == 6 and "generator" in state
+
+
+def test_load_state_dict_of_another_optimizer_is_refused():
+    model = mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = KFAC(model, lr=0.1, damping=1e-2)
+    with pytest.raises(ValueError, match="curvature"):
+        opt.load_state_dict(sgd.state_dict())
+
+
+# -- gradient accumulation -------------------------------------------------------------------------
+def test_gradient_accumulation_type2_averages_the_micro_batches():
+    """Two micro-batches (each loss the micro-batch mean / 2) before one ``step()``: the
+    gradient is the full-batch gradient, ``A`` and ``G`` are the means of the two
+    micro-batches' offline factors (for equal sizes: the full batch's), so the step is the
+    full-batch KFAC step."""
+    X, y = batch(N=12)
+    loss_func = nn.CrossEntropyLoss()
+    halves = [(X[:6], y[:6]), (X[6:], y[6:])]
+    model = mlp((4, 6, 5, 3))
+    parts = [
+        curvature.kfac(copy.deepcopy(model), loss_func, h, fisher="type-2").factors for h in halves
+    ]
+    full = curvature.kfac(copy.deepcopy(model), loss_func, (X, y), fisher="type-2")
+    lr, damping = 0.5, 1e-2
+    opt = KFAC(
+        model,
+        lr=lr,
+        damping=damping,
+        fisher="type-2",
+        loss_func=loss_func,
+        damping_mode="exact",
+    )
+    before = params(model)
+    opt.zero_grad()
+    for Xh, yh in halves:
+        (loss_func(model(Xh), yh) / 2).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    mean = {k: tuple((a + b) / 2 for a, b in zip(parts[0][k], parts[1][k])) for k in parts[0]}
+    assert_factors_close(opt.factors(), mean)
+    assert_factors_close(opt.factors(), full.factors)
+    delta = [p.detach() - q for p, q in zip(model.parameters(), before)]
+    assert_lists_close(delta, [-lr * e for e in full.inverse_matvec(grads, damping)], atol=1e-12)
+
+
+def test_gradient_accumulation_empirical_with_micro_batch_means():
+    """Empirical statistics assume each backward's loss is its batch's mean (documented):
+    with that, the accumulated factors are the mean of the micro-batches' factors."""
+    X, y = batch(N=12)
+    loss_func = nn.CrossEntropyLoss()
+    halves = [(X[:6], y[:6]), (X[6:], y[6:])]
+    model = mlp()
+    parts = [
+        curvature.kfac(copy.deepcopy(model), loss_func, h, fisher="empirical").factors
+        for h in halves
+    ]
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="empirical", loss_func=loss_func)
+    opt.zero_grad()
+    for Xh, yh in halves:
+        loss_func(model(Xh), yh).backward()
+    opt.step()
+    mean = {k: tuple((a + b) / 2 for a, b in zip(parts[0][k], parts[1][k])) for k in parts[0]}
+    assert_factors_close(opt.factors(), mean)
+
+
+# -- register_output -------------------------------------------------------------------------------
+@pytest.mark.parametrize("fisher", ["type-2", "mc", "rademacher"])
+def test_register_output_equals_auto_output(fisher):
+    loss_func = nn.CrossEntropyLoss()
+    data = [batch(seed=s) for s in range(3)]
+    results = []
+    for auto in (True, False):
+        model = mlp()
+        opt = KFAC(
+            model, lr=0.2, damping=1e-2, fisher=fisher, loss_func=loss_func, auto_output=auto
+        )
+        for X, y in data:
+            opt.zero_grad()
+            out = model(X)
+            if not auto:
+                opt.register_output(out, loss_func)
+            loss_func(out, y).backward()
+            opt.step()
+        results.append((params(model), opt.factors()))
+    (p_auto, f_auto), (p_reg, f_reg) = results
+    assert_lists_close(p_reg, p_auto, atol=0)
+    assert_factors_close(f_reg, f_auto, atol=0)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(4, 5)
+        self.head1 = nn.Linear(5, 3)
+        self.head2 = nn.Linear(5, 2)
+
+    def forward(self, x):
+        z = torch.tanh(self.trunk(x))
+        return self.head1(z), self.head2(z)
+
+
+def _two_head_factors(register):
+    X = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+    model = TwoHeads()
+    mse, ce = nn.MSELoss(), nn.CrossEntropyLoss()
+    opt = KFAC(model, lr=0.0, damping=1e-2, fisher="type-2", loss_func=mse, auto_output=False)
+    out1, out2 = model(X)
+    if "1" in register:
+        opt.register_output(out1, mse)
+    if "2" in register:
+        opt.register_output(out2, ce)
+    opt.step()
+    return opt.factors()
+
+
+def test_register_output_of_two_heads_on_one_forward():
+    only1, only2 = _two_head_factors("1"), _two_head_factors("2")
+    both = _two_head_factors("12")
+    assert isinstance(both["trunk"], list) and len(both["trunk"]) == 2
+    for (A, G), (A_ref, G_ref) in zip(both["trunk"], [only1["trunk"], only2["trunk"]]):
+        torch.testing.assert_close(A, A_ref)
+        torch.testing.assert_close(G, G_ref)
+    torch.testing.assert_close(both["head1"][1], only1["head1"][1])
+    torch.testing.assert_close(both["head2"][1], only2["head2"][1])
+
+
+def test_register_output_two_terms_from_two_forwards():
+    """A PINN-like step: two forwards (e.g. interior and boundary points), each output
+    registered as its own term. Every layer keeps one ``(A, G)`` per term (factors() lists
+    them in registration order) and is preconditioned with the exact inverse of
+    ``kron(G1 + sqrt(l)/pi I, A1 + pi sqrt(l) I) + kron(G2, A2)``."""
+    model = mlp((3, 5, 2))
+    mse = nn.MSELoss()
+    Xa, ya = torch.randn(9, 3), torch.randn(9, 2)
+    Xb, yb = torch.randn(4, 3), 5 * torch.randn(4, 2)
+    fa = curvature.kfac(copy.deepcopy(model), mse, (Xa, ya), fisher="type-2").factors
+    fb = curvature.kfac(copy.deepcopy(model), mse, (Xb, yb), fisher="type-2").factors
+    lam = 1e-2
+    opt = KFAC(model, lr=1.0, damping=lam, fisher="type-2", loss_func=mse, auto_output=False)
+    before = params(model)
+    opt.zero_grad()
+    out_a = model(Xa)
+    opt.register_output(out_a, mse)
+    out_b = model(Xb)
+    opt.register_output(out_b, mse)
+    (mse(out_a, ya) + mse(out_b, yb)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    factors = opt.factors()
+    for name in ("0", "2"):
+        assert isinstance(factors[name], list) and len(factors[name]) == 2
+        for got, ref in zip(factors[name], [fa[name], fb[name]]):
+            torch.testing.assert_close(got[0], ref[0], atol=1e-12, rtol=1e-10)
+            torch.testing.assert_close(got[1], ref[1], atol=1e-12, rtol=1e-10)
+    for i, name in ((0, "0"), (2, "2")):
+        (A1, G1), (A2, G2) = fa[name], fb[name]
+        pi = math.sqrt((A1.trace() / A1.shape[0]) / (G1.trace() / G1.shape[0]))
+        root = math.sqrt(lam)
+        C = torch.kron(G1 + root / pi * torch.eye(len(G1)), A1 + pi * root * torch.eye(len(A1)))
+        C = C + torch.kron(G2, A2)
+        M = torch.cat([grads[i], grads[i + 1][:, None]], 1)  # [W | b]
+        d = torch.linalg.solve(C, M.reshape(-1)).view_as(M)
+        torch.testing.assert_close(
+            model[i].weight.detach() - before[i], -d[:, :-1], atol=1e-10, rtol=1e-8
+        )
+        torch.testing.assert_close(
+            model[i].bias.detach() - before[i + 1], -d[:, -1], atol=1e-10, rtol=1e-8
+        )
+
+
+def test_tuple_output_needs_register_output():
+    model = TwoHeads()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=nn.MSELoss())
+    with pytest.raises(ValueError, match="register_output"):
+        model(torch.randn(3, 4))
+    opt.close()
+
+
+def test_register_output_is_refused_for_empirical():
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="empirical")
+    out = model(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="register_output"):
+        opt.register_output(out, nn.CrossEntropyLoss())
+
+
+# -- hooks -----------------------------------------------------------------------------------------
+def _use(opt, model):
+    loss_func = nn.CrossEntropyLoss()
+    for seed in range(2):
+        train_step(opt, model, loss_func, *batch(seed=seed))
+    model(torch.randn(2, 4)).sum()  # a forward without backward
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_close_removes_every_hook(fisher):
+    model = mlp()
+    assert hook_count(model) == 0
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=nn.CrossEntropyLoss())
+    assert hook_count(model) > 0
+    _use(opt, model)
+    opt.close()
+    assert hook_count(model) == 0
+    opt.close()  # idempotent
+    before = params(model)
+    train_step(opt, model, nn.CrossEntropyLoss(), *batch())  # still steps after close
+    assert not torch.equal(params(model)[0], before[0])
+    assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+def test_context_manager_removes_every_hook(cls):
+    model = mlp()
+    with cls(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=nn.CrossEntropyLoss()) as o:
+        assert isinstance(o, cls)
+        _use(o, model)
+    assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2", "mc"])
+def test_deleted_optimizer_is_freed_and_leaves_no_hooks(fisher):
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=nn.CrossEntropyLoss())
+    _use(opt, model)
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    assert hook_count(model) == 0
+    model(torch.randn(2, 4)).sum().backward()  # the model works on its own
+
+
+def test_two_optimizers_on_one_model_after_close():
+    model = mlp()
+    loss_func = nn.CrossEntropyLoss()
+    first = KFAC(model, lr=0.1, damping=1e-2)
+    _use(first, model)
+    first.close()
+    second = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=loss_func)
+    train_step(second, model, loss_func, *batch())
+    assert set(second.factors()) == {"0", "2"}
+    second.close()
+    assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_deepcopy_of_the_model_does_not_feed_the_optimizer(fisher):
+    loss_func = nn.CrossEntropyLoss()
+    X, y = batch()
+    reference = mlp()
+    ref_opt = KFAC(reference, lr=0.1, damping=1e-2, fisher=fisher, loss_func=loss_func)
+    train_step(ref_opt, reference, loss_func, X, y)
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=loss_func)
+    twin = copy.deepcopy(model)
+    opt.zero_grad()
+    loss_func(model(X), y).backward()
+    loss_func(twin(3 * X), y).backward()  # the copy's own training forward/backward
+    opt.step()
+    assert_factors_close(opt.factors(), ref_opt.factors(), atol=0)
+
+
+# -- constructor errors ----------------------------------------------------------------------------
+class BigParam(nn.Module):
+    """A parameterized module without a rule and too many parameters for an exact block."""
+
+    def __init__(self, n=5000):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.scale[: x.shape[-1]]
+
+
+class SmallParam(BigParam):
+    def __init__(self):
+        super().__init__(6)
+
+
+BAD_ARGS = [
+    (dict(lr=-1.0), r"lr=-1\.0.*>= 0"),
+    (dict(damping=0.0), r"damping=0\.0.*> 0"),
+    (dict(damping=-1e-3), r"damping=-0\.001.*> 0"),
+    (dict(momentum=1.0), r"momentum=1\.0"),
+    (dict(weight_decay=-0.1), r"weight_decay=-0\.1"),
+    (dict(fisher="exact"), r"fisher='exact'.*type-2"),
+    (dict(fisher="type-2", loss_func=nn.L1Loss()), r"loss_func=L1Loss\(\).*CrossEntropyLoss"),
+    (dict(loss_func=nn.MSELoss(reduction="none")), r"reduction='none'"),
+    (dict(fisher="mc"), r"fisher='mc'.*loss_func"),
+    (dict(fisher="type-2"), r"fisher='type-2'.*loss_func"),
+    (dict(fisher="rademacher"), r"fisher='rademacher'.*loss_func"),
+    (dict(mc_samples=0), r"mc_samples=0"),
+    (dict(mc_samples=1.5), r"mc_samples=1\.5"),
+    (dict(kfac_approx="full"), r"kfac_approx='full'.*expand"),
+    (dict(factor_decay=1.0), r"factor_decay=1\.0.*\[0, 1\)"),
+    (dict(factor_decay=-0.1), r"factor_decay=-0\.1"),
+    (dict(factor_every=0), r"factor_every=0"),
+    (dict(inverse_every=0), r"inverse_every=0.*positive"),
+    (dict(kl_clip=-1.0), r"kl_clip=-1\.0"),
+    (dict(kl_clip=0.0), r"kl_clip=0\.0"),
+    (dict(damping_mode="tikhonov"), r"damping_mode='tikhonov'.*exact"),
+    (dict(unsupported="ignore"), r"unsupported='ignore'"),
+]
+
+
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+@pytest.mark.parametrize("kwargs,match", BAD_ARGS, ids=[str(kw) for kw, _ in BAD_ARGS])
+def test_bad_arguments_raise_value_error_naming_them(cls, kwargs, match):
+    kw = dict(lr=0.1, damping=1e-2)
+    kw.update(kwargs)
+    model = mlp()
+    with pytest.raises(ValueError, match=match):
+        cls(model, **kw)
+    assert hook_count(model) == 0  # refused before any hook is placed
+
+
+def test_bad_param_group_values_are_refused():
+    model = mlp()
+    for key, value in (("lr", -0.1), ("damping", 0.0), ("weight_decay", -1.0)):
+        groups = [{"params": list(model.parameters()), key: value}]
+        with pytest.raises(ValueError, match=f"{key}={value}"):
+            KFAC(model, lr=0.1, damping=1e-2, param_groups=groups)
+    with pytest.raises(ValueError, match="do not belong to the model"):
+        KFAC(model, lr=0.1, damping=1e-2, param_groups=[{"params": [nn.Parameter(torch.ones(2))]}])
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(ValueError, match="nn.Module"):
+        KFAC(lambda x: x, lr=0.1, damping=1e-2)
+
+
+def test_unsupported_error_names_the_uncovered_parameter():
+    model = nn.Sequential(nn.Linear(4, 6), BigParam(), nn.Linear(6, 3))
+    with pytest.raises(ValueError, match=r"1\.scale.*unsupported='warn'"):
+        KFAC(model, lr=0.1, damping=1e-2, unsupported="error")
+    gc.collect()
+    assert hook_count(model) == 0  # the half-built optimizer leaves no hook behind
+
+
+def test_small_layers_without_rule_are_covered_by_exact_blocks():
+    """Parameterized layers without a rule (PReLU, a custom module) get an exact block via
+    the torch.func fallback when they have at most 4096 parameters."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.PReLU(), SmallParam(), nn.Linear(6, 3))
+    loss_func = nn.CrossEntropyLoss()
+    approx = curvature.kfac(copy.deepcopy(model), loss_func, batch(), fisher="type-2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = KFAC(
+            model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=loss_func, unsupported="error"
+        )
+    assert opt.uncovered == []
+    train_step(opt, model, loss_func, *batch())
+    assert_factors_close(opt.factors(), approx.factors)
+    A, G = opt.factors()["1"]
+    assert A.shape == (1, 1) and G.shape == (1, 1)
+    assert opt.factors()["2"][1].shape == (6, 6)

@@ -1,0 +1,552 @@
+"""KFAC / EKFAC optimizers on adversarial input: NaNs, degenerate layers and batches,
+frozen and shared parameters, stray forwards, uncovered layers, BatchNorm, mixed precision.
+
+The contract checked here: never a crash where the documentation promises a skip, never
+a NaN parameter, never silently corrupted statistics, and a clear error where the input
+cannot be handled.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+
+KFAC, EKFAC = curvature.KFAC, curvature.EKFAC
+CE = nn.CrossEntropyLoss()
+
+
+@pytest.fixture(autouse=True)
+def _seed_one_thread():
+    old_dtype, old_threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is faster, also on a loaded machine
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+        torch.set_num_threads(old_threads)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def mlp(sizes=(4, 6, 3), seed=0, act=nn.Tanh, dtype=torch.float32, bias=True):
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        if i:
+            layers.append(act())
+        layers.append(nn.Linear(a, b, bias=bias))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def batch(N=10, D=4, C=3, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, D, generator=g).to(dtype), torch.randint(0, C, (N,), generator=g)
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def finite(model):
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def train_step(opt, model, X, y, loss_func=CE):
+    opt.zero_grad()
+    loss = loss_func(model(X), y)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def snapshot(opt):
+    return {k: (A.clone(), G.clone()) for k, (A, G) in opt.factors().items()}
+
+
+def assert_factors_equal(a, b, atol=0.0, rtol=0.0):
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(a[k][0], b[k][0], atol=atol, rtol=rtol)
+        torch.testing.assert_close(a[k][1], b[k][1], atol=atol, rtol=rtol)
+
+
+GRAD_FISHERS = ("empirical", "type-2", "rademacher")
+VARIANTS = [
+    pytest.param(cls, fisher, id=f"{cls.__name__}-{fisher}")
+    for cls in (KFAC, EKFAC)
+    for fisher in ("empirical", "type-2", "mc", "rademacher", "forward-only")
+    if not (cls is EKFAC and fisher == "forward-only")
+]
+
+
+# -- NaN in a batch --------------------------------------------------------------------------------
+def _nan_batch(seed=5):
+    X, y = batch(seed=seed)
+    X[3, 1] = float("nan")
+    return X, y
+
+
+@pytest.mark.parametrize("cls,fisher", [v for v in VARIANTS if "mc" not in v.id])
+def test_nan_batch_is_skipped_with_a_warning(cls, fisher):
+    model = mlp()
+    opt = cls(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE)
+    train_step(opt, model, *batch(seed=1))
+    train_step(opt, model, *batch(seed=2))
+    before, factors = params(model), snapshot(opt)
+    with pytest.warns(UserWarning, match="non-finite"):
+        train_step(opt, model, *_nan_batch())
+    assert finite(model)
+    assert all(torch.equal(p, q) for p, q in zip(params(model), before))
+    assert opt.skipped_statistics >= 1
+    assert_factors_equal(snapshot(opt), factors)  # the NaN statistics never entered
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(opt, model, *batch(seed=3))  # and training goes on
+    assert finite(model)
+    assert not torch.equal(params(model)[0], before[0])
+    assert all(
+        bool(torch.isfinite(A).all() and torch.isfinite(G).all()) for A, G in opt.factors().values()
+    )
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_nan_in_the_very_first_batch(fisher):
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE)
+    with pytest.warns(UserWarning, match="non-finite"):
+        train_step(opt, model, *_nan_batch())
+    assert finite(model) and opt.factors() == {} and opt.skipped_statistics >= 1
+    train_step(opt, model, *batch())
+    assert finite(model) and set(opt.factors()) == {"0", "2"}
+
+
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+def test_nan_batch_with_mc_fisher_does_not_crash(cls):
+    model = mlp()
+    opt = cls(model, lr=0.1, damping=1e-2, fisher="mc", loss_func=CE)
+    train_step(opt, model, *batch())
+    before = params(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_step(opt, model, *_nan_batch())
+    assert finite(model) and opt.skipped_statistics >= 1
+    assert all(torch.equal(p, q) for p, q in zip(params(model), before))
+
+
+# -- degenerate layers and batches -----------------------------------------------------------------
+@pytest.mark.parametrize("damping_mode", ["exact", "pi"])
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+def test_layer_with_all_zero_inputs(cls, damping_mode):
+    """``A = 0`` (no bias) for the first layer: its gradient is zero and so is its update."""
+    model = mlp((4, 6, 3), bias=False)
+    opt = cls(model, lr=0.5, damping=1e-3, fisher="type-2", loss_func=CE, damping_mode=damping_mode)
+    w0 = model[0].weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(3):
+            _, y = batch(seed=seed)
+            train_step(opt, model, torch.zeros(10, 4), y)
+    assert finite(model)
+    assert torch.equal(model[0].weight, w0)
+    A, G = opt.factors()["0"]
+    assert torch.equal(A, torch.zeros_like(A)) and torch.isfinite(G).all()
+
+
+@pytest.mark.parametrize("damping_mode", ["exact", "pi"])
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_dead_relu_layer(fisher, damping_mode):
+    """All-zero inputs to the second layer (dead ReLUs); its weight gets zero gradient."""
+    model = mlp((4, 6, 3), act=nn.ReLU)
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)
+    opt = KFAC(model, lr=0.5, damping=1e-3, fisher=fisher, loss_func=CE, damping_mode=damping_mode)
+    w2 = model[2].weight.detach().clone()
+    for seed in range(3):
+        train_step(opt, model, *batch(seed=seed))
+    assert finite(model)
+    assert torch.equal(model[2].weight, w2)
+    assert not torch.equal(model[2].bias, mlp((4, 6, 3), act=nn.ReLU)[2].bias)
+
+
+@pytest.mark.parametrize("cls,fisher", VARIANTS)
+def test_batch_of_one(cls, fisher):
+    model = mlp()
+    opt = cls(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE)
+    for seed in range(4):
+        X, y = batch(N=1, seed=seed)
+        train_step(opt, model, X, y)
+    assert finite(model) and opt.steps == 4
+
+
+@pytest.mark.parametrize("cls,fisher", VARIANTS)
+def test_batch_smaller_than_the_layer_width(cls, fisher):
+    """N=3 samples, 32 inputs: A has rank <= 4; damping keeps the inverse finite."""
+    model = mlp((32, 24, 3))
+    opt = cls(model, lr=0.2, damping=1e-2, fisher=fisher, loss_func=CE)
+    X, y = batch(N=3, D=32)
+    with torch.no_grad():
+        start = float(CE(model(X), y))
+    for _ in range(5):
+        train_step(opt, model, X, y)
+    assert finite(model)
+    with torch.no_grad():
+        assert float(CE(model(X), y)) < start
+
+
+@pytest.mark.parametrize("cls,fisher", VARIANTS)
+def test_changing_batch_sizes(cls, fisher):
+    model = mlp()
+    opt = cls(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE, inverse_every=2)
+    for i, N in enumerate([7, 1, 16, 3, 9, 2]):
+        train_step(opt, model, *batch(N=N, seed=i))
+    assert finite(model)
+    # accumulation over micro-batches of different sizes
+    opt.zero_grad()
+    for i, N in enumerate([5, 2]):
+        X, y = batch(N=N, seed=10 + i)
+        CE(model(X), y).backward()
+    opt.step()
+    assert finite(model) and opt.steps == 7
+
+
+# -- frozen parameters -----------------------------------------------------------------------------
+@pytest.mark.parametrize("fisher", ["empirical", "type-2", "forward-only"])
+def test_frozen_parameters_are_untouched(fisher):
+    model = mlp((4, 6, 5, 3))
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    model[2].bias.requires_grad_(False)  # a Linear with a trainable weight only
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # everything trainable is covered
+        opt = KFAC(
+            model, lr=0.2, damping=1e-2, fisher=fisher, loss_func=CE, momentum=0.5, weight_decay=0.1
+        )
+    assert opt.uncovered == []
+    before = params(model)
+    for seed in range(3):
+        train_step(opt, model, *batch(seed=seed))
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]) and p.grad is None
+    assert not torch.equal(model[2].weight, before[2])
+    assert opt.factors()["2"][0].shape == (6, 6)  # no bias column for the frozen bias
+    assert "0" not in opt.factors()
+
+
+def test_frozen_parameters_match_the_offline_step():
+    model = mlp((4, 6, 3)).double()
+    model[2].bias.requires_grad_(False)
+    X, y = batch(dtype=torch.float64)
+    approx = curvature.kfac(copy.deepcopy(model), CE, (X, y), fisher="type-2")
+    opt = KFAC(model, lr=1.0, damping=1e-2, fisher="type-2", loss_func=CE, damping_mode="exact")
+    before = params(model)
+    opt.zero_grad()
+    CE(model(X), y).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    opt.step()
+    trainable = [(p, q) for p, q in zip(model.parameters(), before) if p.requires_grad]
+    for (p, q), e in zip(trainable, approx.inverse_matvec(grads, 1e-2)):
+        torch.testing.assert_close(p.detach() - q, -e, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_freezing_a_parameter_after_construction(fisher):
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE)
+    train_step(opt, model, *batch(seed=1))
+    model[0].bias.requires_grad_(False)
+    b = model[0].bias.detach().clone()
+    train_step(opt, model, *batch(seed=2))
+    assert torch.equal(model[0].bias, b) and finite(model)
+
+
+# -- a module used twice ---------------------------------------------------------------------------
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 5)
+        self.shared = nn.Linear(5, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h))
+        return self.out(h)
+
+
+@pytest.mark.parametrize(
+    "fisher",
+    [
+        "empirical",
+        "type-2",
+        "mc",
+    ],
+)
+def test_module_used_twice_in_one_forward(fisher):
+    """Two calls act like weight sharing over two positions ("expand"), as offline."""
+    model = Twice().double()
+    X, y = batch(dtype=torch.float64)
+    approx = curvature.kfac(copy.deepcopy(model), CE, (X, y), fisher=fisher)
+    opt = KFAC(model, lr=0.1, damping=1e-1, fisher=fisher, loss_func=CE)
+    train_step(opt, model, X, y)
+    if fisher != "mc":  # mc: another stream of samples than the offline function
+        assert_factors_equal(opt.factors(), approx.factors, atol=1e-12, rtol=1e-10)
+    assert opt.factors()["shared"][0].shape == (6, 6)
+    losses = [train_step(opt, model, X, y) for _ in range(5)]
+    assert finite(model) and losses[-1] < losses[0]
+
+
+# -- stray forwards --------------------------------------------------------------------------------
+def _run_with_stray_forwards(fisher, stray, data):
+    model = mlp()
+    opt = KFAC(model, lr=0.2, damping=1e-2, fisher=fisher, loss_func=CE, inverse_every=2)
+    probe = torch.randn(5, 4)
+    for X, y in data:
+        opt.zero_grad()
+        out = model(X)
+        if stray == "before-backward-no-grad":
+            with torch.no_grad():
+                model(probe)
+        elif stray == "before-backward-eval":
+            model.eval()
+            model(probe)
+            model.train()
+        CE(out, y).backward()
+        opt.step()
+        if stray == "after-step":
+            with torch.no_grad():
+                model(probe)
+            model.eval()
+            model(probe)  # eval forward with a graph, never backpropagated
+            model.train()
+            model(probe).sum()  # a train forward with a graph that is never used
+    return params(model), opt
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2", "mc"])
+def test_eval_and_no_grad_forwards_after_step_change_nothing(fisher):
+    data = [batch(seed=s) for s in range(4)]
+    clean, clean_opt = _run_with_stray_forwards(fisher, None, data)
+    stray, stray_opt = _run_with_stray_forwards(fisher, "after-step", data)
+    if fisher == "empirical":  # the unused train forward has no backward: dropped
+        assert all(torch.equal(p, q) for p, q in zip(clean, stray))
+        assert_factors_equal(stray_opt.factors(), clean_opt.factors())
+    else:  # type-2 / mc: a train forward with a graph is a curvature sample; it must be sane
+        assert all(bool(torch.isfinite(p).all()) for p in stray)
+
+
+@pytest.mark.parametrize("stray", ["before-backward-no-grad", "before-backward-eval"])
+@pytest.mark.parametrize("fisher", ["type-2", "rademacher"])
+def test_stray_forward_between_forward_and_backward(fisher, stray):
+    """A target computed with the same model under no_grad / in eval mode (as in DQN or
+    self-distillation) between the training forward and its backward."""
+    data = [batch(seed=s) for s in range(4)]
+    clean, clean_opt = _run_with_stray_forwards(fisher, None, data)
+    got, opt = _run_with_stray_forwards(fisher, stray, data)
+    assert all(torch.equal(p, q) for p, q in zip(clean, got))
+    assert_factors_equal(opt.factors(), clean_opt.factors())
+
+
+@pytest.mark.parametrize("stray", ["before-backward-no-grad", "before-backward-eval"])
+def test_stray_forward_between_forward_and_backward_empirical(stray):
+    data = [batch(seed=s) for s in range(4)]
+    clean, clean_opt = _run_with_stray_forwards("empirical", None, data)
+    got, opt = _run_with_stray_forwards("empirical", stray, data)
+    assert_factors_equal(opt.factors(), clean_opt.factors())
+    assert all(torch.equal(p, q) for p, q in zip(clean, got))
+
+
+# -- layers no rule covers -------------------------------------------------------------------------
+class BigScale(nn.Module):
+    """5000 parameters, no rule: too large for an exact block."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(5000))
+
+    def forward(self, x):
+        return x * self.scale[: x.shape[-1]]
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_uncovered_layer_gets_the_plain_gradient_and_one_warning(fisher):
+    model = nn.Sequential(nn.Linear(4, 6), BigScale(), nn.Tanh(), nn.Linear(6, 3))
+    with pytest.warns(UserWarning, match=r"1\.scale.*plain gradient") as record:
+        opt = KFAC(model, lr=0.3, damping=1e-2, fisher=fisher, loss_func=CE)
+    assert len(record) == 1
+    assert opt.uncovered == ["1.scale"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no further warning while training
+        for seed in range(3):
+            before = model[1].scale.detach().clone()
+            opt.zero_grad()
+            CE(model(batch(seed=seed)[0]), batch(seed=seed)[1]).backward()
+            grad = model[1].scale.grad.clone()
+            opt.step()
+            torch.testing.assert_close(
+                model[1].scale.detach(), before - 0.3 * grad, atol=1e-7, rtol=0
+            )
+    assert set(opt.factors()) == {"0", "3"}
+    assert finite(model)
+
+
+def test_uncovered_layer_with_the_diagonal_fallback():
+    model = nn.Sequential(nn.Linear(4, 6), BigScale(), nn.Tanh(), nn.Linear(6, 3))
+    with pytest.warns(UserWarning, match="diagonal"):
+        opt = KFAC(
+            model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE, unsupported="diagonal"
+        )
+    before = model[1].scale.detach().clone()
+    opt.zero_grad()
+    CE(model(batch()[0]), batch()[1]).backward()
+    grad = model[1].scale.grad.clone()
+    opt.step()
+    step = model[1].scale.detach() - before
+    assert finite(model)
+    used = grad != 0
+    assert used.any() and torch.equal(step[~used], torch.zeros_like(step[~used]))
+    assert not torch.allclose(step[used], -0.1 * grad[used])  # preconditioned
+
+
+# -- BatchNorm -------------------------------------------------------------------------------------
+def _bn_model():
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+def test_batchnorm_in_train_mode_is_refused_at_construction(cls):
+    with pytest.raises(ValueError, match=r"'1' \(BatchNorm1d\).*\.eval\(\)"):
+        cls(_bn_model(), lr=0.1, damping=1e-2)
+
+
+def test_batchnorm_in_eval_mode_is_supported():
+    model = _bn_model()
+    model[1].eval()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE)
+    for seed in range(3):
+        train_step(opt, model, *batch(seed=seed))
+    assert finite(model) and "1" in opt.factors()
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_batchnorm_switched_to_train_mode_later_raises(fisher):
+    """Built with BatchNorm in eval mode, trained with model.train(): a clear error, never
+    silently wrong statistics."""
+    model = _bn_model().eval()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE)
+    model.train()
+    with pytest.raises(ValueError, match="BatchNorm1d"):
+        train_step(opt, model, *batch())
+
+
+# -- mixed precision -------------------------------------------------------------------------------
+def _autocast_run(cls, fisher, autocast, steps=3):
+    model = mlp((4, 8, 3))
+    opt = cls(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE)
+    for seed in range(steps):
+        X, y = batch(seed=seed)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(X)
+            loss = CE(out, y)
+        if autocast:
+            assert out.dtype == torch.bfloat16
+        loss.backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "cls,fisher",
+    [v for v in VARIANTS if v.id != "EKFAC-empirical"],
+)
+def test_bf16_autocast_keeps_float32_factors(cls, fisher):
+    model, opt = _autocast_run(cls, fisher, True)
+    assert finite(model) and all(p.dtype == torch.float32 for p in model.parameters())
+    for A, G in opt.factors().values():
+        assert A.dtype == G.dtype == torch.float32
+        assert torch.isfinite(A).all() and torch.isfinite(G).all()
+    if fisher in ("empirical", "type-2", "forward-only"):  # deterministic: compare to float32
+        _, ref = _autocast_run(cls, fisher, False, steps=1)
+        _, one = _autocast_run(cls, fisher, True, steps=1)
+        for k, (A, G) in ref.factors().items():
+            torch.testing.assert_close(one.factors()[k][0], A, atol=2e-2, rtol=5e-2)
+            torch.testing.assert_close(one.factors()[k][1], G, atol=2e-3, rtol=1e-1)
+
+
+def test_bf16_autocast_ekfac_empirical():
+    model, opt = _autocast_run(EKFAC, "empirical", True)
+    assert finite(model)
+
+
+def _grad_scaler():
+    try:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    except (AttributeError, TypeError, RuntimeError) as err:  # pragma: no cover
+        pytest.skip(f"no CPU GradScaler in this torch: {err}")
+    if not scaler.is_enabled():  # pragma: no cover
+        pytest.skip("the CPU GradScaler is disabled in this torch")
+    return scaler
+
+
+def _scaled_step(opt, model, scaler, X, y, poison=False):
+    opt.zero_grad()
+    scaler.scale(CE(model(X), y)).backward()
+    if poison:
+        model[0].weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_grad_scaler_removes_the_loss_scale_and_skips_inf_steps():
+    X, y = batch()
+    scaler = _grad_scaler()
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="empirical", loss_func=CE, grad_scaler=scaler)
+    reference = mlp()
+    ref_opt = KFAC(reference, lr=0.1, damping=1e-2, fisher="empirical", loss_func=CE)
+    _scaled_step(opt, model, scaler, X, y)
+    train_step(ref_opt, reference, X, y)
+    assert opt.steps == 1
+    assert_factors_equal(opt.factors(), ref_opt.factors(), atol=1e-6, rtol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    # inf gradients: scaler.step(optim) skips the step, the scale backs off
+    before = params(model)
+    _scaled_step(opt, model, scaler, *batch(seed=2), poison=True)
+    assert opt.steps == 1 and scaler.get_scale() == 2.0**9
+    assert all(torch.equal(p, q) for p, q in zip(params(model), before))
+    _scaled_step(opt, model, scaler, *batch(seed=3))
+    assert opt.steps == 2 and finite(model)
+    assert not torch.equal(params(model)[0], before[0])
+
+
+def test_grad_scaler_skipped_step_does_not_distort_the_factors():
+    X, y = batch()
+    scaler = _grad_scaler()
+    model = mlp()
+    expected = curvature.kfac(copy.deepcopy(model), CE, (X, y), fisher="empirical").factors
+    # lr=0: the model, and so the true factors, never change
+    opt = KFAC(model, lr=0.0, damping=1e-2, fisher="empirical", loss_func=CE, grad_scaler=scaler)
+    _scaled_step(opt, model, scaler, X, y)
+    _scaled_step(opt, model, scaler, X, y, poison=True)  # skipped
+    _scaled_step(opt, model, scaler, X, y)
+    assert_factors_equal(opt.factors(), expected, atol=1e-6, rtol=1e-4)
+
+
+def test_float64_model_keeps_float64_factors():
+    model = mlp(dtype=torch.float64)
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE)
+    train_step(opt, model, *batch(dtype=torch.float64))
+    assert all(A.dtype == G.dtype == torch.float64 for A, G in opt.factors().values())
+    assert bool(torch.isfinite(model[0].weight).all())

@@ -6,6 +6,10 @@ How we measure on this (small, noisy, CPU-only) machine, see /work/shared/PERFOR
   model on the same batch, in the same process). Baseline and method alternate in one
   loop ``B M B M ... B``; each method measurement is divided by the mean of the two
   baseline measurements around it, and we report the median of these per-repeat ratios.
+  Other jobs on the 2 cores distort ratios badly (a small model's many short parallel
+  regions slow down far more than a large GEMM), so :class:`QuietGate` waits (bounded)
+  for the CPUs to be free before each baseline, and repeats whose baselines ran more
+  than 1.5x slower than the fastest one are left out of the median.
   Every measurement times ``inner`` back-to-back calls, with ``inner`` calibrated so that
   one measurement lasts at least ``min_time`` seconds (short calls are too noisy alone).
 * **Peak memory** on CPU is the increase of the process's resident set: release free heap
@@ -27,7 +31,7 @@ import platform
 import re
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,6 +78,70 @@ def package_version(dist: str) -> Optional[str]:
         return None
 
 
+# -- other load on the machine ------------------------------------------------------------------
+def _cpu_times() -> Optional[Tuple[int, int]]:
+    """``(busy, total)`` jiffies of all CPUs from /proc/stat, or ``None``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def foreign_load(window: float = 0.05) -> float:
+    """Fraction of all CPUs busy during ``window`` seconds while this process sleeps."""
+    a = _cpu_times()
+    time.sleep(window)
+    b = _cpu_times()
+    if a is None or b is None or b[1] == a[1]:
+        return 0.0
+    return (b[0] - a[0]) / (b[1] - a[1])
+
+
+class QuietGate:
+    """Waits, before a measurement, until other processes leave the CPUs (bounded).
+
+    Other jobs on a 2-core machine distort ratios in a way no statistic repairs (thread
+    barriers of short parallel regions suffer far more than long GEMMs). Before each
+    measurement the gate samples the CPU load while we sleep and waits while it exceeds
+    ``threshold``, at most ``max_wait`` seconds per measurement and ``budget`` seconds in
+    all. ``waited`` / ``loaded`` count the seconds spent waiting and the measurements
+    that started under load anyway.
+    """
+
+    def __init__(self, threshold: float = 0.25, max_wait: float = 3.0, budget: float = 60.0):
+        self.threshold, self.max_wait, self.budget = threshold, max_wait, budget
+        self.waited = 0.0
+        self.measurements = 0
+        self.loaded = 0
+
+    def __call__(self) -> None:
+        self.measurements += 1
+        if self.max_wait <= 0 or self.waited >= self.budget:
+            return
+        start = time.perf_counter()
+        while foreign_load() > self.threshold:
+            spent = time.perf_counter() - start
+            if spent > self.max_wait or self.waited + spent > self.budget:
+                self.loaded += 1
+                break
+            time.sleep(0.2)
+        self.waited += time.perf_counter() - start
+
+    def summary(self) -> Dict[str, Any]:
+        return {
+            "threshold": self.threshold,
+            "waited_s": round(self.waited, 1),
+            "measurements": self.measurements,
+            "started_under_load": self.loaded,
+        }
+
+
+_NO_GATE: Callable[[], None] = lambda: None  # noqa: E731
+
+
 # -- timing --------------------------------------------------------------------------------
 def _time(fn: Callable[[], Any], inner: int) -> float:
     """Seconds per call of ``inner`` back-to-back calls (results dropped at once)."""
@@ -99,6 +167,9 @@ def compare(
     min_time: float = 0.02,
     warmup: int = 2,
     inner_baseline: Optional[int] = None,
+    estimate: Optional[float] = None,
+    gate: Callable[[], None] = _NO_GATE,
+    tolerance: float = 1.5,
 ) -> Dict[str, Any]:
     """Time ``method`` against ``baseline``, alternating ``B M B M ... B``.
 
@@ -109,27 +180,44 @@ def compare(
         min_time: Minimal duration of one measurement (sets the inner call count).
         warmup: Untimed calls of ``method`` before timing.
         inner_baseline: Inner call count of the baseline (calibrated if ``None``).
+        estimate: Seconds per call of ``method`` measured by the caller on a warm call;
+            with ``warmup=0`` it replaces the calibration call.
+        gate: Called before every baseline measurement (e.g. a :class:`QuietGate`); the
+            method measurement follows its baseline at once.
+        tolerance: Repeats whose two baselines are not both within ``tolerance`` times
+            the fastest baseline of this comparison count as disturbed by other jobs and
+            are left out of the ratio (unless that leaves fewer than half of them).
 
     Returns:
         ``time`` (median seconds per call of ``method``), ``baseline_time`` (median of the
-        baseline), ``ratio`` (median of the per-repeat ratios), ``ratios`` (all of them)
-        and the inner call counts.
+        baseline), ``ratio`` (median of the per-repeat ratios of the undisturbed
+        repeats), ``ratios`` (all of them), ``clean_repeats`` and the inner call counts.
 
     """
-    inner_m = calibrate(method, min_time, warmup)
+    if estimate is not None and warmup == 0:
+        inner_m = max(1, int(min_time / max(estimate, 1e-9)) + (estimate < min_time))
+    else:
+        inner_m = calibrate(method, min_time, warmup)
     inner_b = inner_baseline or calibrate(baseline, min_time, 1)
     gc.collect()
+    gate()
     tb = [_time(baseline, inner_b)]
     tm: List[float] = []
     for _ in range(repeats):
         tm.append(_time(method, inner_m))
+        gate()
         tb.append(_time(baseline, inner_b))
     ratios = [m / (0.5 * (b0 + b1)) for m, b0, b1 in zip(tm, tb[:-1], tb[1:])]
+    fastest = min(tb)
+    clean = [i for i in range(repeats) if max(tb[i], tb[i + 1]) <= tolerance * fastest]
+    if 2 * len(clean) < repeats:
+        clean = list(range(repeats))
     return {
-        "time": statistics.median(tm),
+        "time": statistics.median(tm[i] for i in clean),
         "baseline_time": statistics.median(tb),
-        "ratio": statistics.median(ratios),
+        "ratio": statistics.median(ratios[i] for i in clean),
         "ratios": ratios,
+        "clean_repeats": len(clean),
         "inner": inner_m,
         "inner_baseline": inner_b,
     }
@@ -173,27 +261,27 @@ def memory_method() -> str:
     return "rss" if _RSS_OK else "profiler"
 
 
-def peak_rss(fn: Callable[[], Any]) -> int:
-    """Bytes of resident memory that one call of ``fn`` adds at its peak (see module doc)."""
+def _peak_rss(fn: Callable[[], Any]) -> Tuple[int, Any, float]:
     gc.collect()
     _malloc_trim()
     before = _proc_status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    result = fn()  # noqa: F841  (the result is part of the peak: keep it alive)
+    start = time.perf_counter()
+    result = fn()  # the result is part of the peak: alive until VmHWM is read
+    seconds = time.perf_counter() - start
     peak = _proc_status_kb("VmHWM")
-    del result
-    return max(0, peak - before) * 1024
+    return max(0, peak - before) * 1024, result, seconds
 
 
-def peak_profiler(fn: Callable[[], Any]) -> int:
-    """Peak bytes of live tensors allocated by one call of ``fn`` (torch.profiler)."""
+def _peak_profiler(fn: Callable[[], Any]) -> Tuple[int, Any, float]:
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()  # noqa: F841
-        del result
+        start = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - start
     events = [
         (e.time_range.start, e.self_cpu_memory_usage)
         for e in prof.events()
@@ -203,13 +291,22 @@ def peak_profiler(fn: Callable[[], Any]) -> int:
     for _, delta in sorted(events, key=lambda x: x[0]):
         live += delta
         peak = max(peak, live)
-    return peak
+    return peak, result, seconds
+
+
+def peak_memory_of(fn: Callable[[], Any]) -> Tuple[int, Any, float]:
+    """``(peak bytes, result, seconds)`` of one call of ``fn`` (see the module doc).
+
+    The seconds include the memory bookkeeping; use them as an estimate only.
+    """
+    if memory_method() == "rss":
+        return _peak_rss(fn)
+    return _peak_profiler(fn)
 
 
 def peak_memory(fn: Callable[[], Any], repeats: int = 1) -> int:
     """Peak memory of one call of ``fn`` in bytes, the minimum over ``repeats`` calls."""
-    measure = peak_rss if memory_method() == "rss" else peak_profiler
-    return min(measure(fn) for _ in range(max(1, repeats)))
+    return min(peak_memory_of(fn)[0] for _ in range(max(1, repeats)))
 
 
 # -- comparisons -------------------------------------------------------------------------------

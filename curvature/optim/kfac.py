@@ -300,6 +300,15 @@ class KFAC(CurvatureOptimizer):
     def _precondition(self, grads: Tensor) -> Tensor:
         groups = self._group_of()
         out = grads.clone()
+        missing = [k for k in self._index if k not in self._eig and k[0] not in self._diag]
+        if missing and self.steps > 0 and not getattr(self, "_warned_missing", False):
+            self._warned_missing = True
+            warnings.warn(
+                f"{type(self).__name__}: no curvature statistics yet for "
+                f"{[_block_name(k) for k in missing]} (not reached by the curvature "
+                "backward, or only non-finite batches); they get the plain gradient.",
+                stacklevel=3,
+            )
         for key, index in self._index.items():
             if key not in self._eig:
                 continue

@@ -350,6 +350,8 @@ class CurvatureOptimizer(Optimizer):
                 f"register_output is for fisher in ('mc', 'type-2', 'rademacher'); this "
                 f"optimizer uses fisher={self.fisher!r}."
             )
+        if self._evaluating:  # loss evaluations of a line search / damping adaptation
+            return
         loss_func = loss_func if loss_func is not None else self.loss_func
         if loss_func is None:
             raise ValueError("register_output(output) needs a loss_func.")

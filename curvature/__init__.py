@@ -12,7 +12,9 @@ from .dense import (
     hessian,
     hessian_vector_product,
 )
+from .hessian import hutchinson_trace
 from .kfac import KFACApprox, diag_ggn, ekfac, kfac
+from .laplacian import forward_laplacian, laplacian
 from .losses import per_sample_losses
 from .optim import EKFAC, KFAC, DiagonalNaturalGradient
 from .per_sample import jacobian, per_sample_grads
@@ -34,6 +36,9 @@ __all__ = [
     "ggn_vector_product",
     "hessian",
     "hessian_vector_product",
+    "hutchinson_trace",
+    "forward_laplacian",
+    "laplacian",
     "jacobian",
     "kfac",
     "per_sample_grads",

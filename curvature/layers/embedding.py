@@ -52,7 +52,8 @@ class EmbeddingRule(LayerRule):
         buf = out["weight"] if out else empty_large((N, V, D), g.dtype, g.device)
         flat = buf.view(N * V, D).zero_()
         rows = (idx + V * torch.arange(N, device=idx.device).unsqueeze(1)).reshape(-1)
-        flat.index_add_(0, rows, g.reshape(-1, D))
+        # index_put_ with accumulate: much faster than index_add_ on CPU for few rows
+        flat.index_put_((rows,), g.reshape(-1, D), accumulate=True)
         return {"weight": buf}
 
     def per_sample_sq_norms(self, module, calls):  # noqa: D102
@@ -103,7 +104,7 @@ class EmbeddingRule(LayerRule):
             weight = weight * (idx != module.padding_idx)
         if approx == "expand":
             counts = torch.zeros(V, dtype=weight.dtype, device=idx.device)
-            counts.index_add_(0, idx.reshape(-1), weight.reshape(-1))
+            counts.index_put_((idx.reshape(-1),), weight.reshape(-1), accumulate=True)
             A_sum, count = torch.diag(counts), N * S
         else:
             abar = torch.zeros(N, V, dtype=weight.dtype, device=idx.device)

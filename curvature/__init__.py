@@ -12,12 +12,12 @@ from .dense import (
     hessian,
     hessian_vector_product,
 )
-from .hessian import hutchinson_trace
 from .kfac import KFACApprox, diag_ggn, ekfac, kfac
-from .laplacian import forward_laplacian, laplacian
+from .laplacian import ForwardLaplacian, forward_laplacian, laplacian, register_activation
 from .losses import per_sample_losses
 from .optim import EKFAC, KFAC, DiagonalNaturalGradient
 from .per_sample import jacobian, per_sample_grads
+from .traces import hessian_trace, hutchinson_trace, hutchinson_trace_blocks
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "Capture",
     "DiagonalNaturalGradient",
     "EKFAC",
+    "ForwardLaplacian",
     "KFAC",
     "KFACApprox",
     "capture",
@@ -32,15 +33,18 @@ __all__ = [
     "ekfac",
     "empirical_fisher",
     "fisher",
+    "forward_laplacian",
     "ggn",
     "ggn_vector_product",
     "hessian",
+    "hessian_trace",
     "hessian_vector_product",
     "hutchinson_trace",
-    "forward_laplacian",
-    "laplacian",
+    "hutchinson_trace_blocks",
     "jacobian",
     "kfac",
+    "laplacian",
     "per_sample_grads",
     "per_sample_losses",
+    "register_activation",
 ]

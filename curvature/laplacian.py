@@ -21,7 +21,7 @@ import contextvars
 import operator
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,9 @@ from torch import Tensor, nn
 __all__ = [
     "ACTIVATIONS",
     "FORWARD_LAPLACIAN_SLOTS",
+    "ForwardLaplacian",
     "current_slots",
+    "forward_laplacian",
     "laplacian",
     "register_activation",
 ]
@@ -44,6 +46,10 @@ _FALLBACKS = ("autograd", "error")
 #: slot 0 carries the bias (bias coordinate 1 on slot 0, 0 on the other slots).
 FORWARD_LAPLACIAN_SLOTS: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
     "FORWARD_LAPLACIAN_SLOTS", default=None
+)
+# The coefficients ``c [d]`` of the weighted Laplacian during a forward Laplacian run.
+_COEFFICIENTS: contextvars.ContextVar[Optional[Tensor]] = contextvars.ContextVar(
+    "_COEFFICIENTS", default=None
 )
 
 
@@ -97,8 +103,12 @@ def register_activation(
                 f"register_activation({module_type.__name__}): rule must be three callables "
                 f"(sigma, dsigma, d2sigma); got a sequence of {len(rule)} items."
             )
-        sigma, dsigma, d2sigma = rule
-        ACTIVATIONS[module_type] = lambda module: lambda z: (sigma(z), dsigma(z), d2sigma(z))
+        fs = tuple(rule)
+
+        def derivatives(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+            return tuple(_like(f(z), z) for f in fs)  # type: ignore[return-value]
+
+        ACTIVATIONS[module_type] = lambda module: derivatives
     elif callable(rule):
         ACTIVATIONS[module_type] = rule
     else:
@@ -106,6 +116,12 @@ def register_activation(
             f"register_activation({module_type.__name__}): rule must be (sigma, dsigma, "
             f"d2sigma) or a callable module -> derivatives; got {type(rule).__name__}."
         )
+
+
+def _like(v: Any, z: Tensor) -> Tensor:
+    """A rule's result (a number, a 0-dim or a full tensor) as a tensor shaped like ``z``."""
+    v = v if isinstance(v, Tensor) else torch.full_like(z, float(v))
+    return v.expand_as(z) if v.shape != z.shape else v
 
 
 def _tanh(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -275,6 +291,9 @@ for _targets, _factory in [
     for _t in _targets:
         _FUNCTIONAL[_t] = _factory
 
+#: A compiled module: the stacked state ``[N, d + 2, *F_in]`` to ``[N, d + 2, *F_out]``.
+Plan = Callable[[Tensor], Tensor]
+
 _ADD = (operator.add, torch.add, "add")
 _SUB = (operator.sub, torch.sub, "sub")
 _MUL = (operator.mul, torch.mul, "mul")
@@ -283,7 +302,22 @@ _NEG = (operator.neg, torch.neg, "neg")
 _POW = (operator.pow, torch.pow, "pow")
 
 
-# -- the public function --------------------------------------------------------------------
+# -- the public functions -------------------------------------------------------------------
+class ForwardLaplacian(NamedTuple):
+    """The result of :func:`forward_laplacian`; ``[N]``-shaped parts for a scalar output.
+
+    Attributes:
+        value: ``f(x)``: ``[N]`` or ``[N, *out]``.
+        jacobian: ``d f / d x``: ``[N, d]`` or ``[N, *out, d]``.
+        laplacian: ``sum_i c_i d^2 f / d x_i^2``: ``[N]`` or ``[N, *out]``.
+
+    """
+
+    value: Tensor
+    jacobian: Tensor
+    laplacian: Tensor
+
+
 def laplacian(
     model: nn.Module,
     x: Tensor,
@@ -292,14 +326,16 @@ def laplacian(
     num_samples: Optional[int] = None,
     fallback: str = "autograd",
     generator: Optional[torch.Generator] = None,
+    coefficients: Optional[Union[Tensor, Sequence[float], float]] = None,
 ) -> Tensor:
     r"""The Laplacian of the model's output w.r.t. its input, for each sample.
 
-    .. math:: \Delta f(x_n) = \sum_{i=1}^{d} \frac{\partial^2 f}{\partial x_i^2}(x_n)
-        = \operatorname{tr} \nabla_x^2 f(x_n)
+    .. math:: \Delta f(x_n) = \sum_{i=1}^{d} c_i \frac{\partial^2 f}{\partial x_i^2}(x_n)
+        = \operatorname{tr}(C \nabla_x^2 f(x_n)), \quad C = \operatorname{diag}(c)
 
-    per sample ``n`` and output. The result has a graph (``create_graph``) to the
-    parameters and to ``x``: a PINN loss built on it can be backpropagated.
+    per sample ``n`` and output, with ``c = 1`` (the Laplacian) unless ``coefficients``
+    are given. The result has a graph (``create_graph``) to the parameters and to ``x``: a
+    PINN loss built on it can be backpropagated.
 
     Methods (``d`` input dimensions, ``O`` outputs, ``K`` probes):
 
@@ -309,22 +345,24 @@ def laplacian(
       layer is called as a module on the whole state (weight sharing over the slots) and
       its bias removed again from slots ``1..d+1``; an elementwise activation ``sigma``
       maps ``(z, dz_j, lap)`` to ``(sigma(z), sigma'(z) dz_j, sigma'(z) lap + sigma''(z)
-      sum_j dz_j^2)``. About ``d + 2`` forwards' worth of GEMMs, one pass, no nested
+      sum_j c_j dz_j^2)``. About ``d + 2`` forwards' worth of GEMMs, one pass, no nested
       backward. Supports ``nn.Sequential`` (nested), ``nn.Linear``, ``nn.Identity``, the
       activations of :data:`ACTIVATIONS` (Tanh, Sigmoid, ReLU, LeakyReLU, ELU, GELU both
       forms, SiLU, Softplus; more with :func:`register_activation`), and custom modules
       whose forward ``torch.fx`` can trace into such modules, the functional activations
-      (``torch.tanh``, ``F.gelu``, ``torch.sin``, ...), sums and differences (residual
-      connections), products of two hidden states (product rule) and scaling by or adding
-      of constants (numbers, parameters, buffers). Anything else is *unsupported*: see
-      ``fallback``.
+      (``torch.tanh``, ``F.gelu``, ``torch.sin``, ``z ** p``, ...), sums and differences
+      (residual connections), products of two hidden states (product rule) and scaling by
+      or adding of constants (numbers, parameters, buffers). Anything else is
+      *unsupported*: see ``fallback``.
     - ``"autograd"``: exact nested reverse mode: ``g = grad_x f`` with ``create_graph``,
       then one batched backward (``is_grads_batched``) over the ``O * d`` pairs of an output
-      and a unit direction ``e_i`` gives ``e_i^T H_n e_i`` for all samples at once.
-      Requires a model that treats samples independently (no BatchNorm in train mode).
-    - ``"hutchinson"``: ``mean_k v_{kn}^T H_n v_{kn}`` with ``K = num_samples`` Rademacher
-      probes ``v_{kn}`` per sample (one batched backward over ``O * K``); unbiased, variance
-      ``2 sum_{i != j} (H_n)_{ij}^2 / K``. Cheaper than ``"autograd"`` only for ``K < d``.
+      and a unit direction ``e_i`` (directions with ``c_i = 0`` are skipped) gives
+      ``e_i^T H_n e_i`` for all samples at once. Requires a model that treats samples
+      independently (no BatchNorm in train mode).
+    - ``"hutchinson"``: ``mean_k (H_n v_{kn})^T (c * v_{kn})`` with ``K = num_samples``
+      Rademacher probes ``v_{kn}`` per sample (one batched backward over ``O * K``);
+      unbiased, variance ``2 sum_{i != j} (H_n)_{ij}^2 / K`` for ``c = 1``. Cheaper than
+      ``"autograd"`` only for ``K < d``.
 
     Args:
         model: Maps ``[N, d]`` to ``[N]``, ``[N, 1]`` or ``[N, *out]``, row by row.
@@ -339,78 +377,156 @@ def laplacian(
             ``"error"`` raises a ``ValueError`` naming it. The check runs before any layer
             is called.
         generator: The random generator of the Hutchinson probes.
+        coefficients: ``c``: a number or ``d`` numbers (a tensor ``[d]``) weighting the
+            second derivatives, e.g. ``(0, 1/4)`` for the ``u_xx / 4`` of a heat equation
+            in ``(t, x)``; ``None`` is the Laplacian (all ones).
 
     Returns:
         ``[N]`` for a scalar-output model (output ``[N]`` or ``[N, 1]``), else ``[N, *out]``.
 
     Raises:
-        ValueError: For a bad ``x``, ``method``, ``num_samples`` or ``fallback``, and with
-            ``fallback="error"`` for a model that the forward Laplacian does not support.
+        ValueError: For a bad ``x``, ``method``, ``num_samples``, ``fallback`` or
+            ``coefficients``, and with ``fallback="error"`` for a model that the forward
+            Laplacian does not support.
 
     """
+    c = _check(model, x, method, num_samples, fallback, generator, coefficients, "laplacian")
+    if method == "forward":
+        plan = _plan_or_fallback(model, fallback, "laplacian")
+        if plan is not None:
+            return _forward_laplacian(plan, x, c).laplacian
+        return _nested_autograd(model, x, None, c).laplacian
+    if method == "autograd":
+        return _nested_autograd(model, x, None, c).laplacian
+    N, d = x.shape
+    where = generator.device if generator is not None else x.device
+    probes = torch.randint(0, 2, (num_samples, N, d), generator=generator, device=where)
+    return _nested_autograd(model, x, (probes.to(x.dtype) * 2 - 1).to(x.device), c).laplacian
+
+
+def forward_laplacian(
+    model: nn.Module,
+    x: Tensor,
+    *,
+    coefficients: Optional[Union[Tensor, Sequence[float], float]] = None,
+    fallback: str = "autograd",
+) -> ForwardLaplacian:
+    """Value, Jacobian and (weighted) Laplacian of the model from one forward Laplacian.
+
+    The same pass as ``laplacian(model, x, method="forward")`` (see :func:`laplacian`),
+    returning all three slots: for a PINN residual that needs first derivatives as well,
+    e.g. the heat equation ``u_t - u_xx / 4`` on inputs ``(t, x)``::
+
+        out = forward_laplacian(model, tx, coefficients=[0.0, 0.25])
+        residual = out.jacobian[:, 0] - out.laplacian
+
+    Args:
+        model: As in :func:`laplacian`.
+        x: Inputs ``[N, d]``.
+        coefficients: As in :func:`laplacian`.
+        fallback: As in :func:`laplacian` (the fallback gives the same three parts).
+
+    Returns:
+        A :class:`ForwardLaplacian` ``(value, jacobian, laplacian)``, all with graphs.
+
+    """
+    c = _check(model, x, "forward", None, fallback, None, coefficients, "forward_laplacian")
+    plan = _plan_or_fallback(model, fallback, "forward_laplacian")
+    if plan is not None:
+        return _forward_laplacian(plan, x, c)
+    return _nested_autograd(model, x, None, c)
+
+
+def _check(
+    model: nn.Module,
+    x: Tensor,
+    method: str,
+    num_samples: Optional[int],
+    fallback: str,
+    generator: Optional[torch.Generator],
+    coefficients: Any,
+    caller: str,
+) -> Optional[Tensor]:
+    """Validate the arguments; the coefficients as a tensor ``[d]`` (or ``None``)."""
     if method not in _METHODS:
-        raise ValueError(f"laplacian(method={method!r}): method must be one of {_METHODS}.")
+        raise ValueError(f"{caller}(method={method!r}): method must be one of {_METHODS}.")
     if fallback not in _FALLBACKS:
-        raise ValueError(f"laplacian(fallback={fallback!r}): fallback must be one of {_FALLBACKS}.")
+        raise ValueError(f"{caller}(fallback={fallback!r}): fallback must be one of {_FALLBACKS}.")
     if not isinstance(model, nn.Module):
-        raise ValueError(f"laplacian: model must be an nn.Module; got {type(model).__name__}.")
+        raise ValueError(f"{caller}: model must be an nn.Module; got {type(model).__name__}.")
     if not isinstance(x, Tensor) or x.ndim != 2 or not x.is_floating_point():
         got = f"shape {tuple(x.shape)}, {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(
-            f"laplacian: x must be a floating-point tensor [N, d] (one row per sample); "
+            f"{caller}: x must be a floating-point tensor [N, d] (one row per sample); "
             f"got {got}. Flatten the input dimensions into d."
         )
     if method == "hutchinson":
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(
-                f"laplacian(method='hutchinson', num_samples={num_samples!r}): num_samples "
+                f"{caller}(method='hutchinson', num_samples={num_samples!r}): num_samples "
                 "(probes per sample) must be a positive integer."
             )
     elif num_samples is not None:
         raise ValueError(
-            f"laplacian(method={method!r}, num_samples={num_samples!r}): num_samples is "
+            f"{caller}(method={method!r}, num_samples={num_samples!r}): num_samples is "
             "only used by method='hutchinson'; leave it None."
         )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(
-            f"laplacian(generator={generator!r}): generator must be a torch.Generator or None."
+            f"{caller}(generator={generator!r}): generator must be a torch.Generator or None."
         )
-
-    if method == "forward":
-        try:
-            plan = _compile(model, "")
-        except _Unsupported as err:
-            if fallback == "error":
-                raise ValueError(
-                    f"laplacian(method='forward'): {err}. Use method='autograd' (exact, "
-                    "any model), fallback='autograd', or register the activation with "
-                    "curvature.laplacian.register_activation."
-                ) from None
-            warnings.warn(
-                f"laplacian(method='forward'): {err}; computing the exact Laplacian with "
-                "method='autograd' instead (fallback='autograd').",
-                stacklevel=2,
-            )
-            return _nested_autograd(model, x, None)
-        return _forward_laplacian(plan, x)
-    if method == "autograd":
-        return _nested_autograd(model, x, None)
-    N, d = x.shape
-    where = generator.device if generator is not None else x.device
-    probes = torch.randint(0, 2, (num_samples, N, d), generator=generator, device=where)
-    return _nested_autograd(model, x, (probes.to(x.dtype) * 2 - 1).to(x.device))
+    if coefficients is None:
+        return None
+    d = x.shape[1]
+    try:
+        c = torch.as_tensor(coefficients, dtype=x.dtype, device=x.device)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"{caller}(coefficients={coefficients!r}): coefficients must be a number or "
+            f"{d} numbers (one per input dimension)."
+        ) from err
+    if c.ndim == 0:
+        c = c.expand(d)
+    if c.shape != (d,):
+        raise ValueError(
+            f"{caller}(coefficients of shape {tuple(c.shape)}): coefficients must be a number "
+            f"or {d} numbers (one per input dimension of x [N, {d}])."
+        )
+    return c
 
 
-def _scalar_or_vector(lap: Tensor, out_shape: torch.Size) -> Tensor:
-    """``[N, *out]`` to ``[N]`` for a scalar-output model (``[N]`` or ``[N, 1]``)."""
+def _plan_or_fallback(model: nn.Module, fallback: str, caller: str) -> Optional[Plan]:
+    """The forward Laplacian's plan, or ``None`` to fall back (with a warning)."""
+    try:
+        return _compile(model, "")
+    except _Unsupported as err:
+        if fallback == "error":
+            raise ValueError(
+                f"{caller}(method='forward'): {err}. Use method='autograd' (exact, any model), "
+                "fallback='autograd', or register the activation with "
+                "curvature.laplacian.register_activation."
+            ) from None
+        warnings.warn(
+            f"{caller}(method='forward'): {err}; computing the exact Laplacian with "
+            "method='autograd' instead (fallback='autograd').",
+            stacklevel=3,
+        )
+        return None
+
+
+def _squeeze_scalar(t: Tensor, out_shape: torch.Size, trailing: int = 0) -> Tensor:
+    """``[N, *out, *trailing]`` to ``[N, *trailing]`` for a scalar output (``[N]``/``[N, 1]``)."""
+    rest = tuple(t.shape[t.ndim - trailing :]) if trailing else ()
     if len(out_shape) == 1 or tuple(out_shape[1:]) == (1,):
-        return lap.reshape(out_shape[0])
-    return lap.reshape(out_shape)
+        return t.reshape(out_shape[0], *rest)
+    return t.reshape(*out_shape, *rest)
 
 
 # -- nested reverse mode --------------------------------------------------------------------
-def _nested_autograd(model: nn.Module, x: Tensor, probes: Optional[Tensor]) -> Tensor:
-    """Exact (``probes=None``: the unit directions) or Hutchinson (``probes [K, N, d]``)."""
+def _nested_autograd(
+    model: nn.Module, x: Tensor, probes: Optional[Tensor], c: Optional[Tensor]
+) -> ForwardLaplacian:
+    """Exact (``probes=None``: unit directions) or Hutchinson (``probes [K, N, d]``)."""
     N, d = x.shape
     with torch.enable_grad():
         xg = x if x.requires_grad else x.detach().requires_grad_(True)
@@ -426,45 +542,49 @@ def _nested_autograd(model: nn.Module, x: Tensor, probes: Optional[Tensor]) -> T
             (g,) = torch.autograd.grad(flat.sum(), xg, create_graph=True, allow_unused=True)
             g = None if g is None else g.unsqueeze(0)
         else:
-            seeds = (
-                torch.eye(n_out, dtype=flat.dtype, device=flat.device)
-                .unsqueeze(1)
-                .expand(n_out, N, n_out)
-            )
+            seeds = torch.eye(n_out, dtype=flat.dtype, device=flat.device)
+            seeds = seeds.unsqueeze(1).expand(n_out, N, n_out)
             (g,) = torch.autograd.grad(
                 flat, xg, seeds, create_graph=True, allow_unused=True, is_grads_batched=True
             )
-        if g is None or not g.requires_grad:  # f is affine in x
-            return _scalar_or_vector(flat.new_zeros(N, n_out), out.shape)
-        if probes is None:  # V[j, n] = e_j
-            V = torch.eye(d, dtype=g.dtype, device=g.device).unsqueeze(1).expand(d, N, d)
+        if g is None:  # f does not depend on x
+            g = flat.new_zeros(n_out, N, d)
+        if probes is None:  # V[j, n] = e_{i_j} for the directions i_j with c_i != 0
+            dirs = torch.arange(d, device=x.device) if c is None else c.nonzero().flatten()
+            V = torch.eye(d, dtype=g.dtype, device=g.device)[dirs].unsqueeze(1).expand(-1, N, d)
         else:
             V = probes.to(g.dtype)
         B = V.shape[0]
-        if n_out == 1:
-            seeds = V.unsqueeze(1)  # [B, 1, N, d]
-        else:  # seeds[(o, b), o'] = delta_{o o'} V[b]
-            eye = torch.eye(n_out, dtype=g.dtype, device=g.device)
-            seeds = (eye[:, None, :, None, None] * V[None, :, None]).reshape(n_out * B, n_out, N, d)
-        (HV,) = torch.autograd.grad(
-            g, xg, seeds, create_graph=True, allow_unused=True, is_grads_batched=True
-        )
+        HV = None
+        if g.requires_grad and B > 0:  # else f is affine in x
+            if n_out == 1:
+                seeds = V.unsqueeze(1)  # [B, 1, N, d]
+            else:  # seeds[(o, b), o'] = delta_{o o'} V[b]
+                eye = torch.eye(n_out, dtype=g.dtype, device=g.device)
+                seeds = (eye[:, None, :, None, None] * V[None, :, None]).reshape(
+                    n_out * B, n_out, N, d
+                )
+            (HV,) = torch.autograd.grad(
+                g, xg, seeds, create_graph=True, allow_unused=True, is_grads_batched=True
+            )
+    value = _squeeze_scalar(flat, out.shape)
+    jacobian = _squeeze_scalar(g.permute(1, 0, 2), out.shape, trailing=1)  # [N, *out, d]
     if HV is None:
-        return _scalar_or_vector(flat.new_zeros(N, n_out), out.shape)
+        return ForwardLaplacian(
+            value, jacobian, _squeeze_scalar(flat.new_zeros(N, n_out), out.shape)
+        )
     HV = HV.reshape(n_out, B, N, d)
-    if probes is None:
-        lap = HV.diagonal(dim1=1, dim2=3).sum(-1)  # [n_out, N]
-    else:
-        lap = (HV * V).sum(-1).mean(1)
-    return _scalar_or_vector(lap.T, out.shape)
+    if probes is None:  # e_{i_j}^T H e_{i_j}, weighted by c_{i_j}, summed over j
+        quad = (HV * V).sum(-1)  # [n_out, B, N]
+        lap = quad.sum(1) if c is None else (quad * c[dirs].view(-1, 1)).sum(1)
+    else:  # mean_k (H v_k)^T (c * v_k)
+        lap = (HV * (V if c is None else V * c)).sum(-1).mean(1)
+    return ForwardLaplacian(value, jacobian, _squeeze_scalar(lap.T, out.shape))
 
 
 # -- forward Laplacian -------------------------------------------------------------------------
 class _Unsupported(Exception):
     """A module or operation that the forward Laplacian cannot propagate."""
-
-
-Plan = Callable[[Tensor], Tensor]
 
 
 def _describe(path: str, module: nn.Module) -> str:
@@ -509,44 +629,73 @@ def _activation_rule(module: nn.Module) -> Optional[ActivationRule]:
     return None
 
 
-def _forward_laplacian(plan: Plan, x: Tensor) -> Tensor:
-    """Run ``plan`` on the initial state ``[x, I, 0]`` and read the Laplacian slot."""
+def _forward_laplacian(plan: Plan, x: Tensor, c: Optional[Tensor]) -> ForwardLaplacian:
+    """Run ``plan`` on the initial state ``[x, I, 0]`` and read the three parts."""
     N, d = x.shape
     eye = torch.eye(d, dtype=x.dtype, device=x.device).expand(N, d, d)
     state = torch.cat([x.unsqueeze(1), eye, x.new_zeros(N, 1, d)], dim=1)
-    out = plan(state)
-    return _scalar_or_vector(out[:, d + 1], torch.Size([N, *out.shape[2:]]))
+    token = _COEFFICIENTS.set(c)
+    try:
+        out = plan(state)
+    finally:
+        _COEFFICIENTS.reset(token)
+    out_shape = torch.Size([N, *out.shape[2:]])
+    jacobian = out[:, 1 : d + 1].movedim(1, -1)  # [N, *out, d]
+    return ForwardLaplacian(
+        _squeeze_scalar(out[:, 0], out_shape),
+        _squeeze_scalar(jacobian, out_shape, trailing=1),
+        _squeeze_scalar(out[:, d + 1], out_shape),
+    )
 
 
 def _linear(module: nn.Linear, state: Tensor) -> Tensor:
-    """``module(state)`` on all slots (weight sharing), bias removed from slots ``1..``."""
+    """``module(state)`` on all slots (weight sharing), bias removed from slots ``1..``.
+
+    The module itself is called, so that forward hooks (the capture engine) see a Linear
+    layer applied to ``[N, d + 2, F_in]`` with weight sharing over the slots, and
+    :data:`FORWARD_LAPLACIAN_SLOTS` is ``d + 2`` during the call. The bias is then removed
+    out of place (hooks may hold the module's output).
+    """
     token = FORWARD_LAPLACIAN_SLOTS.set(state.shape[1])
     try:
         out = module(state)
     finally:
         FORWARD_LAPLACIAN_SLOTS.reset(token)
-    if module.bias is not None:
-        mask = torch.ones(state.shape[1], dtype=out.dtype, device=out.device)
-        mask[0] = 0
-        out = out - mask.view(-1, *([1] * (out.ndim - 2))) * module.bias
+    if module.bias is not None:  # out + [0, -b, ..., -b]: an add (its backward is a view)
+        sign = torch.full((state.shape[1],), -1.0, dtype=out.dtype, device=out.device)
+        sign[0] = 0
+        out = out + sign.view(-1, *([1] * (out.ndim - 2))) * module.bias
     return out
 
 
 def _elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:
-    """``(z, dz, lap) -> (s(z), s'(z) dz, s'(z) lap + s''(z) sum_j dz_j^2)``."""
-    z = state[:, 0]
-    value, d1, d2 = derivatives(z)
-    rest = d1.unsqueeze(1) * state[:, 1:]  # derivatives and the first Laplacian term
-    if d2 is None:
-        return torch.cat([value.unsqueeze(1), rest], dim=1)
-    lap = rest[:, -1] + d2 * state[:, 1:-1].square().sum(1)
-    return torch.cat([value.unsqueeze(1), rest[:, :-1], lap.unsqueeze(1)], dim=1)
+    """``(z, dz, lap) -> (s(z), s'(z) dz, s'(z) lap + s''(z) sum_j dz_j^2)``.
+
+    One full-size product ``s'(z) * state``, then slot 0 and the Laplacian slot are
+    written in place (into that fresh product, which no one else holds): no concatenation.
+    """
+    value, d1, d2 = derivatives(state[:, 0])
+    out = d1.unsqueeze(1) * state
+    out[:, 0] = value
+    if d2 is not None:
+        dz = state[:, 1:-1]
+        out[:, -1].addcmul_(d2, _weighted_sum(dz * dz))
+    return out
+
+
+def _weighted_sum(t: Tensor) -> Tensor:
+    """``sum_j c_j t_j`` over the derivative slots ``t [N, d, *F]`` (``c = 1`` if unset)."""
+    c = _COEFFICIENTS.get()
+    if c is None:
+        return t.sum(1)
+    return (t * c.view(-1, *([1] * (t.ndim - 2)))).sum(1)
 
 
 def _product(u: Tensor, v: Tensor) -> Tensor:
-    """Product rule: ``(uv)_j = u v_j + v u_j``, ``Delta(uv) = u Dv + v Du + 2 <du, dv>``."""
+    """Product rule: ``(uv)_j = u v_j + v u_j``, ``D(uv) = u Dv + v Du + 2 sum_j c_j u_j v_j``."""
     u0, v0 = u[:, :1], v[:, :1]
-    lap = u0 * v[:, -1:] + v0 * u[:, -1:] + 2 * (u[:, 1:-1] * v[:, 1:-1]).sum(1, keepdim=True)
+    cross = _weighted_sum(u[:, 1:-1] * v[:, 1:-1]).unsqueeze(1)
+    lap = u0 * v[:, -1:] + v0 * u[:, -1:] + 2 * cross
     return torch.cat([u0 * v0, u0 * v[:, 1:-1] + v0 * u[:, 1:-1], lap], dim=1)
 
 

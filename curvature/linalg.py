@@ -86,3 +86,15 @@ def generalized_eigh(B: Tensor, A: Tensor, *, name: str = "matrix") -> Tuple[Ten
     inv_sqrt = QA @ torch.diag_embed(lA.clamp_min(torch.finfo(lA.dtype).tiny).rsqrt()) @ QA.mT
     mu, U = eigh(inv_sqrt @ B @ inv_sqrt, name=name)
     return mu, inv_sqrt @ U
+
+
+def orthonormal_basis(M: Tensor) -> Tensor:
+    """An orthonormal basis ``Q [P, r]`` of the columns of ``M [P, k]``, ``r = min(P, k)``.
+
+    Householder QR (``torch.linalg.qr``, reduced): ``Q`` has orthonormal columns even when
+    ``M`` is rank-deficient (then ``Q`` spans ``range(M)`` plus arbitrary directions, which
+    keeps Hutch++ unbiased). Half precision is promoted to float32 and cast back.
+    """
+    dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
+    Q = torch.linalg.qr(M.to(dtype), mode="reduced").Q
+    return Q.to(M.dtype)

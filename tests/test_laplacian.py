@@ -13,6 +13,7 @@ from curvature.laplacian import (
     ACTIVATIONS,
     FORWARD_LAPLACIAN_SLOTS,
     current_slots,
+    forward_laplacian,
     laplacian,
     register_activation,
 )
@@ -145,6 +146,82 @@ def test_float32_forward_laplacian_matches_autograd():
     torch.testing.assert_close(
         laplacian(model, x), laplacian(model, x, method="autograd"), rtol=1e-4, atol=1e-5
     )
+
+
+# -- weighted Laplacians and the forward Laplacian's other slots ---------------------------------
+COEFFICIENTS = [0.0, 0.25, -1.5, 2.0]  # a zero (skipped direction) and a negative weight
+
+
+@pytest.mark.parametrize("out", [1, 3], ids=["scalar", "vector"])
+@pytest.mark.parametrize("method", ["forward", "autograd"])
+def test_weighted_laplacian_equals_the_weighted_diagonal_of_the_input_hessian(method, out):
+    model, x = _mlp("silu", out), _x()
+    c = torch.tensor(COEFFICIENTS, dtype=DT)
+    exact = (_input_hessians(model, x).diagonal(dim1=-2, dim2=-1) * c).sum(-1)
+    exact = exact.squeeze(-1) if out == 1 else exact
+    lap = laplacian(model, x, method=method, coefficients=COEFFICIENTS)
+    torch.testing.assert_close(lap, exact, rtol=1e-10, atol=1e-12)
+
+
+def test_weighted_hutchinson_laplacian_converges_to_the_weighted_trace():
+    model, x = _mlp("tanh", 1), _x()
+    c = torch.tensor(COEFFICIENTS, dtype=DT)
+    H = _input_hessians(model, x)[:, 0]  # [N, d, d]
+    exact = (H.diagonal(dim1=-2, dim2=-1) * c).sum(-1)
+    K = 10000  # v^T H (c * v) = sum_i c_i H_ii + sum_{i != j} c_i H_ij v_i v_j
+    off = (H * c.view(1, -1, 1)) - torch.diag_embed(H.diagonal(dim1=-2, dim2=-1) * c)
+    std = ((off.square() + off * off.transpose(-1, -2)).sum((-2, -1)) / K).sqrt()
+    gen = torch.Generator().manual_seed(8)
+    lap = laplacian(model, x, method="hutchinson", num_samples=K, coefficients=c, generator=gen)
+    assert ((lap - exact).abs() <= 4 * std + 1e-12).all()
+
+
+def test_a_scalar_coefficient_scales_the_laplacian():
+    model, x = _mlp("tanh", 1), _x()
+    torch.testing.assert_close(laplacian(model, x, coefficients=0.5), 0.5 * laplacian(model, x))
+
+
+@pytest.mark.parametrize("out", [1, 3], ids=["scalar", "vector"])
+@pytest.mark.parametrize("fallback", [False, True], ids=["forward", "fallback"])
+def test_forward_laplacian_returns_value_jacobian_and_weighted_laplacian(out, fallback):
+    model, x = _mlp("gelu", out), _x()
+    if fallback:  # an unsupported layer: the autograd fallback returns the same three parts
+        model = nn.Sequential(model, nn.Dropout(p=0.0))
+    c = torch.tensor(COEFFICIENTS, dtype=DT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = forward_laplacian(model, x, coefficients=c)
+    J = torch.vmap(torch.func.jacrev(lambda xi: model(xi[None]).reshape(-1)))(x)  # [N, O, d]
+    lap = (_input_hessians(model, x).diagonal(dim1=-2, dim2=-1) * c).sum(-1)
+    if out == 1:
+        J, lap = J[:, 0], lap[:, 0]
+    torch.testing.assert_close(res.value, model(x).squeeze(-1) if out == 1 else model(x))
+    torch.testing.assert_close(res.jacobian, J, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(res.laplacian, lap, rtol=1e-10, atol=1e-12)
+    assert res.jacobian.requires_grad and res.laplacian.requires_grad
+
+
+def test_heat_equation_residual_from_one_forward_laplacian():
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1)).to(DT)
+    tx = torch.rand(7, 2, dtype=DT)
+    res = forward_laplacian(model, tx, coefficients=torch.tensor([0.0, 0.25]))  # float32 is cast
+
+    def u(z):
+        return model(z[None]).reshape(())
+
+    u_t = torch.vmap(torch.func.grad(u))(tx)[:, 0]
+    u_xx = torch.vmap(torch.func.hessian(u))(tx)[:, 1, 1]
+    torch.testing.assert_close(res.jacobian[:, 0] - res.laplacian, u_t - u_xx / 4)
+
+
+@pytest.mark.parametrize(
+    "coefficients, match",
+    [([1.0, 2.0], r"shape \(2,\)"), ("abc", "coefficients"), (torch.ones(D_IN, 2), "shape")],
+)
+def test_bad_coefficients_raise_value_error(coefficients, match):
+    with pytest.raises(ValueError, match=match):
+        laplacian(_mlp("tanh", 1), _x(), coefficients=coefficients)
 
 
 # -- gradients -----------------------------------------------------------------------------------
@@ -330,6 +407,22 @@ def test_register_activation_teaches_the_forward_laplacian_a_new_module():
     finally:
         ACTIVATIONS.pop(Sine, None)
         ACTIVATIONS.pop(Cube, None)
+
+
+def test_registered_rule_may_return_numbers():
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(D_IN, 6), Square(), nn.Linear(6, 1)).to(DT)
+    x = _x()
+    try:
+        register_activation(Square, (lambda z: z * z, lambda z: 2 * z, lambda z: 2.0))
+        lap = laplacian(model, x, fallback="error")
+    finally:
+        ACTIVATIONS.pop(Square, None)
+    torch.testing.assert_close(lap, _reference(model, x), rtol=1e-10, atol=1e-12)
 
 
 def test_register_activation_rejects_bad_rules():

@@ -19,6 +19,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .linalg import orthonormal_basis
+
 __all__ = ["hessian_trace", "hutchinson_trace", "hutchinson_trace_blocks", "orthonormal_basis"]
 
 Params = Union[Tensor, Sequence[Tensor]]
@@ -229,18 +231,6 @@ def hessian_trace(
         part = hvp(E, create_graph)[torch.arange(stop - start, device=hvp.device), rows].sum()
         total = part if total is None else total + part
     return total
-
-
-def orthonormal_basis(M: Tensor) -> Tensor:
-    """An orthonormal basis ``Q [P, r]`` of the columns of ``M [P, k]``, ``r = min(P, k)``.
-
-    Householder QR (``torch.linalg.qr``, reduced): ``Q`` has orthonormal columns even when
-    ``M`` is rank-deficient (then ``Q`` spans ``range(M)`` plus arbitrary directions, which
-    keeps Hutch++ unbiased). Half precision is promoted to float32 and cast back.
-    """
-    dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
-    Q = torch.linalg.qr(M.to(dtype), mode="reduced").Q
-    return Q.to(M.dtype)
 
 
 # -- internals -------------------------------------------------------------------------------

@@ -144,11 +144,20 @@ _NO_GATE: Callable[[], None] = lambda: None  # noqa: E731
 
 # -- timing --------------------------------------------------------------------------------
 def _time(fn: Callable[[], Any], inner: int) -> float:
-    """Seconds per call of ``inner`` back-to-back calls (results dropped at once)."""
-    start = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - start) / inner
+    """Seconds per call of ``inner`` back-to-back calls (results dropped at once).
+
+    Python's cyclic garbage collector is paused meanwhile, as in :mod:`timeit`.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - start) / inner
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def calibrate(fn: Callable[[], Any], min_time: float, warmup: int = 1) -> int:
@@ -199,7 +208,6 @@ def compare(
     else:
         inner_m = calibrate(method, min_time, warmup)
     inner_b = inner_baseline or calibrate(baseline, min_time, 1)
-    gc.collect()
     gate()
     tb = [_time(baseline, inner_b)]
     tm: List[float] = []
@@ -262,7 +270,6 @@ def memory_method() -> str:
 
 
 def _peak_rss(fn: Callable[[], Any]) -> Tuple[int, Any, float]:
-    gc.collect()
     _malloc_trim()
     before = _proc_status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -277,7 +284,6 @@ def _peak_rss(fn: Callable[[], Any]) -> Tuple[int, Any, float]:
 def _peak_profiler(fn: Callable[[], Any]) -> Tuple[int, Any, float]:
     from torch.profiler import ProfilerActivity, profile
 
-    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         start = time.perf_counter()
         result = fn()
@@ -317,10 +323,18 @@ def max_abs_diff(a: Any, b: Any) -> float:
             missing = sorted(set(a) ^ set(b))
             raise KeyError(f"different parameters: {missing[:5]}")
         return max(max_abs_diff(a[k], b[k]) for k in a)
-    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    a, b = torch.as_tensor(a).detach(), torch.as_tensor(b).detach()
     if a.shape != b.shape:
         raise ValueError(f"shape {tuple(a.shape)} != {tuple(b.shape)}")
-    return (a.detach().double() - b.detach().double()).abs().max().item()
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.reshape(a.shape[0] if a.dim() else 1, -1), b.reshape(b.shape[0] if b.dim() else 1, -1)
+    rows = max(1, 2**22 // max(1, a.shape[1]))  # bounded temporaries (16 MB in fp32)
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return max(
+        (a[i : i + rows].to(dtype) - b[i : i + rows].to(dtype)).abs().max().item()
+        for i in range(0, a.shape[0], rows)
+    )
 
 
 def max_abs(a: Any) -> float:

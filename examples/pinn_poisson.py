@@ -242,6 +242,5 @@ def main(argv=None) -> Dict[str, Dict[str, List[float]]]:
     return histories
 
 
-
 if __name__ == "__main__":
     main()

@@ -179,6 +179,7 @@ def compare(
     estimate: Optional[float] = None,
     gate: Callable[[], None] = _NO_GATE,
     tolerance: float = 1.5,
+    baseline_floor: Optional[float] = None,
 ) -> Dict[str, Any]:
     """Time ``method`` against ``baseline``, alternating ``B M B M ... B``.
 
@@ -194,13 +195,17 @@ def compare(
         gate: Called before every baseline measurement (e.g. a :class:`QuietGate`); the
             method measurement follows its baseline at once.
         tolerance: Repeats whose two baselines are not both within ``tolerance`` times
-            the fastest baseline of this comparison count as disturbed by other jobs and
-            are left out of the ratio (unless that leaves fewer than half of them).
+            the fastest baseline (of this comparison, or ``baseline_floor`` if faster)
+            count as disturbed by other jobs and are left out of the ratio, unless that
+            leaves fewer than half of them: then all count and ``disturbed`` is set.
+        baseline_floor: The fastest baseline time seen so far (e.g. in earlier
+            comparisons of the same baseline).
 
     Returns:
         ``time`` (median seconds per call of ``method``), ``baseline_time`` (median of the
         baseline), ``ratio`` (median of the per-repeat ratios of the undisturbed
-        repeats), ``ratios`` (all of them), ``clean_repeats`` and the inner call counts.
+        repeats), ``ratios`` (all of them), ``clean_repeats``, ``disturbed``, the
+        ``baseline_times`` and the inner call counts.
 
     """
     if estimate is not None and warmup == 0:
@@ -216,11 +221,14 @@ def compare(
         gate()
         tb.append(_time(baseline, inner_b))
     ratios = [m / (0.5 * (b0 + b1)) for m, b0, b1 in zip(tm, tb[:-1], tb[1:])]
-    fastest = min(tb)
+    fastest = min(tb) if baseline_floor is None else min(min(tb), baseline_floor)
     clean = [i for i in range(repeats) if max(tb[i], tb[i + 1]) <= tolerance * fastest]
-    if 2 * len(clean) < repeats:
+    disturbed = 2 * len(clean) < repeats
+    if disturbed:
         clean = list(range(repeats))
     return {
+        "baseline_times": tb,
+        "disturbed": disturbed,
         "time": statistics.median(tm[i] for i in clean),
         "baseline_time": statistics.median(tb),
         "ratio": statistics.median(ratios[i] for i in clean),

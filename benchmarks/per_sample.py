@@ -458,6 +458,7 @@ def run_workload(
     base = common.compare(
         plain_step, plain_step, repeats=args.repeats, min_time=args.min_time, gate=args.gate
     )
+    floor = min(base["baseline_times"])  # the fastest plain step seen in this workload
     log(
         f"plain forward+backward: {base['time'] * 1e3:.2f} ms (self-ratio "
         f"{base['ratio']:.2f}), peak {base_mem / common.MB:.1f} MB"
@@ -546,7 +547,9 @@ def run_workload(
                         inner_baseline=inner_b,
                         estimate=first if args.quick else None,
                         gate=args.gate,
+                        baseline_floor=floor,
                     )
+                    floor = min(floor, *timing["baseline_times"])
                     if args.quick:
                         mem = mem_first
                     else:
@@ -560,6 +563,7 @@ def run_workload(
                 "ratio": timing["ratio"],
                 "ratios": timing["ratios"],
                 "clean_repeats": timing["clean_repeats"],
+                "disturbed": timing["disturbed"],
                 "baseline_time": timing["baseline_time"],
                 "peak_bytes": mem,
                 "mem_ratio": mem / max(base_mem, 1),
@@ -574,7 +578,8 @@ def run_workload(
                 tf.update(max_abs_diff=diff, rel_diff=rel, mismatch=entry["mismatch"])
             log(
                 f"  {method:14s} {q:5s} {timing['time'] * 1e3:9.2f} ms  "
-                f"{timing['ratio']:6.2f}x  peak {mem / common.MB:7.1f} MB "
+                f"{timing['ratio']:6.2f}x{'†' if timing['disturbed'] else ' '} "
+                f"peak {mem / common.MB:7.1f} MB "
                 f"({entry['mem_ratio']:.2f}x)  diff {fmt_diff(entry)}"
             )
         del built
@@ -645,7 +650,7 @@ def tables(results: Dict[str, Any]) -> str:
                         QUANTITY_NAMES[q],
                         method,
                         f"{e['time'] * 1e3:.2f}",
-                        f"{e['ratio']:.2f}",
+                        f"{e['ratio']:.2f}" + (" †" if e.get("disturbed") else ""),
                         vs,
                         f"{e['peak_bytes'] / common.MB:.1f}",
                         f"{e['mem_ratio']:.2f}",
@@ -726,8 +731,9 @@ def doc_body(results: Dict[str, Any], table: str, target_lines: List[str]) -> st
         "the same model (`zero_grad`, `loss.mean().backward()`). `x fwd+bwd` is the median "
         "of per-repeat ratios, baseline and method alternating in one loop "
         f"({results['repeats']} repeats; repeats whose baselines ran more than 1.5x slower "
-        "than the fastest baseline of that comparison are dropped as disturbed by other "
-        "jobs, unless that drops half of them); `time` is the median time of the method alone "
+        "than the fastest plain step of the workload are dropped as disturbed by other "
+        "jobs, unless that drops half of them: †); `time` is the median time of the method "
+        "alone "
         "(the machine drifts by up to 2x: read the ratios). `x fastest peer` divides "
         "curvature's ratio by the fastest peer's whose output agrees. Peak memory: "
         f"{mem}; the plain step's peak counts its parameter gradients. `max abs diff`: "
@@ -752,6 +758,17 @@ def doc_body(results: Dict[str, Any], table: str, target_lines: List[str]) -> st
         table,
         "",
     ]
+    if any(
+        e.get("disturbed")
+        for wl in results["workloads"].values()
+        for m in wl["methods"].values()
+        for e in m.values()
+    ):
+        parts += [
+            "† more than half of the repeats ran with the baseline over 1.5x slower than "
+            "the fastest plain step of the workload (other jobs): the ratio is unreliable.",
+            "",
+        ]
     if skipped:
         parts += ["Skipped:", "", *skipped, ""]
     parts += ["Targets:", "", *target_lines]

@@ -156,8 +156,14 @@ class Capture:
             return
         inputs, _ = tree_flatten((args, kwargs))
         versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
+        extra = self._rules[name].extra_edges(module, args, kwargs, leaves, index)
+        for edge, t_meta in extra[0] if extra else ():
+            edges.append(edge)  # internal tensors the rule needs g for (after the outputs)
+            meta.append(t_meta)
+            views.append(None)
         call = Call(args, kwargs, versions, edges, meta, index)
         call.out_views = views
+        call.extra_info = extra[1] if extra else None
         call.slots = _forward_laplacian_slots()
         if self._rules[name].needs_outputs:
             call.outputs = [leaves[i] for i in index]

@@ -412,7 +412,24 @@ def test_nested_with_on_one_capture_is_refused():
     assert hook_counts(model) == {}
 
 
-def test_attention_dropout_in_train_mode_is_refused():
+def test_attention_dropout_in_train_mode_uses_the_recorded_masks():
+    """The projections' gradients come from the recorded graph, dropout masks included."""
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with curvature.capture(model) as cap:
+        out = model(x, x, x)[0]
+    losses = out.pow(2).sum((1, 2))
+    grads = cap.per_sample_grads(losses)
+    losses.sum().backward()  # the same forward, the same dropout masks
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name].sum(0), p.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_dropout_is_refused_where_a_replay_is_needed(monkeypatch):
+    from curvature.layers.attention import MultiheadAttentionRule
+
+    monkeypatch.setattr(MultiheadAttentionRule, "_from_graph", lambda self, module, call: None)
     model = nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True).double()
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     with curvature.capture(model) as cap:

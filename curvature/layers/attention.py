@@ -3,21 +3,21 @@
 ``nn.MultiheadAttention`` calls ``F.multi_head_attention_forward`` with
 ``out_proj.weight`` as a plain tensor, so hooks on ``out_proj`` never fire, and the
 projected queries, keys and values never leave the function. The rule therefore covers
-the whole module and *replays* it once, for the whole batch, from the recorded inputs:
-
-    q = query W_q^T + b_q,   k = key W_k^T + b_k,   v = value W_v^T + b_v
-    c = attention(q, [k; bias_k], [v; bias_v])       (PyTorch's own code, identity projections)
-    out = c W_o^T + b_o
-
-One backward of the received output gradients through the replay gives ``g`` w.r.t.
-``q``, ``k``, ``v`` and ``out``, and the four projections become Linear sub-layers
-(``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``) with the shared maths of
+the whole module and treats its four projections as Linear sub-layers (``q_proj``,
+``k_proj``, ``v_proj``, ``out_proj``) with the shared maths of
 :class:`~curvature.layers.base.LinearFamilyRule`: per-sample gradients, norms without
-materialization, Gram matrices and Kronecker factors. ``bias_k`` / ``bias_v`` get their
-per-sample gradients from the appended key/value row.
+materialization, Gram matrices and Kronecker factors. Their inputs ``a`` and output
+gradients ``g`` come from, in order of preference:
 
-The replay is checked against the recorded output; if they differ (an unusual
-configuration), the rule falls back to the exact ``torch.func`` replay per sample.
+1. the recorded graph: at record time the rule walks the autograd graph of the output to
+   the projection matmuls (the nodes whose weight operand is ``in_proj_weight`` (or a
+   chunk of it), ``q/k/v_proj_weight`` or ``out_proj.weight``), keeps their saved inputs
+   and adds their output edges to the pull, so the one backward of the capture delivers
+   every projection's ``g``; no replay, and dropout masks are the recorded ones;
+2. a batched replay of the module from its recorded inputs, with PyTorch's own attention
+   code and identity projections (``bias_k``/``bias_v`` or an unexpected graph), checked
+   against the recorded output;
+3. the exact ``torch.func`` replay per sample, if the replay does not match.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 from .base import expanded_gram, expanded_sq_norms
 from .functional import FunctionalRule
@@ -61,6 +62,81 @@ def _projection_params(module: nn.MultiheadAttention) -> Dict[str, Tuple[Tensor,
         "v_proj": (Wv, bv),
         "out_proj": (module.out_proj.weight, module.out_proj.bias),
     }
+
+
+_PASS_THROUGH = ("TBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+_SPLITS = ("SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0")
+
+
+def _find_projections(module: nn.MultiheadAttention, out: Tensor) -> Optional[dict]:
+    """Internal matmul nodes of the projections, found by walking the autograd graph.
+
+    Returns ``{"in": [(node, weight name, split index)], "out": node}`` or ``None`` when
+    the graph does not have the expected structure (the rule then replays the module).
+    """
+    params = {id(p): n for n, p in module.named_parameters()}
+    weights = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"}
+    found_in, found_out = [], None
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        kind = type(node).__name__
+        if kind in ("MmBackward0", "AddmmBackward0"):
+            for f, i in node.next_functions:
+                hit = _resolve(f, i, params)
+                if hit is None:
+                    continue
+                if hit[0] == "out_proj.weight":
+                    found_out = node
+                elif hit[0] in weights:
+                    found_in.append((node, hit[0], hit[1]))
+        for f, _ in node.next_functions:
+            if f is not None and type(f).__name__ != "AccumulateGrad":
+                stack.append(f)
+    if found_out is None or not found_in:
+        return None
+    return {"in": found_in, "out": found_out}
+
+
+def _resolve(fn, output_nr: int, params: Dict[int, str]) -> Optional[Tuple[str, int]]:
+    """Follow single-input views/transposes/splits from ``fn`` to a parameter."""
+    split = 0
+    for _ in range(8):
+        if fn is None:
+            return None
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            p = params.get(id(fn.variable))
+            return None if p is None else (p, split)
+        if name in _SPLITS:
+            split = output_nr
+        elif name not in _PASS_THROUGH:
+            return None
+        nexts = [(f, i) for f, i in fn.next_functions if f is not None]
+        if len(nexts) != 1:
+            return None
+        fn, output_nr = nexts[0]
+    return None
+
+
+def _output_width(node) -> Optional[int]:
+    """The last dimension of a node's (forward) output, from its input metadata."""
+    try:
+        return int(node._input_metadata[0].shape[-1])
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _saved_input(node) -> Optional[Tensor]:
+    """The left operand ``a`` saved by a matmul node (``a @ W^T``)."""
+    for attr in ("_saved_mat1", "_saved_self"):
+        t = getattr(node, attr, None)
+        if isinstance(t, Tensor):
+            return t
+    return None
 
 
 @register(nn.MultiheadAttention)
@@ -107,6 +183,68 @@ class MultiheadAttentionRule(FunctionalRule):
                 "random attention masks that cannot be replayed. Use dropout=0.0 or eval "
                 "mode while computing per-sample quantities or curvature."
             )
+
+    # -- the projections from the recorded graph (no replay) -----------------------------
+    def extra_edges(self, module, args, kwargs, leaves, index):  # noqa: D102
+        """Edges of the projection matmuls, found in the graph of the recorded output.
+
+        Returns ``(edges, info)``: one edge per in-projection matmul and one for the
+        out-projection, with ``info`` holding their saved inputs and weight rows, so that
+        one pull gives every projection's output gradient and no replay is needed.
+        """
+        if module.bias_k is not None or 0 not in index or not isinstance(leaves[0], Tensor):
+            return None
+        found = _find_projections(module, leaves[0])
+        if found is None:
+            return None
+        E = module.embed_dim
+        edges, info = [], []
+        for node, weight, split in found["in"]:
+            a, width = _saved_input(node), _output_width(node)
+            if a is None or width is None:
+                return None
+            if weight != "in_proj_weight":
+                subs = [(weight[:-7], 0, E)]  # q_proj_weight -> q_proj
+            elif width == 3 * E:
+                subs = [("q_proj", 0, E), ("k_proj", E, 2 * E), ("v_proj", 2 * E, 3 * E)]
+            elif width == 2 * E:
+                subs = [("k_proj", 0, E), ("v_proj", E, 2 * E)]
+            elif width == E:
+                subs = [(("q_proj", "k_proj", "v_proj")[split], 0, E)]
+            else:
+                return None
+            edges.append((GradientEdge(node, 0), ((a.shape[0], width), a.dtype, a.device)))
+            info.append((a, subs))
+        a_out = _saved_input(found["out"])
+        if a_out is None:
+            return None
+        edges.append(
+            (GradientEdge(found["out"], 0), ((a_out.shape[0], E), a_out.dtype, a_out.device))
+        )
+        info.append((a_out, [("out_proj", 0, E)]))
+        names = [n for _, subs in info for n, _, _ in subs]
+        if sorted(names) != sorted(_SUB):
+            return None
+        return edges, info
+
+    def _from_graph(self, module, call) -> Optional[Dict[str, Tuple[Tensor, Tensor]]]:
+        """``{sub-layer: (a [N, L, D_in], g [..., N, L, D_out])}`` from the pulled extras."""
+        info = getattr(call, "extra_info", None)
+        if info is None or call.grads is None:
+            return None
+        q = dict(zip(_ARG_NAMES, call.args)).get("query", call.kwargs.get("query"))
+        if q is None or q.dim() != 3:
+            return None
+        N = q.shape[0] if module.batch_first else q.shape[1]
+        extras = call.grads[len(call.out_index) :]
+        res = {}
+        for (a, subs), g in zip(info, extras):
+            T = a.shape[0] // N  # target (queries, output) or source (keys, values) length
+            a = a.reshape(T, N, a.shape[-1]).transpose(0, 1)
+            g = g.reshape(*g.shape[:-2], T, N, g.shape[-1]).transpose(-3, -2)
+            for name, c0, c1 in subs:
+                res[name] = (a, g[..., c0:c1])
+        return res
 
     # -- the batched replay --------------------------------------------------------------
     def _replay(self, module: nn.MultiheadAttention, call) -> Optional[dict]:
@@ -185,7 +323,7 @@ class MultiheadAttentionRule(FunctionalRule):
             tol = 1e-4 if r.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
             if not torch.allclose(r.detach(), t.detach(), rtol=tol, atol=tol):
                 return None
-        grads = call.grads
+        grads = call.grads[: len(call.out_index)]  # the outputs' gradients, not the extras
         batched = grads[0].dim() > recorded[0].dim()
         targets = [c, *leaves]
         with torch.enable_grad():
@@ -225,7 +363,9 @@ class MultiheadAttentionRule(FunctionalRule):
         """Expanded ``(a [N, S, 1, D], g [..., N, S, 1, D_out])`` per sub-layer, calls joined."""
         per_call = []
         for call in calls:
-            r = self._replay(module, call)
+            r = self._from_graph(module, call)
+            if r is None:
+                r = self._replay(module, call)
             if r is None:
                 if not getattr(self, "_warned", False):
                     warnings.warn(

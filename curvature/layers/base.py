@@ -59,6 +59,7 @@ class Call:
     out_views: List[Any] = field(default_factory=list, repr=False)
     pushed: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
     slots: Optional[int] = None
+    extra_info: Any = field(default=None, repr=False)
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""
@@ -92,6 +93,15 @@ class LayerRule:
         """Names (relative to ``module``) of the trainable parameters the rule covers."""
         params = module.named_parameters(recurse=self.covers_children)
         return [name for name, p in params if p.requires_grad]
+
+    def extra_edges(self, module: nn.Module, args, kwargs, leaves, index) -> Optional[list]:
+        """Gradient edges of internal tensors to pull besides the outputs (at record time).
+
+        Returns ``([(edge, (shape, dtype, device)), ...], info)``: the gradients follow the
+        outputs' in ``call.grads`` and ``info`` is kept as ``call.extra_info``. ``None`` by
+        default.
+        """
+        return None
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
         """Size of the batch axis of a call (axis 0 of the first input by default)."""

@@ -66,7 +66,7 @@ class FunctionalRule(LayerRule):
             N = self.batch_size(module, call)
             arg_dims, kw_dims = self.arg_batch_axes(module, call, N)
             out_dims = self.out_batch_axes(module, call)
-            grads = [gr for gr in call.grads]
+            grads = list(call.grads[: len(call.out_index)])  # outputs only, no extras
 
             def sample_grad(
                 p,

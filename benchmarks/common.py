@@ -195,17 +195,19 @@ def compare(
         gate: Called before every baseline measurement (e.g. a :class:`QuietGate`); the
             method measurement follows its baseline at once.
         tolerance: Repeats whose two baselines are not both within ``tolerance`` times
-            the fastest baseline (of this comparison, or ``baseline_floor`` if faster)
-            count as disturbed by other jobs and are left out of the ratio, unless that
-            leaves fewer than half of them: then all count and ``disturbed`` is set.
+            the fastest baseline of this comparison (and within ``2 * tolerance`` times
+            ``baseline_floor``) count as disturbed by other jobs and are left out of the
+            ratio, unless that leaves fewer than half of them: then all count and
+            ``disturbed`` is set. ``disturbed`` is also set when the interquartile range
+            of the kept ratios exceeds 30% of their median (``spread``).
         baseline_floor: The fastest baseline time seen so far (e.g. in earlier
             comparisons of the same baseline).
 
     Returns:
         ``time`` (median seconds per call of ``method``), ``baseline_time`` (median of the
         baseline), ``ratio`` (median of the per-repeat ratios of the undisturbed
-        repeats), ``ratios`` (all of them), ``clean_repeats``, ``disturbed``, the
-        ``baseline_times`` and the inner call counts.
+        repeats), ``ratios`` (all of them), ``clean_repeats``, ``spread``,
+        ``disturbed``, the ``baseline_times`` and the inner call counts.
 
     """
     if estimate is not None and warmup == 0:
@@ -221,14 +223,22 @@ def compare(
         gate()
         tb.append(_time(baseline, inner_b))
     ratios = [m / (0.5 * (b0 + b1)) for m, b0, b1 in zip(tm, tb[:-1], tb[1:])]
-    fastest = min(tb) if baseline_floor is None else min(min(tb), baseline_floor)
-    clean = [i for i in range(repeats) if max(tb[i], tb[i + 1]) <= tolerance * fastest]
-    disturbed = 2 * len(clean) < repeats
-    if disturbed:
+    limit = tolerance * min(tb)
+    if baseline_floor is not None:  # slow drift is fine, a whole comparison under load not
+        limit = min(limit, 2 * tolerance * baseline_floor)
+    clean = [i for i in range(repeats) if max(tb[i], tb[i + 1]) <= limit]
+    fell_back = 2 * len(clean) < repeats
+    if fell_back:
         clean = list(range(repeats))
+    kept = sorted(ratios[i] for i in clean)
+    spread = 0.0
+    if len(kept) >= 2:
+        q1, _, q3 = statistics.quantiles(kept, n=4)
+        spread = (q3 - q1) / statistics.median(kept)
     return {
         "baseline_times": tb,
-        "disturbed": disturbed,
+        "spread": spread,
+        "disturbed": fell_back or spread > 0.3,
         "time": statistics.median(tm[i] for i in clean),
         "baseline_time": statistics.median(tb),
         "ratio": statistics.median(ratios[i] for i in clean),

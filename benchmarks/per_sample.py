@@ -538,18 +538,29 @@ def run_workload(
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    timing = common.compare(
-                        plain_step,
-                        fn,
-                        repeats=args.repeats,
-                        min_time=args.min_time,
-                        warmup=0 if args.quick else 1,
-                        inner_baseline=inner_b,
-                        estimate=first if args.quick else None,
-                        gate=args.gate,
-                        baseline_floor=floor,
-                    )
-                    floor = min(floor, *timing["baseline_times"])
+                    timing = None
+                    for attempt in range(2):  # one retry of a disturbed comparison
+                        t = common.compare(
+                            plain_step,
+                            fn,
+                            repeats=args.repeats,
+                            min_time=args.min_time,
+                            warmup=0 if args.quick or attempt else 1,
+                            inner_baseline=inner_b,
+                            estimate=first if args.quick else None,
+                            gate=args.gate,
+                            baseline_floor=floor,
+                        )
+                        floor = min(floor, *t["baseline_times"])
+                        if timing is None or (timing["disturbed"], timing["spread"]) > (
+                            t["disturbed"],
+                            t["spread"],
+                        ):
+                            timing = t
+                        if not timing["disturbed"] or args.retries <= 0:
+                            break
+                        args.retries -= 1
+                        log(f"  ({method} {q}: disturbed, measuring again)")
                     if args.quick:
                         mem = mem_first
                     else:
@@ -564,6 +575,7 @@ def run_workload(
                 "ratios": timing["ratios"],
                 "clean_repeats": timing["clean_repeats"],
                 "disturbed": timing["disturbed"],
+                "spread": timing["spread"],
                 "baseline_time": timing["baseline_time"],
                 "peak_bytes": mem,
                 "mem_ratio": mem / max(base_mem, 1),
@@ -597,10 +609,10 @@ def fmt_diff(e: Dict[str, Any]) -> str:
     return s + (" **MISMATCH**" if e["mismatch"] else "")
 
 
-def best_peer(res: Dict[str, Any], q: str) -> Optional[Tuple[str, float]]:
-    """The fastest peer on quantity ``q`` whose output matches curvature's."""
+def best_peer(res: Dict[str, Any], q: str) -> Optional[Tuple[str, float, bool]]:
+    """``(name, ratio, disturbed)`` of the fastest peer on ``q`` matching curvature's."""
     cands = [
-        (m, e[q]["ratio"])
+        (m, e[q]["ratio"], bool(e[q].get("disturbed")))
         for m, e in res["methods"].items()
         if m in PEERS and q in e and not e[q]["mismatch"]
     ]
@@ -643,7 +655,7 @@ def tables(results: Dict[str, Any]) -> str:
                     continue
                 vs = ""
                 if method.startswith("curvature") and bp is not None:
-                    vs = f"{e['ratio'] / bp[1]:.2f} ({bp[0]})"
+                    vs = f"{e['ratio'] / bp[1]:.2f} ({bp[0]}{' †' if bp[2] else ''})"
                 rows.append(
                     [
                         "",
@@ -671,8 +683,10 @@ def skipped_lines(results: Dict[str, Any]) -> List[str]:
 def targets(results: Dict[str, Any]) -> Tuple[List[str], List[Dict[str, Any]]]:
     lines, data = [], []
 
-    def add(name: str, ok: Optional[bool], detail: str):
+    def add(name: str, ok: Optional[bool], detail: str, unreliable: bool = False):
         status = "n/a" if ok is None else ("met" if ok else "**not met**")
+        if unreliable and ok is not None:
+            status += " (unreliable: a ratio it rests on is marked †)"
         lines.append(f"- {name}: {status} ({detail})")
         data.append({"target": name, "met": ok, "detail": detail})
 
@@ -687,13 +701,23 @@ def targets(results: Dict[str, Any]) -> Tuple[List[str], List[Dict[str, Any]]]:
             co = wl["methods"].get("curvature out=", {}).get("grads")
             if co is not None:
                 detail += f"; with out= buffers {co['ratio']:.2f}x: {co['ratio'] / bp[1]:.2f}"
-            add(f"per-sample gradients faster than every peer, {key}", r < 1, detail)
+            add(
+                f"per-sample gradients faster than every peer, {key}",
+                r < 1,
+                detail,
+                unreliable=bp[2] or bool(c.get("disturbed")),
+            )
     for key in ("mlp", "cnn"):
         wl = results["workloads"].get(key)
         c = wl and wl["methods"].get("curvature", {}).get("norms")
         if not c:
             continue
-        add(f"norms-only <= 1.3x fwd+bwd, {key}", c["ratio"] <= 1.3, f"{c['ratio']:.2f}x")
+        add(
+            f"norms-only <= 1.3x fwd+bwd, {key}",
+            c["ratio"] <= 1.3,
+            f"{c['ratio']:.2f}x",
+            unreliable=bool(c.get("disturbed")),
+        )
         add(
             f"norms-only peak memory <= 1.2x the plain step's, {key}",
             c["mem_ratio"] <= 1.2,
@@ -731,9 +755,9 @@ def doc_body(results: Dict[str, Any], table: str, target_lines: List[str]) -> st
         "the same model (`zero_grad`, `loss.mean().backward()`). `x fwd+bwd` is the median "
         "of per-repeat ratios, baseline and method alternating in one loop "
         f"({results['repeats']} repeats; repeats whose baselines ran more than 1.5x slower "
-        "than the fastest plain step of the workload are dropped as disturbed by other "
-        "jobs, unless that drops half of them: †); `time` is the median time of the method "
-        "alone "
+        "than the fastest baseline of that comparison, or 3x slower than the fastest plain "
+        "step of the workload, are dropped as disturbed by other jobs); `time` is the "
+        "median time of the method alone "
         "(the machine drifts by up to 2x: read the ratios). `x fastest peer` divides "
         "curvature's ratio by the fastest peer's whose output agrees. Peak memory: "
         f"{mem}; the plain step's peak counts its parameter gradients. `max abs diff`: "
@@ -765,8 +789,8 @@ def doc_body(results: Dict[str, Any], table: str, target_lines: List[str]) -> st
         for e in m.values()
     ):
         parts += [
-            "† more than half of the repeats ran with the baseline over 1.5x slower than "
-            "the fastest plain step of the workload (other jobs): the ratio is unreliable.",
+            "† unreliable (other jobs): the per-repeat ratios spread widely (interquartile "
+            "range over 30% of the median), or most repeats ran with a disturbed baseline.",
             "",
         ]
     if skipped:
@@ -792,6 +816,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args.repeats = args.repeats or (2 if args.quick else 7)
     args.min_time = 0.01 if args.quick else 0.03
     args.mem_repeats = 2
+    args.retries = 0 if args.quick else 12  # re-measurements of disturbed comparisons
     # wait for other jobs to leave the CPUs before measurements (bounded: see QuietGate)
     args.gate = common.QuietGate(max_wait=5.0, budget=120.0)
     if args.quick or args.no_wait:

@@ -873,3 +873,40 @@ def test_small_layers_without_rule_are_covered_by_exact_blocks():
     A, G = opt.factors()["1"]
     assert A.shape == (1, 1) and G.shape == (1, 1)
     assert opt.factors()["2"][1].shape == (6, 6)
+
+
+def test_blocks_above_max_factor_size_use_the_per_sample_diagonal():
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        m = nn.Sequential(nn.Linear(20, 6), nn.Tanh(), nn.Linear(6, 3))
+        X, y = torch.randn(16, 20), torch.randint(0, 3, (16,))
+        lf = nn.CrossEntropyLoss()
+        with pytest.warns(UserWarning, match="max_factor_size=10"):
+            opt = curvature.KFAC(
+                m,
+                lr=0.0,
+                damping=0.1,
+                fisher="type-2",
+                loss_func=lf,
+                max_factor_size=10,
+                damping_mode="exact",
+            )
+        opt.zero_grad()
+        lf(m(X), y).backward()
+        g = opt._flat_grads()
+        opt.step()
+        d = opt._precondition(g)
+        diag = torch.cat([v.flatten() for v in curvature.diag_ggn(m, lf, (X, y)).values()])
+        grads = [p.grad for p in m.parameters()]
+        ref = torch.cat(
+            [t.flatten() for t in curvature.kfac(m, lf, (X, y)).inverse_matvec(grads, 0.1)]
+        )
+        n0 = 20 * 6 + 6
+        torch.testing.assert_close(d[:n0], g[:n0] / (diag[:n0] + 0.1))
+        torch.testing.assert_close(d[n0:], ref[n0:])
+        assert "0" not in opt.factors() and "2" in opt.factors()
+        opt.close()
+    finally:
+        torch.set_default_dtype(old)

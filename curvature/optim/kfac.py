@@ -30,10 +30,12 @@ from torch import Tensor
 from ..kfac import (
     _MAX_EXACT_BLOCK,
     _exact_index,
+    _expanded_diag,
     _local_offsets,
     _per_vector_grads,
     eigenvalue_corrections,
 )
+from ..layers.base import expanded_kfac
 from ..linalg import eigh, generalized_eigh
 from .base import CurvatureOptimizer
 
@@ -80,6 +82,9 @@ class KFAC(CurvatureOptimizer):
             heuristic, more conservative in directions where one factor is large) or
             ``"exact"`` (``kron(G, A) + lambda I`` inverted exactly in the eigenbasis).
             EKFAC always damps its corrected eigenvalues exactly.
+        max_factor_size: Blocks with a Kronecker factor larger than this use the
+            per-sample Fisher diagonal (with a warning naming them): decomposing a
+            factor of size 10k takes minutes on a small CPU.
         unsupported: For parameters no rule covers: ``"warn"`` (plain gradient, one
             warning), ``"error"``, or ``"diagonal"`` (diagonal empirical Fisher).
         auto_output: Run the curvature backward at the end of every training forward
@@ -101,6 +106,14 @@ class KFAC(CurvatureOptimizer):
     _ekfac = False
 
     def __init__(self, model, lr=1e-2, damping=1e-3, momentum=0.0, weight_decay=0.0, **kwargs):
+        max_factor_size = kwargs.pop("max_factor_size", 4096)
+        if not isinstance(max_factor_size, int) or max_factor_size < 1:
+            raise ValueError(
+                f"{type(self).__name__}(max_factor_size={max_factor_size!r}): a positive int; "
+                "blocks with a larger Kronecker factor use the per-sample Fisher diagonal."
+            )
+        self.max_factor_size = max_factor_size
+        self._large: Dict[Key, Tensor] = {}
         self.factors_: Dict[Key, Dict[int, List[Tensor]]] = {}
         self._eig: Dict[Key, Tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._lambda: Dict[Key, Tensor] = {}
@@ -110,6 +123,7 @@ class KFAC(CurvatureOptimizer):
 
     def _reset_curvature(self) -> None:
         self.factors_, self._eig, self._lambda, self._diag = {}, {}, {}, {}
+        self._large = {}
         self._structure()
 
     def _structure(self) -> None:
@@ -133,7 +147,13 @@ class KFAC(CurvatureOptimizer):
             local = rule.kfac_index(module, _local_offsets(name, self._offsets))
             if local is not None:
                 for suffix, ix in local.items():
-                    index[(name, suffix)] = ix
+                    if (
+                        max(ix.shape[1], ix.shape[2]) > self.max_factor_size
+                        and self.fisher != "forward-only"
+                    ):
+                        self._large[(name, suffix)] = ix  # too large to decompose: diagonal
+                    else:
+                        index[(name, suffix)] = ix
             elif self._exact_ok(module):
                 index[(name, "")] = _exact_index(module, name, self._offsets).view(1, -1, 1)
         return index
@@ -145,8 +165,15 @@ class KFAC(CurvatureOptimizer):
     def _covered_names(self) -> List[str]:
         index = self._block_indices()
         covered = set()
-        for ix in index.values():
+        for ix in list(index.values()) + list(self._large.values()):
             covered.update(ix.reshape(-1).tolist())
+        if self._large:
+            warnings.warn(
+                f"{type(self).__name__}: Kronecker factors larger than max_factor_size="
+                f"{self.max_factor_size} in {sorted(_block_name(k) for k in self._large)}; "
+                "these blocks are preconditioned by their per-sample Fisher diagonal.",
+                stacklevel=4,
+            )
         return [n for n, o in self._offsets.items() if o in covered]
 
     def factors(self) -> Dict[str, Any]:
@@ -168,6 +195,17 @@ class KFAC(CurvatureOptimizer):
         return torch.float64 if t.dtype == torch.float64 else torch.float32
 
     def _accumulate(self, name, module, rule, calls, with_g) -> None:
+        if with_g and any(k[0] == name for k in self._large):
+            expanded = rule.expanded_blocks(module, calls)
+            for suffix, (a, g) in (expanded or {}).items():
+                if (name, suffix) in self._large:
+                    d = _expanded_diag(a, g)
+                    self._add_step_stat((name, "<diag>" + suffix), [d.to(self._stat_dtype(d))], 1)
+                else:
+                    A_sum, G_sum, count = expanded_kfac(a, g, self.kfac_approx)
+                    dt = self._stat_dtype(A_sum)
+                    self._add_step_stat((name, suffix), [A_sum.to(dt), G_sum.to(dt), None], count)
+            return
         res = rule.kfac_factors(module, calls, self.kfac_approx, with_g)
         if res is None:
             if (name, "") not in self._index:
@@ -204,9 +242,10 @@ class KFAC(CurvatureOptimizer):
     def _update_statistics(self, step_stats) -> None:
         beta = self.factor_decay
         for (name, suffix, term), (values, count, n_fwd) in step_stats.items():
-            if suffix == "<diag>":
-                d, prev = values[0] / n_fwd, self._diag.get(name)
-                self._diag[name] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)
+            if suffix.startswith("<diag>"):
+                key = (name, suffix)
+                d, prev = values[0].reshape(-1) / n_fwd, self._diag.get(key)
+                self._diag[key] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)
                 continue
             key = (name, suffix)
             A_sum, G_sum, lam = values
@@ -300,7 +339,7 @@ class KFAC(CurvatureOptimizer):
     def _precondition(self, grads: Tensor) -> Tensor:
         groups = self._group_of()
         out = grads.clone()
-        missing = [k for k in self._index if k not in self._eig and k[0] not in self._diag]
+        missing = [k for k in self._index if k not in self._eig]
         if missing and self.steps > 0 and not getattr(self, "_warned_missing", False):
             self._warned_missing = True
             warnings.warn(
@@ -338,12 +377,20 @@ class KFAC(CurvatureOptimizer):
                 rot = rot / (lG + (root / pi)[..., None])[..., :, None]
                 rot = rot / (lA + (pi * root)[..., None])[..., None, :]
             out[ix] = QG @ rot @ QA.mT
-        for name, d in self._diag.items():  # layers on the diagonal fallback
-            module, _ = self._layers[name]
-            ix = _exact_index(module, name, self._offsets).to(grads.device)
-            group = groups.get(self._layer_param(name), self.param_groups[0])
+        for key, d in self._diag.items():  # blocks on the diagonal fallback
+            ix = self._diag_index(key).to(grads.device)
+            group = groups.get(self._layer_param(key[0]), self.param_groups[0])
             out[ix] = grads[ix] / (d.to(grads.dtype) + group["damping"])
         return out
+
+    def _diag_index(self, key) -> Tensor:
+        """Flat positions of a diagonal block: a large Kronecker block or a whole layer."""
+        name, tag = key
+        sub = tag[len("<diag>") :]
+        if (name, sub) in self._large:
+            return self._large[(name, sub)].reshape(-1)
+        module, _ = self._layers[name]
+        return _exact_index(module, name, self._offsets)
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
         out = torch.zeros_like(v)
@@ -361,9 +408,8 @@ class KFAC(CurvatureOptimizer):
                 out[ix] = sum(
                     G.to(v.dtype) @ M @ A.to(v.dtype) for A, G in self.factors_[key].values()
                 )
-        for name, d in self._diag.items():
-            module, _ = self._layers[name]
-            ix = _exact_index(module, name, self._offsets).to(v.device)
+        for key, d in self._diag.items():
+            ix = self._diag_index(key).to(v.device)
             out[ix] = d.to(v.dtype) * v[ix]
         return out
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .._memory import empty_large
-from .base import CHUNK_ELEMENTS, LayerRule
+from .base import LayerRule
 from .registry import register
 
 
@@ -57,17 +57,17 @@ class EmbeddingRule(LayerRule):
         return {"weight": buf}
 
     def per_sample_sq_norms(self, module, calls):  # noqa: D102
+        # compaction: sum g over the (sample, token) pairs that hit the same row, O(N S D)
         idx, g = self._flat(module, calls)
         N, S, D = g.shape
-        if S * S > module.num_embeddings * 4:
-            return self.per_sample_grads(module, calls)["weight"].pow(2).sum((1, 2))
-        chunk = max(1, CHUNK_ELEMENTS // (S * S))
-        out = []
-        for i in range(0, N, chunk):
-            same = (idx[i : i + chunk, :, None] == idx[i : i + chunk, None, :]).to(g.dtype)
-            gg = torch.einsum("nsd,ntd->nst", g[i : i + chunk], g[i : i + chunk])
-            out.append((same * gg).sum((1, 2)))
-        return torch.cat(out)
+        V = module.num_embeddings
+        keys = (idx + V * torch.arange(N, device=idx.device).unsqueeze(1)).reshape(-1)
+        rows, inverse = torch.unique(keys, return_inverse=True)
+        acc = g.new_zeros(rows.shape[0], D).index_put_(
+            (inverse,), g.reshape(-1, D), accumulate=True
+        )
+        out = g.new_zeros(N)
+        return out.index_put_((rows // V,), acc.pow(2).sum(1), accumulate=True)
 
     def gram(self, module, calls):  # noqa: D102
         idx, g = self._flat(module, calls)

@@ -12,6 +12,7 @@ a full training step, repeated, so every tenth call decomposes.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -94,7 +95,10 @@ def main(argv=None):
             continue
         loss_func = nn.CrossEntropyLoss() if y.dtype == torch.long else nn.MSELoss()
 
-        def plain(model=model, X=X, y=y, loss_func=loss_func):
+        # the baseline runs on a copy without the optimizers' hooks
+        twin = copy.deepcopy(model)
+
+        def plain(model=twin, X=X, y=y, loss_func=loss_func):
             model.zero_grad()
             loss_func(model(X), y).backward()
 

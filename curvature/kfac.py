@@ -496,6 +496,8 @@ def _rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Ten
     """``sum_{k,n} (QG^T grad_nk QA)^2`` ``[C, D_out, D]`` from expanded ``a`` and ``g``."""
     ar = torch.einsum("nsci,cij->nscj", a.to(QA.dtype), QA)
     gr = torch.einsum("knsco,cop->knscp", g.to(QG.dtype), QG)
+    if a.shape[1] == 1:  # no sharing: sum_{k,n} (gr^2)(ar^2)^T, one GEMM, no [N, D_out, D]
+        return torch.einsum("knco,nci->coi", gr[:, :, 0].pow(2), ar[:, 0].pow(2))
     out = None
     K, N = gr.shape[:2]
     chunk = max(1, 2**22 // max(1, K * a.shape[2] * QA.shape[-1] * QG.shape[-1]))

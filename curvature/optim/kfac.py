@@ -114,6 +114,7 @@ class KFAC(CurvatureOptimizer):
             )
         self.max_factor_size = max_factor_size
         self._large: Dict[Key, Tensor] = {}
+        self._inv: Dict[Key, tuple] = {}  # damped factor inverses (pi damping), derived
         self.factors_: Dict[Key, Dict[int, List[Tensor]]] = {}
         self._eig: Dict[Key, Tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._lambda: Dict[Key, Tensor] = {}
@@ -363,6 +364,10 @@ class KFAC(CurvatureOptimizer):
                 rot = (PG.mT @ M @ PA) / (1 + muG[..., :, None] * muA[..., None, :])
                 out[ix] = PG @ rot @ PA.mT
                 continue
+            if not self._ekfac and self.damping_mode == "pi":
+                Ainv, Ginv = self._pi_inverses(key, lam)
+                out[ix] = Ginv.to(grads.dtype) @ M @ Ainv.to(grads.dtype)  # two GEMMs
+                continue
             lA, QA, lG, QG = (t.to(grads.dtype) for t in parts)
             rot = QG.mT @ M @ QA
             if self._ekfac and key in self._lambda:
@@ -382,6 +387,21 @@ class KFAC(CurvatureOptimizer):
             group = groups.get(self._layer_param(key[0]), self.param_groups[0])
             out[ix] = grads[ix] / (d.to(grads.dtype) + group["damping"])
         return out
+
+    def _pi_inverses(self, key: Key, lam: float) -> Tuple[Tensor, Tensor]:
+        """Damped inverses ``(A + pi sqrt(lam) I)^{-1}``, ``(G + sqrt(lam)/pi I)^{-1}`` (cached)."""
+        cached = self._inv.get(key)
+        eig = self._eig[key]
+        if cached is not None and cached[2] == lam and cached[3] is eig:
+            return cached[0], cached[1]
+        _, lA, QA, lG, QG = eig
+        dA, dG = lA.shape[-1], lG.shape[-1]
+        pi = ((lA.sum(-1) / dA) / (lG.sum(-1) / dG).clamp_min(1e-30)).clamp_min(1e-30).sqrt()
+        root = lam**0.5
+        Ainv = (QA / (lA + (pi * root)[..., None])[..., None, :]) @ QA.mT
+        Ginv = (QG / (lG + (root / pi)[..., None])[..., None, :]) @ QG.mT
+        self._inv[key] = (Ainv, Ginv, lam, eig)
+        return Ainv, Ginv
 
     def _diag_index(self, key) -> Tensor:
         """Flat positions of a diagonal block: a large Kronecker block or a whole layer."""

@@ -40,7 +40,7 @@ def trainable(model: nn.Module) -> Dict[str, Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _weights(loss_func: nn.Module, bs: Sequence[Tuple[Tensor, Tensor]]) -> List[float]:
+def batch_weights(loss_func: nn.Module, bs: Sequence[Tuple[Tensor, Tensor]]) -> List[float]:
     """Weight of each batch's loss in the loss of the union of the batches."""
     if loss_func.reduction == "sum":
         return [1.0] * len(bs)
@@ -74,7 +74,7 @@ def _accumulate(
     params = trainable(model)
     bs = batches(data)
     total: Optional[Tensor] = None
-    for w, (X, y) in zip(_weights(loss_func, bs), bs):
+    for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
         m = w * block(params, X, y)
         total = m if total is None else total + m
     return total
@@ -204,7 +204,7 @@ def ggn_vector_product(
     vs = list(_as_tree(v, params).values())
     bs = batches(data)
     total = None
-    for w, (X, y) in zip(_weights(loss_func, bs), bs):
+    for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
         ps = [p for p in model.parameters() if p.requires_grad]
         with torch.enable_grad(), _math_attention():
             out = model(X)
@@ -235,7 +235,7 @@ def hessian_vector_product(
     vs = list(_as_tree(v, params).values())
     bs = batches(data)
     total = None
-    for w, (X, y) in zip(_weights(loss_func, bs), bs):
+    for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
         loss, ps = _loss_and_params(model, loss_func, X, y)
         with torch.enable_grad():
             grads = torch.autograd.grad(loss, ps, create_graph=True)

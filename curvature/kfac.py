@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .capture import capture
-from .dense import Data, batches
+from .dense import Data, batch_weights, batches
 from .layers import LayerRule
 from .linalg import eigh
 from .losses import backprop_sources, check_fisher, check_loss
@@ -239,13 +239,6 @@ class KFACApprox:
 
 
 # -- collecting statistics ---------------------------------------------------------------
-def _batch_weights(loss_func: nn.Module, bs) -> List[float]:
-    if loss_func.reduction == "sum":
-        return [1.0] * len(bs)
-    total = sum(X.shape[0] for X, _ in bs)
-    return [X.shape[0] / total for X, _ in bs]
-
-
 def _per_vector_grads(rule: LayerRule, module: nn.Module, calls) -> Tensor:
     """``[K, N, P_l]``: gradients per pulled vector and sample, for exact blocks."""
     full = [c.grads for c in calls]
@@ -310,7 +303,7 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors."""
     generator = torch.Generator().manual_seed(seed)
     bs = batches(data)
-    for w, (X, y) in zip(_batch_weights(loss_func, bs), bs):
+    for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
         with capture(model) as cap:
             out = model(X)
         if fisher != "forward-only":

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
+from .laplacian import current_slots
 from .layers import Call, FunctionalRule, LayerRule, registered_rule
 from .layers.norm import batchnorm_train_error
 
@@ -164,7 +165,7 @@ class Capture:
         call = Call(args, kwargs, versions, edges, meta, index)
         call.out_views = views
         call.extra_info = extra[1] if extra else None
-        call.slots = _forward_laplacian_slots()
+        call.slots = current_slots()
         if self._rules[name].needs_outputs:
             call.outputs = [leaves[i] for i in index]
             call.output_versions = [t._version for t in call.outputs]
@@ -405,14 +406,6 @@ class Capture:
         self._pull_losses(losses, retain_graph)
         with self._computing():
             return sum(rule.gram(module, calls) for _, module, rule, calls in self._active())
-
-
-def _forward_laplacian_slots() -> Optional[int]:
-    try:
-        from .laplacian import current_slots
-    except ImportError:  # pragma: no cover - laplacian module not available
-        return None
-    return current_slots()
 
 
 def _assign_grads(c: Call, grads: Sequence[Optional[Tensor]], lead: Tuple[int, ...]) -> None:

@@ -12,7 +12,7 @@ weighted by its share of the samples).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -260,8 +260,3 @@ def _as_tree(v: Sequence[Tensor], params: Dict[str, Tensor]) -> Dict[str, Tensor
             f"parameters {shapes}; got {[tuple(a.shape) for a in v]}."
         )
     return dict(zip(params, v))
-
-
-def iterate(data: Data) -> Iterator[Tuple[Tensor, Tensor]]:
-    """Iterate over the batches of ``data``."""
-    yield from batches(data)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from .capture import capture
 from .dense import Data, batch_weights, batches
 from .layers import LayerRule
-from .linalg import eigh
+from .linalg import eigh, pi_factor
 from .losses import backprop_sources, check_fisher, check_loss
 
 KFAC_APPROX = ("expand", "reduce")
@@ -87,7 +87,7 @@ class KroneckerBlock:
             return QG @ ((QG.mT @ M @ QA) / (denom + damping)) @ QA.mT
         # Tikhonov on the factors: (G + damping^0.5 / pi) x (A + pi damping^0.5)
         dA, dG = lA.shape[-1], lG.shape[-1]
-        pi = ((lA.sum(-1) / dA) / (lG.sum(-1) / dG).clamp_min(1e-30)).clamp_min(1e-30).sqrt()
+        pi = pi_factor(lA.sum(-1) / dA, lG.sum(-1) / dG)
         root = damping**0.5
         iA = 1.0 / (lA + (pi * root)[..., None])
         iG = 1.0 / (lG + (root / pi)[..., None])

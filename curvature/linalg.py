@@ -59,9 +59,14 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
     ) from last
 
 
-def kron_matvec(G: Tensor, A: Tensor, M: Tensor) -> Tensor:
-    """``kron(G, A) vec_row(M)`` as a matrix: ``G M A^T`` (batched over leading axes)."""
-    return G @ M @ A.transpose(-1, -2)
+def pi_factor(mean_a: Tensor, mean_g: Tensor) -> Tensor:
+    """The pi heuristic ``sqrt(mean eig(A) / mean eig(G))`` (Martens & Grosse, 2015).
+
+    Tikhonov damping of a Kronecker product splits ``lambda`` as
+    ``(A + pi sqrt(lambda) I) x (G + sqrt(lambda) / pi I)``. The means are the factors'
+    average eigenvalues (= average diagonal entries), batched over leading axes.
+    """
+    return (mean_a / mean_g.clamp_min(1e-30)).clamp_min(1e-30).sqrt()
 
 
 def damped_solve(M: Tensor, damping: float, v: Tensor) -> Tensor:

@@ -30,7 +30,13 @@ from torch.optim import Optimizer
 
 from ..capture import Capture, WeakHook, _unwrap
 from ..layers import LayerRule
-from ..losses import FISHER_TYPES, SUPPORTED_LOSSES, backprop_sources, check_loss
+from ..losses import (
+    FISHER_TYPES,
+    SUPPORTED_LOSSES,
+    backprop_sources,
+    check_loss,
+    reduction_scale,
+)
 
 _UNSUPPORTED = ("warn", "error", "diagonal")
 
@@ -671,9 +677,9 @@ def _check(name: str, arg: str, value: Any, ok: bool, allowed: str) -> None:
 
 
 def _reduction_rescale(loss_func: Optional[nn.Module], N: int) -> float:
-    """``1 / sqrt(R)``: ``g -> sqrt(N) g`` for a mean loss, 1 for a sum."""
-    mean = loss_func is None or loss_func.reduction == "mean"
-    return math.sqrt(N) if mean else 1.0
+    """``1 / sqrt(R)``: ``g -> sqrt(N) g`` for a mean loss (also without loss_func), 1 for a sum."""
+    R = 1.0 / N if loss_func is None else reduction_scale(loss_func, N)
+    return R**-0.5
 
 
 def _promote(t: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ from ..kfac import (
     eigenvalue_corrections,
 )
 from ..layers.base import expanded_kfac
-from ..linalg import eigh, generalized_eigh
+from ..linalg import eigh, generalized_eigh, pi_factor
 from .base import CurvatureOptimizer
 
 Key = Tuple[str, str]
@@ -328,7 +328,7 @@ class KFAC(CurvatureOptimizer):
         dA, dG = A1.shape[-1], G1.shape[-1]
         trA = A1.diagonal(dim1=-2, dim2=-1).sum(-1) / dA
         trG = G1.diagonal(dim1=-2, dim2=-1).sum(-1) / dG
-        pi = (trA / trG.clamp_min(1e-30)).clamp_min(1e-30).sqrt()[..., None, None]
+        pi = pi_factor(trA, trG)[..., None, None]
         eyeA = torch.eye(dA, dtype=A1.dtype, device=A1.device)
         eyeG = torch.eye(dG, dtype=G1.dtype, device=G1.device)
         name = _block_name(key)
@@ -372,15 +372,8 @@ class KFAC(CurvatureOptimizer):
             rot = QG.mT @ M @ QA
             if self._ekfac and key in self._lambda:
                 rot = rot / (self._lambda[key].to(grads.dtype) + lam)
-            elif self.damping_mode == "exact" or self._ekfac:
+            else:  # exact damping in the eigenbasis (KFAC "exact", EKFAC before Lambda)
                 rot = rot / (lG[..., :, None] * lA[..., None, :] + lam)
-            else:
-                dA, dG = lA.shape[-1], lG.shape[-1]
-                pi = ((lA.sum(-1) / dA) / (lG.sum(-1) / dG).clamp_min(1e-30)).clamp_min(1e-30)
-                pi = pi.sqrt()
-                root = lam**0.5
-                rot = rot / (lG + (root / pi)[..., None])[..., :, None]
-                rot = rot / (lA + (pi * root)[..., None])[..., None, :]
             out[ix] = QG @ rot @ QA.mT
         for key, d in self._diag.items():  # blocks on the diagonal fallback
             ix = self._diag_index(key).to(grads.device)
@@ -396,7 +389,7 @@ class KFAC(CurvatureOptimizer):
             return cached[0], cached[1]
         _, lA, QA, lG, QG = eig
         dA, dG = lA.shape[-1], lG.shape[-1]
-        pi = ((lA.sum(-1) / dA) / (lG.sum(-1) / dG).clamp_min(1e-30)).clamp_min(1e-30).sqrt()
+        pi = pi_factor(lA.sum(-1) / dA, lG.sum(-1) / dG)
         root = lam**0.5
         Ainv = (QA / (lA + (pi * root)[..., None])[..., None, :]) @ QA.mT
         Ginv = (QG / (lG + (root / pi)[..., None])[..., None, :]) @ QG.mT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from cases import BATCH_SIZES, CASES, DTYPES, REDUCTIONS, Problem, build
 
 GRID = [
@@ -28,3 +29,20 @@ def pytest_configure(config):
     config.addinivalue_line(
         "filterwarnings", "ignore:There is a performance drop because we have not yet implemented"
     )
+
+
+@pytest.fixture
+def float64():
+    """float64 as the default dtype for one test (restored after)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture
+def float64_seeded(float64):
+    """float64 and a fixed seed, the global RNG state restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield

@@ -20,14 +20,7 @@ import curvature
 curvlinops = pytest.importorskip("curvlinops")
 
 
-@pytest.fixture(autouse=True)
-def _float64_and_seed():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64_seeded")
 
 
 def _mlp(out=3):

@@ -22,14 +22,7 @@ from curvature import dense
 N = 5
 
 
-@pytest.fixture(autouse=True)
-def _float64_and_seed():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64_seeded")
 
 
 # -- models and data as data --------------------------------------------------------------

@@ -22,15 +22,7 @@ from torch import Tensor, nn
 import curvature
 from curvature import KFACApprox
 
-
-@pytest.fixture(autouse=True)
-def _float64_and_seed():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64_seeded")
 
 
 # -- models --------------------------------------------------------------------------------

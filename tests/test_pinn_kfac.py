@@ -7,13 +7,7 @@ from torch import nn
 import curvature
 from curvature.laplacian import laplacian
 
-
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def _tanh_net():

@@ -6,13 +6,7 @@ from torch import nn
 
 from curvature.study import compare_approximations
 
-
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def test_study_reports_zero_error_for_kfac_on_one_datum_blocks():

@@ -562,8 +562,9 @@ def test_gradient_accumulation_type2_averages_the_micro_batches():
 
 
 def test_gradient_accumulation_empirical_with_micro_batch_means():
-    """Empirical statistics assume each backward's loss is its batch's mean (documented):
-    with that, the accumulated factors are the mean of the micro-batches' factors."""
+    """Empirical statistics assume the accumulated gradient is the union batch's
+    (documented): with each micro-batch loss the micro-batch mean / 2, the accumulated
+    factors are the mean of the micro-batches' factors, and those of the full batch."""
     X, y = batch(N=12)
     loss_func = nn.CrossEntropyLoss()
     halves = [(X[:6], y[:6]), (X[6:], y[6:])]
@@ -572,13 +573,15 @@ def test_gradient_accumulation_empirical_with_micro_batch_means():
         curvature.kfac(copy.deepcopy(model), loss_func, h, fisher="empirical").factors
         for h in halves
     ]
+    full = curvature.kfac(copy.deepcopy(model), loss_func, (X, y), fisher="empirical")
     opt = KFAC(model, lr=0.1, damping=1e-2, fisher="empirical", loss_func=loss_func)
     opt.zero_grad()
     for Xh, yh in halves:
-        loss_func(model(Xh), yh).backward()
+        (loss_func(model(Xh), yh) / 2).backward()
     opt.step()
     mean = {k: tuple((a + b) / 2 for a, b in zip(parts[0][k], parts[1][k])) for k in parts[0]}
     assert_factors_close(opt.factors(), mean)
+    assert_factors_close(opt.factors(), full.factors)
 
 
 # -- register_output -------------------------------------------------------------------------------

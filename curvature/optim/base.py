@@ -12,16 +12,26 @@ its whole life. What it collects depends on the Fisher type:
   one batched call; the user's backward is untouched.
 - ``"forward-only"``: inputs only, ``G = I``.
 
-Statistics of the forwards between two ``step()`` calls (gradient accumulation) are
-averaged, then folded into running estimates with ``factor_decay`` every
-``factor_every`` steps; decompositions are refreshed every ``inverse_every`` steps.
-Statistics accumulate in float32 (float64 for float64 models) whatever the model dtype.
+Statistics of all forwards between two ``step()`` calls (gradient accumulation), and
+under ``torch.distributed`` of all ranks, count as one batch, their union: ``A`` is the
+mean of ``a a^T`` over all rows, ``G`` is ``R(N) sum g g^T`` over all ``N`` samples
+(``R(N) = 1/N`` for a mean loss, ``1`` for a sum). They are folded into running
+estimates with ``factor_decay`` every ``factor_every`` steps; decompositions are
+refreshed every ``inverse_every`` steps. Statistics accumulate in float32 (float64 for
+float64 models) whatever the model dtype.
+
+For ``"empirical"`` the optimizer sees the user's gradients ``c grad l_n`` and assumes
+that the gradient accumulated in ``.grad`` (and averaged over the ``W`` ranks) is the
+gradient of ``loss_func`` over that union, i.e. ``c = W R(N)``: a plain mean loss on one
+process; ``loss / k`` over ``k`` equal micro-batches; on ``W`` ranks with batches ``N_r``,
+``W / N * sum_n l_n`` on each rank (for equal ``N_r`` simply the local mean).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,8 +47,27 @@ from ..losses import (
     check_loss,
     reduction_scale,
 )
+from .distributed import Communicator, check_not_sharded, is_ddp
 
 _UNSUPPORTED = ("warn", "error", "diagonal")
+
+#: Kinds of statistics values: ``"A"`` (symmetric; a sum of ``a a^T`` normalized by its
+#: rows), ``"G"`` (symmetric; a sum of ``g g^T``-like terms normalized per sample) and
+#: ``"g"`` (like ``"G"`` but not symmetric: EKFAC corrections, Fisher diagonals).
+StatKind = str
+
+
+@dataclass
+class _Stat:
+    """The statistics sums of one block and term over the forwards of one step."""
+
+    values: List[Optional[Tensor]]
+    kinds: Tuple[StatKind, ...]
+    rows: float = 0.0
+    samples: float = 0.0
+    reduction: str = "mean"  # of the loss the G-like values were computed with
+    empirical: bool = False  # G-like values are c^2 sum g g^T of the user's gradients
+    shapes: List[Optional[Tuple[int, ...]]] = field(default_factory=list)
 
 
 class CurvatureOptimizer(Optimizer):
@@ -75,6 +104,11 @@ class CurvatureOptimizer(Optimizer):
         damping_adaptation_interval: int = 5,
         damping_adaptation_decay: float = 0.95,
         line_search_grid: Optional[Sequence[float]] = None,
+        distributed: Optional[bool] = None,
+        process_group: Any = None,
+        sync_grads: Optional[bool] = None,
+        comm_timeout: float = 300.0,
+        bucket_mb: float = 25.0,
     ):
         name = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -136,6 +170,16 @@ class CurvatureOptimizer(Optimizer):
             f"must be one of {_UNSUPPORTED}",
         )
 
+        check_not_sharded(model, name)
+        _check(name, "comm_timeout", comm_timeout, comm_timeout > 0, "must be > 0 seconds")
+        _check(name, "bucket_mb", bucket_mb, bucket_mb > 0, "must be > 0")
+        if process_group is None and is_ddp(model):
+            process_group = model.process_group
+        self._comm = Communicator.create(distributed, process_group, comm_timeout, bucket_mb, name)
+        # DDP averages the gradients itself; a plain model under torch.distributed is
+        # treated as replicated data parallelism and its gradients are averaged here.
+        self.sync_grads = (not is_ddp(model)) if sync_grads is None else bool(sync_grads)
+        self._ddp = model if is_ddp(model) else None
         self.model = _unwrap(model)
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -179,12 +223,15 @@ class CurvatureOptimizer(Optimizer):
         self.damping_adaptation_decay = damping_adaptation_decay
         self.last_reduction_ratio: Optional[float] = None
         self._evaluating = False
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.steps = 0
         self.skipped_statistics = 0
         self._registered = False
         self._term = 0
         self._forward_scale = 1.0
+        self._context: Tuple[int, str, float, bool] = (1, "mean", 1.0, False)
+        self._pending: Optional[Tuple[Any, ...]] = None  # a statistics reduction in flight
 
         # parameter bookkeeping: flat positions over the model's trainable parameters
         self._names = {p: n for n, p in self.model.named_parameters()}
@@ -197,6 +244,37 @@ class CurvatureOptimizer(Optimizer):
         self._closed = False
         self._build()
         self._check_coverage()
+        self._reseed()
+
+    # -- distributed -----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """The rank of this process among the optimizer's ranks (0 without torch.distributed)."""
+        return 0 if self._comm is None else self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the statistics are averaged over (1 on one process)."""
+        return 1 if self._comm is None else self._comm.world
+
+    @property
+    def bytes_communicated(self) -> Dict[str, int]:
+        """Bytes this rank put into collectives so far, by purpose (empty on one process)."""
+        return {} if self._comm is None else dict(self._comm.bytes)
+
+    def _reseed(self) -> None:
+        """On several ranks: a sampling generator per (seed, step, rank).
+
+        Each rank draws its own MC labels / Rademacher signs, and a run resumed from a
+        ``state_dict`` saved on any one rank continues the same draws on every rank.
+        """
+        if self._comm is not None:
+            mixed = ((self.seed * 1_000_003 + self.steps) * 4099 + self._comm.rank) % 2**62
+            self.generator.manual_seed(mixed)
+
+    def _global_loss(self, value: float) -> float:
+        """A closure's loss, averaged over the ranks (identical decisions everywhere)."""
+        return value if self._comm is None else self._comm.mean(value)
 
     def _build(self) -> None:
         """Flat offsets of the trainable parameters, the capture and the root hooks."""
@@ -304,11 +382,19 @@ class CurvatureOptimizer(Optimizer):
         if self._evaluating:
             self._capture._recording = False
             return
+        scale = self._loss_scale()
+        if scale < self._forward_scale:
+            # the grad scaler backed off: it found inf gradients and skipped step(), so the
+            # gradients of the forwards since the last step are discarded; so are their
+            # statistics (they count with the gradient they belong to)
+            with self._capture._computing():
+                self._capture.take_pushed()
+            self._discard_statistics()
         # empirical: fold the calls whose backward already ran (bounded memory under
         # gradient accumulation); calls still waiting for their backward stay.
         if self.fisher == "empirical":
             self._consume(self._capture.take_pushed(), scale_by_reduction=True)
-        self._forward_scale = self._loss_scale()
+        self._forward_scale = scale
         self._capture._recording = self._due and self.model.training and not self._closed
 
     def _on_forward_end(self, output: Any) -> None:
@@ -330,6 +416,7 @@ class CurvatureOptimizer(Optimizer):
                 "optim.register_output(output, loss_func) and pass auto_output=False."
             )
         self._pull(output, self.loss_func, None, keep_calls=False)
+        self._launch_early()
 
     def _loss_scale(self) -> float:
         """The AMP loss scale of the current forward (1 without a grad scaler)."""
@@ -363,7 +450,7 @@ class CurvatureOptimizer(Optimizer):
             raise ValueError("register_output(output) needs a loss_func.")
         check_loss(loss_func)
         if not self._registered:
-            self._step_stats.clear()
+            self._discard_statistics()
             self._registered = True
             self._term = 0
         if self._due:
@@ -390,6 +477,10 @@ class CurvatureOptimizer(Optimizer):
             generator=self.generator,
         )
         self._capture.pull(output, V, is_grads_batched=True, retain_graph=True, unreached="skip")
+        N = output.shape[0] if output.dim() else 1
+        reduction = getattr(loss_func, "reduction", "mean")
+        # G-like sums are kept as raw per-sample sums: the sources carry sqrt(R(N)).
+        self._context = (N, reduction, 1.0 / reduction_scale(loss_func, N), False)
         reached = []
         for name, module, rule, cs in self._capture._active():
             done = [c for c in cs if c.grads is not None]
@@ -403,11 +494,18 @@ class CurvatureOptimizer(Optimizer):
         """Fold calls (with ``grads`` set) into this step's statistics, then release them."""
         with self._capture._computing():
             for name, module, rule, cs in calls:
-                if scale_by_reduction:  # user backward: g = R grad l_n, no [K] axis yet
+                if scale_by_reduction:  # user backward: c grad l_n (times the AMP scale)
+                    inv = 1.0 / self._forward_scale
                     for c in cs:
-                        N = rule.batch_size(module, c)
-                        scale = _reduction_rescale(self.loss_func, N) / self._forward_scale
-                        c.grads = [(_promote(g) * scale).unsqueeze(0) for g in c.grads]
+                        c.grads = [
+                            (_promote(g) * inv if inv != 1.0 else _promote(g)).unsqueeze(0)
+                            for g in c.grads
+                        ]
+                    N = rule.batch_size(module, cs[0])
+                    reduction = getattr(self.loss_func, "reduction", "mean")
+                    self._context = (N, reduction, 1.0, True)
+                elif not with_g:
+                    self._context = (rule.batch_size(module, cs[0]), "mean", 1.0, False)
                 else:
                     for c in cs:
                         if c.grads is not None:
@@ -418,23 +516,163 @@ class CurvatureOptimizer(Optimizer):
         raise NotImplementedError
 
     def _add_step_stat(
-        self, key: Tuple[str, str], values: Sequence[Optional[Tensor]], count
+        self,
+        key: Tuple[str, str],
+        values: Sequence[Optional[Tensor]],
+        kinds: Tuple[StatKind, ...],
+        rows: int = 0,
     ) -> None:
         """Add statistics sums of one forward, skipping non-finite ones (counted).
 
-        Keys get the current term appended: ``(name, suffix, term)``.
+        Args:
+            key: ``(block name, suffix)``; the current term is appended.
+            values: Sums over this forward's rows / samples (``None``: absent).
+            kinds: One of ``"A"``, ``"G"``, ``"g"`` per value (see :data:`StatKind`).
+            rows: The rows of the ``"A"`` sums.
+
         """
         key = (*key, self._term if self._registered else 0)
-        if any(v is not None and not torch.isfinite(v).all() for v in values):
-            self.skipped_statistics += 1
-            return
+        N, reduction, g_scale, empirical = self._context
         slot = self._step_stats.get(key)
         if slot is None:
-            self._step_stats[key] = [list(values), count, 1]
+            slot = self._step_stats[key] = _Stat(
+                [None] * len(values),
+                tuple(kinds),
+                reduction=reduction,
+                empirical=empirical,
+                shapes=[None if v is None else tuple(v.shape) for v in values],
+            )
+        # a sum is finite iff every entry is (barring float overflow): one reduction
+        if any(v is not None and not torch.isfinite(v.sum()) for v in values):
+            self.skipped_statistics += 1  # the slot stays (with zero counts) for the layout
             return
-        slot[0] = [a if b is None else (b if a is None else a + b) for a, b in zip(slot[0], values)]
-        slot[1] += count
-        slot[2] += 1
+        if g_scale != 1.0:
+            values = [v if (v is None or k == "A") else v * g_scale for v, k in zip(values, kinds)]
+        slot.values = [
+            a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, values)
+        ]
+        slot.shapes = [s if v is None else tuple(v.shape) for s, v in zip(slot.shapes, values)]
+        slot.rows += rows
+        slot.samples += N
+
+    def _finalize_statistics(self) -> Dict[Tuple[str, str, int], List[Optional[Tensor]]]:
+        """The statistics of this step, reduced over the ranks and normalized.
+
+        ``"A"`` values become means over their rows; ``"G"``/``"g"`` values become
+        ``R(N) sum`` over the ``N`` samples of the union of all forwards (and ranks); for
+        empirical statistics (``c^2 sum`` of the user's gradients with ``c = W R(N)``),
+        ``sum / (W^2 R(N))``. Blocks without any finite contribution are dropped.
+        """
+        stats = self._step_stats
+        if self._comm is not None:
+            self._reduce_statistics(stats)
+            if self._pending is not None:  # launched early: add the two global parts
+                early = self._finish_reduction(self._pending)
+                self._pending = None
+                for key, st in stats.items():
+                    if key in early:
+                        st = _merge_stats(early[key], st)
+                    early[key] = st
+                stats = early
+        W = self.world_size
+        out = {}
+        order = sorted(stats, key=repr) if self._comm is not None else list(stats)
+        for key in order:
+            st = stats[key]
+            if st.samples == 0 or all(v is None for v in st.values):
+                continue
+            R = 1.0 / st.samples if st.reduction == "mean" else 1.0
+            g_norm = 1.0 / (W * W * R) if st.empirical else R
+            vals: List[Optional[Tensor]] = []
+            for v, k in zip(st.values, st.kinds):
+                if v is None:
+                    vals.append(None)
+                elif k == "A":
+                    vals.append(v / st.rows)
+                else:
+                    vals.append(v * g_norm)
+            out[key] = vals
+        return out
+
+    def _reduce_statistics(self, stats: Dict[Tuple[str, str, int], _Stat]) -> None:
+        """Sum the statistics of all ranks in place (layout agreed, zeros where absent)."""
+        self._finish_reduction(self._start_reduction(stats))
+
+    def _start_reduction(self, stats: Dict[Tuple[str, str, int], _Stat]) -> Tuple[Any, ...]:
+        """Agree on the layout, pack, and launch the statistics all-reduce."""
+        from .distributed import pack  # noqa: PLC0415 - one module owns the packing
+
+        comm = self._comm
+        signature = [
+            (key, (st.kinds, st.reduction, st.empirical, *st.shapes)) for key, st in stats.items()
+        ]
+        layout = comm.agree(signature)
+        ref = next((v for st in stats.values() for v in st.values if v is not None), None)
+        dtype = ref.dtype if ref is not None else self._stat_dtype_default()
+        device = comm.device
+        counts = torch.zeros(len(layout), 2, dtype=torch.float64, device=device)
+        flats: List[Tensor] = []
+        plan = []
+        for i, (key, spec) in enumerate(layout):
+            kinds, reduction, empirical, *shapes = spec
+            st = stats.get(key)
+            if st is None:
+                st = stats[key] = _Stat(
+                    [None] * len(kinds), kinds, reduction=reduction, empirical=empirical
+                )
+            st.shapes = list(shapes)
+            counts[i, 0], counts[i, 1] = st.rows, st.samples
+            for j, (shape, kind) in enumerate(zip(shapes, kinds)):
+                if shape is None:
+                    continue
+                v = st.values[j]
+                sym = kind in ("A", "G")
+                if v is None:
+                    v = torch.zeros(shape, dtype=dtype, device=device)
+                flats.append(pack(v.to(device), sym))
+                plan.append((st, j, shape, sym, v.device))
+        handle = comm.start([counts] + flats, "statistics")
+        return stats, layout, counts, flats, plan, handle
+
+    def _finish_reduction(self, pending: Tuple[Any, ...]) -> Dict[Tuple[str, str, int], _Stat]:
+        """Wait for :meth:`_start_reduction` and unpack; returns the (global) statistics."""
+        from .distributed import unpack  # noqa: PLC0415
+
+        stats, layout, counts, flats, plan, handle = pending
+        self._comm.finish(handle)
+        for (st, j, shape, sym, dev), flat in zip(plan, flats):
+            st.values[j] = unpack(flat, shape, sym).to(dev)
+        for i, (key, _) in enumerate(layout):
+            stats[key].rows, stats[key].samples = float(counts[i, 0]), float(counts[i, 1])
+        return stats
+
+    def _launch_early(self) -> None:
+        """Overlap the statistics all-reduce with the backward when they are final.
+
+        Under DDP, ``require_backward_grad_sync`` is ``False`` inside ``no_sync()``; a
+        training forward outside it is the step's last micro-batch, and for the Fisher
+        types whose backward the optimizer runs at the end of the forward its statistics
+        are complete there: their reduction is launched at once and runs during the
+        user's backward (statistics of any later forward are reduced at ``step()`` and
+        added).
+        """
+        if self._comm is None or self._ddp is None or self._pending is not None:
+            return
+        if not getattr(self._ddp, "require_backward_grad_sync", False):
+            return
+        self._pending = self._start_reduction(self._step_stats)
+        self._step_stats = {}
+
+    def _discard_statistics(self) -> None:
+        """Drop this step's statistics (and a reduction in flight, after it completes)."""
+        if self._pending is not None:
+            self._finish_reduction(self._pending)
+            self._pending = None
+        self._step_stats = {}
+
+    def _stat_dtype_default(self) -> torch.dtype:
+        p = next(iter(self._offsets_params()), None)
+        return torch.float64 if p is not None and p.dtype == torch.float64 else torch.float32
 
     # -- the step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -467,8 +705,12 @@ class CurvatureOptimizer(Optimizer):
         if self.fisher == "empirical":
             self._consume(self._capture.take_pushed(), scale_by_reduction=True)
         self._capture.clear()  # calls whose backward never came (or kept for registration)
-        if self._due and self._step_stats:
-            self._update_statistics(self._step_stats)
+        if self._comm is not None:
+            self._comm.step = self.steps
+        if self._due and (self._step_stats or self._comm is not None):
+            stats = self._finalize_statistics()
+            if stats:
+                self._update_statistics(stats)
         self._step_stats = {}
         self._registered = False
         self._term = 0
@@ -490,6 +732,7 @@ class CurvatureOptimizer(Optimizer):
         if adapt:
             self._adapt_damping(closure, float(loss.detach()), grads, self._flat_params() - before)
         self.steps += 1
+        self._reseed()
         self._capture._recording = self._due and not self._closed
         return loss
 
@@ -515,7 +758,7 @@ class CurvatureOptimizer(Optimizer):
             for lr in self.line_search_grid:
                 move(lr)
                 with torch.enable_grad():
-                    value = float(closure().detach())
+                    value = self._global_loss(float(closure().detach()))
                 if value < best_loss:
                     best, best_loss = lr, value
         finally:
@@ -544,9 +787,10 @@ class CurvatureOptimizer(Optimizer):
         self._evaluating = True
         try:
             with torch.enable_grad():
-                loss_after = float(closure().detach())
+                loss_after = self._global_loss(float(closure().detach()))
         finally:
             self._evaluating = False
+        loss_before = self._global_loss(loss_before)
         lam = self.param_groups[0]["damping"]
         d = delta.to(grads.dtype)
         q = float(grads @ d + 0.5 * (d @ self._curvature_matvec(d)) + 0.5 * lam * (d @ d))
@@ -565,11 +809,11 @@ class CurvatureOptimizer(Optimizer):
         return False
 
     def _flat_grads(self) -> Optional[Tensor]:
-        ref = None
-        for p in self._offsets_params():
-            if p.grad is not None:
-                ref = p.grad
-                break
+        """The gradients as one flat vector (averaged over the ranks where we sync them)."""
+        sync = self._comm is not None and self.sync_grads
+        ref = next((p.grad for p in self._offsets_params() if p.grad is not None), None)
+        if ref is None and sync:  # every rank must join the all-reduce
+            ref = next(iter(self._offsets_params()), None)
         if ref is None:
             return None
         dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
@@ -578,6 +822,17 @@ class CurvatureOptimizer(Optimizer):
             if n in self._offsets and p.grad is not None:
                 o = self._offsets[n]
                 flat[o : o + p.numel()] = p.grad.reshape(-1)
+        if sync:
+            self._comm.all_reduce([flat], "gradients")
+            flat /= self._comm.world
+            for n, p in self.model.named_parameters():
+                if n in self._offsets:
+                    o = self._offsets[n]
+                    g = flat[o : o + p.numel()].view_as(p).to(p.dtype)
+                    if p.grad is not None:
+                        p.grad.copy_(g)
+                    elif g.any():  # unused here, used on another rank
+                        p.grad = g.clone()
         return flat
 
     def _offsets_params(self) -> Iterable[Tensor]:
@@ -658,6 +913,7 @@ class CurvatureOptimizer(Optimizer):
         self.skipped_statistics = curv["skipped_statistics"]
         self.generator.set_state(curv["generator"])
         self._load_curvature_state(curv)
+        self._reseed()
         self._capture._recording = self._due and not self._closed
 
     # -- subclass interface ------------------------------------------------------------------
@@ -671,15 +927,18 @@ class CurvatureOptimizer(Optimizer):
         raise NotImplementedError
 
 
+def _merge_stats(a: _Stat, b: _Stat) -> _Stat:
+    """The sum of two statistics of one key (both global, or both local)."""
+    a.values = [x if y is None else (y if x is None else x + y) for x, y in zip(a.values, b.values)]
+    a.shapes = [s if s is not None else t for s, t in zip(a.shapes, b.shapes)]
+    a.rows += b.rows
+    a.samples += b.samples
+    return a
+
+
 def _check(name: str, arg: str, value: Any, ok: bool, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}({arg}={value!r}): {arg} {allowed}.")
-
-
-def _reduction_rescale(loss_func: Optional[nn.Module], N: int) -> float:
-    """``1 / sqrt(R)``: ``g -> sqrt(N) g`` for a mean loss (also without loss_func), 1 for a sum."""
-    R = 1.0 / N if loss_func is None else reduction_scale(loss_func, N)
-    return R**-0.5
 
 
 def _promote(t: Tensor) -> Tensor:

@@ -58,12 +58,12 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             ix = torch.cat([index[s].reshape(-1) for s in expanded])
         self._ix[name] = ix
         dt = torch.float64 if d.dtype == torch.float64 else torch.float32
-        self._add_step_stat((name, "diag"), [d.to(dt)], 1)
+        self._add_step_stat((name, "diag"), [d.to(dt)], ("g",))
 
-    def _update_statistics(self, step_stats) -> None:
+    def _update_statistics(self, stats) -> None:
         beta = self.factor_decay
-        for (name, _, _), (values, _, n_fwd) in step_stats.items():
-            d = values[0] / n_fwd
+        for (name, _, _), values in stats.items():
+            d = values[0]
             prev = self.diagonal_.get(name)
             self.diagonal_[name] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)
 

@@ -40,6 +40,7 @@ from ..linalg import eigh, generalized_eigh, pi_factor
 from .base import CurvatureOptimizer
 
 Key = Tuple[str, str]
+_KINDS = ("A", "G", "g")  # statistics values of a block: A, G, EKFAC's corrections
 
 
 def _clone(x):
@@ -61,44 +62,78 @@ class KFAC(CurvatureOptimizer):
         ...     optim.step()
 
     Args:
-        model: The model (a DDP wrapper is unwrapped for hooks).
-        lr: Learning rate.
-        damping: ``lambda > 0`` added to the curvature before inversion.
-        momentum: Heavy-ball momentum on the preconditioned direction.
-        weight_decay: Decoupled weight decay (``p -= lr * weight_decay * p``).
-        fisher: ``"empirical"`` (default; from your own backward), ``"mc"``,
+        model (nn.Module): The model (a DDP wrapper is unwrapped for hooks).
+        lr (float): Learning rate.
+        damping (float): ``lambda > 0`` added to the curvature before inversion.
+        momentum (float): Heavy-ball momentum on the preconditioned direction.
+        weight_decay (float): Decoupled weight decay (``p -= lr * weight_decay * p``).
+
+    Keyword Args:
+        fisher (str): ``"empirical"`` (default; from your own backward), ``"mc"``,
             ``"type-2"``, ``"rademacher"`` (from the model output and ``loss_func``,
             backpropagated by the optimizer on the existing graph), ``"forward-only"``.
-        loss_func: The loss module; required for ``"mc"``, ``"type-2"`` and
-            ``"rademacher"``; for ``"empirical"`` it tells the reduction (mean if
-            omitted).
-        mc_samples: Samples for ``"mc"`` / ``"rademacher"``.
-        kfac_approx: ``"expand"`` or ``"reduce"`` for weight-sharing layers.
-        factor_decay: EMA decay of the factors.
-        factor_every: Collect statistics every this many steps.
-        inverse_every: Refresh decompositions every this many steps.
-        kl_clip: Scale updates so that ``lr^2 d^T g <= kl_clip`` (None: off).
-        damping_mode: ``"pi"`` (default; Tikhonov damping of each factor with the pi
+        loss_func (nn.Module | None): The loss module; required for ``"mc"``,
+            ``"type-2"`` and ``"rademacher"``; for ``"empirical"`` it tells the
+            reduction (mean if omitted).
+        mc_samples (int): Samples for ``"mc"`` / ``"rademacher"`` (default 1).
+        kfac_approx (str): ``"expand"`` (default) or ``"reduce"`` for weight-sharing
+            layers.
+        factor_decay (float): EMA decay of the factors (default 0.95).
+        factor_every (int): Collect statistics every this many steps (default 1).
+        inverse_every (int): Refresh decompositions every this many steps (default 10).
+        kl_clip (float | None): Scale updates so that ``lr^2 d^T g <= kl_clip``
+            (default None: off).
+        damping_mode (str): ``"pi"`` (default; Tikhonov damping of each factor with the pi
             heuristic, more conservative in directions where one factor is large) or
             ``"exact"`` (``kron(G, A) + lambda I`` inverted exactly in the eigenbasis).
             EKFAC always damps its corrected eigenvalues exactly.
-        max_factor_size: Blocks with a Kronecker factor larger than this use the
-            per-sample Fisher diagonal (with a warning naming them): decomposing a
-            factor of size 10k takes minutes on a small CPU.
-        unsupported: For parameters no rule covers: ``"warn"`` (plain gradient, one
-            warning), ``"error"``, or ``"diagonal"`` (diagonal empirical Fisher).
-        auto_output: Run the curvature backward at the end of every training forward
-            of the model (``"mc"``/``"type-2"``/``"rademacher"``); set ``False`` when
-            the outputs are named with :meth:`register_output`.
-        seed: Seed of the sampling generator (saved in ``state_dict``).
-        param_groups: Optional ``torch.optim``-style groups of the model's parameters
-            with per-group ``lr``, ``damping``, ``momentum``, ``weight_decay``.
-        grad_scaler: A ``torch.amp.GradScaler`` whose loss scale is removed from the
-            empirical statistics.
+        max_factor_size (int): Blocks with a Kronecker factor larger than this (default
+            4096) use the per-sample Fisher diagonal (with a warning naming them):
+            decomposing a factor of size 10k takes minutes on a small CPU.
+        unsupported (str): For parameters no rule covers: ``"warn"`` (default; plain
+            gradient, one warning), ``"error"``, or ``"diagonal"`` (diagonal empirical
+            Fisher).
+        auto_output (bool): Run the curvature backward at the end of every training
+            forward of the model (``"mc"``/``"type-2"``/``"rademacher"``; default True);
+            set ``False`` when the outputs are named with :meth:`register_output`.
+        seed (int): Seed of the sampling generator (saved in ``state_dict``; default 0).
+        param_groups (Sequence[dict] | None): Optional ``torch.optim``-style groups of
+            the model's parameters with per-group ``lr``, ``damping``, ``momentum``,
+            ``weight_decay``.
+        grad_scaler (torch.amp.GradScaler | None): A ``torch.amp.GradScaler`` whose loss
+            scale is removed from the empirical statistics.
+        adaptive_damping (bool): Adapt ``damping`` by the Levenberg-Marquardt rule from
+            the reduction ratio (default False; ``step`` then needs a closure; see
+            :meth:`step`).
+        damping_adaptation_interval (int): Adapt the damping every this many steps
+            (default 5).
+        damping_adaptation_decay (float): Factor by which the damping shrinks (or, its
+            inverse, grows) at an adaptation (default 0.95).
+        line_search_grid (Sequence[float] | None): Learning rates tried at each step
+            (default None: off; ``step`` then needs a closure); the one with the lowest
+            loss is taken, replacing the groups' learning rates.
+        distributed (bool | None): Average the curvature over the ranks of
+            ``torch.distributed`` (default None: when it is initialized with more than one
+            rank; see docs/distributed.md).
+        process_group (ProcessGroup | None): The ranks to average over (default: a DDP
+            model's group, else the default group).
+        sync_grads (bool | None): Average the gradients over the ranks in ``step()``
+            (default None: unless the model is DDP-wrapped, which averages them itself).
+        comm_timeout (float): Seconds a collective may wait before it raises a clear
+            error naming the step and the rank (default 300).
+        bucket_mb (float): Largest all-reduce bucket in megabytes (default 25).
+        decompose (str): ``"split"`` (default; each block is decomposed on one rank
+            chosen by a cost model, and the results are shared) or ``"all"`` (every rank
+            decomposes every block; nothing communicated at refresh time).
+        precondition (str): ``"all"`` (default; every rank preconditions every block) or
+            ``"owner"`` (KFAC only: each block on its owner, which keeps its
+            decomposition; the preconditioned gradient is all-reduced every step).
 
     Warning:
-        Statistics of ``"empirical"`` assume each backward's loss is the mean (or sum,
-        per ``loss_func``) over its batch; each forward's backward must run before the
+        Statistics of ``"empirical"`` assume that the gradient accumulated in ``.grad``
+        (averaged over the ranks) is the gradient of ``loss_func`` over the union of
+        the step's micro-batches (and ranks): a plain mean loss on one process, ``loss /
+        k`` over ``k`` equal micro-batches; each forward's backward must run before the
         next training forward.
 
     """
@@ -113,6 +148,27 @@ class KFAC(CurvatureOptimizer):
                 "blocks with a larger Kronecker factor use the per-sample Fisher diagonal."
             )
         self.max_factor_size = max_factor_size
+        decompose = kwargs.pop("decompose", "split")
+        precondition = kwargs.pop("precondition", "all")
+        if decompose not in ("split", "all"):
+            raise ValueError(
+                f"{type(self).__name__}(decompose={decompose!r}): 'split' (each block's "
+                "decompositions on one rank, then shared) or 'all' (every rank decomposes "
+                "every block)."
+            )
+        if precondition not in ("all", "owner"):
+            raise ValueError(
+                f"{type(self).__name__}(precondition={precondition!r}): 'all' (every rank "
+                "preconditions every block) or 'owner' (each block on its owner rank, the "
+                "preconditioned gradient is shared)."
+            )
+        if precondition == "owner" and (decompose != "split" or self._ekfac):
+            raise ValueError(
+                f"{type(self).__name__}(precondition='owner') needs decompose='split' and "
+                "KFAC (EKFAC's corrections need every block's eigenbasis on every rank)."
+            )
+        self.decompose, self.precondition = decompose, precondition
+        self._decomposed: set = set()
         self._large: Dict[Key, Tensor] = {}
         self._inv: Dict[Key, tuple] = {}  # damped factor inverses (pi damping), derived
         self.factors_: Dict[Key, Dict[int, List[Tensor]]] = {}
@@ -125,6 +181,7 @@ class KFAC(CurvatureOptimizer):
     def _reset_curvature(self) -> None:
         self.factors_, self._eig, self._lambda, self._diag = {}, {}, {}, {}
         self._large = {}
+        self._decomposed = set()
         self._structure()
 
     def _structure(self) -> None:
@@ -140,6 +197,24 @@ class KFAC(CurvatureOptimizer):
             pos = int(ix.reshape(-1)[0])
             start = max(o for o in starts if o <= pos)
             self._block_param[key] = by_offset[start]
+        self._owner: Dict[Key, int] = {}
+        self._mask = None
+        if self._comm is not None:
+            costs = {
+                k: ix.shape[0] * (ix.shape[1] ** 3 + ix.shape[2] ** 3)
+                for k, ix in self._index.items()
+            }
+            self._owner = self._comm.owners(costs)
+
+    def _mine(self, key: Key) -> bool:
+        """Whether this rank decomposes (and, with ``precondition='owner'``, uses) ``key``."""
+        if self._comm is None or self.decompose == "all":
+            return True
+        return self._owner.get(key, 0) == self._comm.rank
+
+    def _uses(self, key: Key) -> bool:
+        """Whether this rank preconditions block ``key``."""
+        return self.precondition == "all" or self._mine(key)
 
     # -- structure ---------------------------------------------------------------------------
     def _block_indices(self) -> Dict[Key, Tensor]:
@@ -201,18 +276,22 @@ class KFAC(CurvatureOptimizer):
             for suffix, (a, g) in (expanded or {}).items():
                 if (name, suffix) in self._large:
                     d = _expanded_diag(a, g)
-                    self._add_step_stat((name, "<diag>" + suffix), [d.to(self._stat_dtype(d))], 1)
+                    self._add_step_stat(
+                        (name, "<diag>" + suffix), [d.to(self._stat_dtype(d))], ("g",)
+                    )
                 else:
                     A_sum, G_sum, count = expanded_kfac(a, g, self.kfac_approx)
                     dt = self._stat_dtype(A_sum)
-                    self._add_step_stat((name, suffix), [A_sum.to(dt), G_sum.to(dt), None], count)
+                    self._add_step_stat(
+                        (name, suffix), [A_sum.to(dt), G_sum.to(dt), None], _KINDS, count
+                    )
             return
         res = rule.kfac_factors(module, calls, self.kfac_approx, with_g)
         if res is None:
             if (name, "") not in self._index:
                 if self.unsupported == "diagonal" and with_g:  # diagonal Fisher fallback
                     d = _per_vector_grads(rule, module, calls).pow(2).sum((0, 1))
-                    self._add_step_stat((name, "<diag>"), [d.to(self._stat_dtype(d))], 1)
+                    self._add_step_stat((name, "<diag>"), [d.to(self._stat_dtype(d))], ("g",))
                 return
             U = _per_vector_grads(rule, module, calls).flatten(0, 1)
             one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
@@ -237,25 +316,22 @@ class KFAC(CurvatureOptimizer):
                     None if G_sum is None else G_sum.to(dt),
                     None if lam is None else lam.to(dt),
                 ],
+                _KINDS,
                 count,
             )
 
-    def _update_statistics(self, step_stats) -> None:
+    def _update_statistics(self, stats) -> None:
         beta = self.factor_decay
-        for (name, suffix, term), (values, count, n_fwd) in step_stats.items():
+        for (name, suffix, term), values in stats.items():
+            key = (name, suffix)
             if suffix.startswith("<diag>"):
-                key = (name, suffix)
-                d, prev = values[0].reshape(-1) / n_fwd, self._diag.get(key)
+                d, prev = values[0].reshape(-1), self._diag.get(key)
                 self._diag[key] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)
                 continue
-            key = (name, suffix)
-            A_sum, G_sum, lam = values
-            A = A_sum / count
-            if G_sum is None:  # forward-only: G = I
+            A, G, lam = values
+            if G is None:  # forward-only: G = I
                 D_out = self._index[key].shape[1]
                 G = torch.eye(D_out, dtype=A.dtype, device=A.device).expand(A.shape[0], -1, -1)
-            else:
-                G = G_sum / n_fwd
             terms = self.factors_.setdefault(key, {})
             old = terms.get(term)
             if old is None:
@@ -264,14 +340,13 @@ class KFAC(CurvatureOptimizer):
                 old[0].mul_(beta).add_(A, alpha=1 - beta)
                 old[1].mul_(beta).add_(G, alpha=1 - beta)
             if lam is not None and term == 0:
-                lam = lam / n_fwd
                 prev = self._lambda.get(key)
                 self._lambda[key] = (
                     lam if prev is None else prev.mul_(beta).add_(lam, alpha=1 - beta)
                 )
 
     def _needs_refresh(self) -> bool:
-        return any(k not in self._eig for k in self.factors_)
+        return any(k not in self._decomposed for k in self.factors_)
 
     def _block_damping(self, key: Key) -> float:
         group = self._group_of().get(self._block_param[key], self.param_groups[0])
@@ -289,37 +364,105 @@ class KFAC(CurvatureOptimizer):
         return first, [A, G]
 
     def _refresh(self) -> None:
-        for key, terms in self.factors_.items():
-            name = _block_name(key) or "<model>"
-            try:
-                if len(terms) == 1:
-                    A, G = next(iter(terms.values()))
-                    lA, QA = eigh(A, name=f"A of '{name}'")
-                    lG, QG = eigh(G, name=f"G of '{name}'")
-                    previous = self._eig.get(key)
-                    self._eig[key] = ("one", lA, QA, lG, QG)
-                    if self._ekfac and key in self._lambda and previous and previous[0] == "one":
-                        # diag of the previous EKFAC matrix in the new basis
-                        RA = (QA.mT @ previous[2]).pow(2)
-                        RG = (QG.mT @ previous[4]).pow(2)
-                        self._lambda[key] = RG @ self._lambda[key] @ RA.mT
-                    continue
+        """Decompose the factors: locally, or split over the ranks and shared."""
+        keys = sorted(self.factors_, key=repr)
+        results = {k: self._decompose(k) for k in keys if self._mine(k)}
+        if self._comm is not None and self.decompose == "split":
+            results = self._share(keys, results)
+        for key in keys:
+            self._install(key, *results[key])
+
+    def _decompose(self, key: Key) -> Tuple[str, Any]:
+        """``("ok", eig)``, or ``("kept" | "failed", message)`` when eigh failed."""
+        terms = self.factors_[key]
+        name = _block_name(key) or "<model>"
+        try:
+            if len(terms) == 1:
+                A, G = next(iter(terms.values()))
+                lA, QA = eigh(A, name=f"A of '{name}'")
+                lG, QG = eigh(G, name=f"G of '{name}'")
+                return "ok", ("one", lA, QA, lG, QG)
+            return "ok", self._decompose_two(key, terms)
+        except RuntimeError as err:
+            return ("kept" if key in self._eig else "failed"), str(err)
+
+    def _share(self, keys: List[Key], results: Dict[Key, Tuple[str, Any]]) -> Dict[Key, Any]:
+        """Exchange the owners' results (one all-reduce of a zero-padded buffer).
+
+        With ``precondition="all"`` every rank receives every decomposition; with
+        ``"owner"`` only the status of each block (its decomposition stays on its owner).
+        """
+        comm = self._comm
+        codes = {"ok": 1.0, "kept": 2.0, "failed": 3.0}
+        status = torch.zeros(len(keys), dtype=torch.float64, device=comm.device)
+        buffers: List[Tensor] = [status]
+        layout = []
+        for i, key in enumerate(keys):
+            mine = key in results
+            if mine:
+                status[i] = codes[results[key][0]]
+            if self.precondition == "owner":
+                continue
+            A, G = next(iter(self.factors_[key].values()))
+            shapes = [A.shape[:-1], A.shape, G.shape[:-1], G.shape]
+            ok = mine and results[key][0] == "ok"
+            parts = []
+            for j, shape in enumerate(shapes):
+                t = results[key][1][1 + j].to(A.dtype) if ok else A.new_zeros(shape)
+                parts.append(t.to(comm.device).contiguous())
+            buffers += parts
+            layout.append((key, parts, A.device))
+        comm.all_reduce(buffers, "decompositions")
+        shared: Dict[Key, Any] = {}
+        parts_of = {key: (parts, dev) for key, parts, dev in layout}
+        for i, key in enumerate(keys):
+            code = int(status[i])
+            owner = self._owner.get(key, 0)
+            if code == 1:
+                if key in parts_of:
+                    parts, dev = parts_of[key]
+                    kind = "one" if len(self.factors_[key]) == 1 else "two"
+                    eig = (kind, *(p.to(dev) for p in parts))
+                    if kind == "two":
+                        eig = (*eig, self._block_damping(key))
+                    shared[key] = ("ok", eig)
                 else:
-                    self._eig[key] = self._decompose_two(key, terms)
-            except RuntimeError as err:
-                if key in self._eig:
-                    warnings.warn(
-                        f"{type(self).__name__}: decomposition of '{name}' failed ({err}); "
-                        "keeping the previous one. Consider a larger damping.",
-                        stacklevel=3,
-                    )
-                    continue
-                raise RuntimeError(
-                    f"{type(self).__name__}: decomposition of layer '{name}' failed "
-                    f"repeatedly; increase damping (now {self._block_damping(key)}). "
-                    f"Cause: {err}"
-                ) from err
+                    shared[key] = results.get(key, ("ok", None))
+            elif key in results:
+                shared[key] = results[key]
+            else:
+                kind = "kept" if code == 2 else "failed"
+                shared[key] = (kind, f"the decomposition failed on rank {owner}, its owner")
+        return shared
+
+    def _install(self, key: Key, status: str, payload: Any) -> None:
+        name = _block_name(key) or "<model>"
+        if status == "kept":
+            warnings.warn(
+                f"{type(self).__name__}: decomposition of '{name}' failed ({payload}); "
+                "keeping the previous one. Consider a larger damping.",
+                stacklevel=4,
+            )
+            return
+        if status == "failed":
+            raise RuntimeError(
+                f"{type(self).__name__}: decomposition of layer '{name}' failed "
+                f"repeatedly; increase damping (now {self._block_damping(key)}). "
+                f"Cause: {payload}"
+            )
+        self._decomposed.add(key)
+        if payload is None:  # owned by another rank (precondition="owner")
+            return
+        previous = self._eig.get(key)
+        self._eig[key] = payload
+        if payload[0] != "one":
             self._lambda.pop(key, None)  # two-term blocks use no eigenvalue correction
+        elif self._ekfac and key in self._lambda and previous and previous[0] == "one":
+            # diag of the previous EKFAC matrix in the new basis
+            _, _, QA, _, QG = payload
+            RA = (QA.mT @ previous[2]).pow(2)
+            RG = (QG.mT @ previous[4]).pow(2)
+            self._lambda[key] = RG @ self._lambda[key] @ RA.mT
 
     def _decompose_two(self, key: Key, terms) -> tuple:
         """``(A1 + pi sqrt(l) I) x (G1 + sqrt(l)/pi I) + A2 x G2`` simultaneously diagonalized."""
@@ -340,7 +483,7 @@ class KFAC(CurvatureOptimizer):
     def _precondition(self, grads: Tensor) -> Tensor:
         groups = self._group_of()
         out = grads.clone()
-        missing = [k for k in self._index if k not in self._eig]
+        missing = [k for k in self._index if k not in self._eig and self._uses(k)]
         if missing and self.steps > 0 and not getattr(self, "_warned_missing", False):
             self._warned_missing = True
             warnings.warn(
@@ -350,7 +493,7 @@ class KFAC(CurvatureOptimizer):
                 stacklevel=3,
             )
         for key, index in self._index.items():
-            if key not in self._eig:
+            if key not in self._eig or not self._uses(key):
                 continue
             ix = index.to(grads.device)
             M = grads[ix]
@@ -379,7 +522,29 @@ class KFAC(CurvatureOptimizer):
             ix = self._diag_index(key).to(grads.device)
             group = groups.get(self._layer_param(key[0]), self.param_groups[0])
             out[ix] = grads[ix] / (d.to(grads.dtype) + group["damping"])
+        if self.precondition == "owner" and self._comm is not None:
+            out = out * self._owned_mask(out)
+            self._comm.all_reduce([out], "directions")
         return out
+
+    def _owned_mask(self, like: Tensor) -> Tensor:
+        """1 at the positions this rank preconditions with ``precondition='owner'``.
+
+        Every block belongs to its owner; positions outside the Kronecker blocks
+        (diagonal blocks, plain gradients) to rank 0, so that the sum over ranks has
+        each position exactly once.
+        """
+        if self._mask is None or self._mask.device != like.device:
+            mask = torch.zeros(self._num_flat, dtype=torch.bool)
+            blocks = torch.zeros(self._num_flat, dtype=torch.bool)
+            for key, index in self._index.items():
+                blocks[index.reshape(-1)] = True
+                if self._mine(key):
+                    mask[index.reshape(-1)] = True
+            if self._comm.rank == 0:
+                mask |= ~blocks
+            self._mask = mask.to(like.device)
+        return self._mask.to(like.dtype)
 
     def _pi_inverses(self, key: Key, lam: float) -> Tuple[Tensor, Tensor]:
         """Damped inverses ``(A + pi sqrt(lam) I)^{-1}``, ``(G + sqrt(lam)/pi I)^{-1}`` (cached)."""
@@ -450,6 +615,11 @@ class KFAC(CurvatureOptimizer):
         self._eig = {tuple(k): tuple(_clone(t) for t in v) for k, v in state["eig"].items()}
         self._lambda = {tuple(k): v.clone() for k, v in state["lambda"].items()}
         self._diag = {k: v.clone() for k, v in state["diag"].items()}
+        if self.precondition == "owner" and self._comm is not None:
+            # the saving rank held only its own blocks' decompositions: every rank
+            # decomposes again at the next step (the same step everywhere)
+            self._eig, self._inv = {}, {}
+        self._decomposed = set(self._eig)
 
 
 class EKFAC(KFAC):

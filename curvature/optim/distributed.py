@@ -1,0 +1,295 @@
+"""Communication of the curvature optimizers over ``torch.distributed`` (the only module that does).
+
+Data-parallel training runs one process per device, each with its own batch. The
+optimizers keep the curvature identical on every rank by reducing, once per step:
+
+- the **statistics** as ``(sum, count)`` pairs: sums of ``a a^T`` with their row counts,
+  sums of ``g g^T`` (and of EKFAC's projected squares and of Fisher diagonals) with the
+  number of samples, so that ranks with different batch sizes give exactly the mean
+  over the union of their batches. Symmetric factors travel as upper triangles; all
+  tensors of one dtype are packed into buckets of at most ``bucket_mb`` megabytes, one
+  ``all_reduce`` per bucket, all launched before the first is awaited;
+- the **gradients**, averaged like DDP does, when the model is not DDP-wrapped;
+- the **decompositions** of the blocks a rank owns (``decompose="split"``): each rank
+  writes its blocks into a zero buffer and one ``all_reduce`` (a sum in which every
+  entry has exactly one non-zero term, hence exact) hands every rank every result;
+- with ``precondition="owner"`` the preconditioned gradient of each block instead of
+  its decomposition.
+
+Ownership follows a cost model: blocks are sorted by the cost of their decompositions
+(``groups * (D_A^3 + D_G^3)``) and each goes to the rank with the least work so far
+(longest processing time first).
+
+Every collective waits at most ``timeout`` seconds; a rank that raised, stopped, or
+called ``step()`` a different number of times turns into a ``RuntimeError`` on the
+others that says so, instead of a silent hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+try:  # pragma: no cover - torch builds without distributed support
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover
+    dist = None  # type: ignore[assignment]
+
+#: Symmetric ``[..., D, D]`` statistics with at least this ``D`` travel as upper triangles.
+TRIU_MIN_SIZE = 16
+
+
+def is_ddp(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``DistributedDataParallel`` wrapper."""
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+def check_not_sharded(model: nn.Module, name: str) -> None:
+    """Refuse FSDP-wrapped models (sharded parameters) with a clear error."""
+    sharded = type(model).__name__ == "FullyShardedDataParallel" or any(
+        type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
+        for p in model.parameters()
+    )
+    if sharded:
+        raise NotImplementedError(
+            f"{name}: the model's parameters are sharded (FSDP / fully_shard); curvature "
+            "optimizers support replicated data parallelism (DDP, or plain models under "
+            "torch.distributed) for now. See docs/distributed.md for the FSDP2 plan."
+        )
+
+
+class Communicator:
+    """The process group of a curvature optimizer and every collective it runs.
+
+    Args:
+        group: The process group (``None``: the default group).
+        timeout: Seconds a collective may wait before it raises.
+        bucket_mb: Largest bucket of one ``all_reduce``.
+        name: The optimizer's name, for error messages.
+
+    Attributes:
+        rank: This process's rank in ``group``.
+        world: The number of ranks.
+        bytes: Bytes this rank sent into collectives, by purpose (``"statistics"``,
+            ``"gradients"``, ``"decompositions"``, ``"directions"``, ``"control"``);
+            the payload of each ``all_reduce`` (a ring all-reduce moves about twice that
+            over the wire per rank).
+
+    """
+
+    def __init__(
+        self, group: Any = None, timeout: float = 300.0, bucket_mb: float = 25.0, name: str = ""
+    ):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.name = name
+        self.step = 0
+        self.bytes: Dict[str, int] = {}
+        self._layout: Optional[Tuple[int, List[Any]]] = None
+
+    @classmethod
+    def create(
+        cls,
+        enabled: Optional[bool],
+        group: Any,
+        timeout: float,
+        bucket_mb: float,
+        name: str,
+    ) -> Optional[Communicator]:
+        """A communicator, or ``None`` for single-process training.
+
+        ``enabled=None`` (auto): on when ``torch.distributed`` is initialized with more
+        than one rank in ``group``.
+        """
+        available = dist is not None and dist.is_available() and dist.is_initialized()
+        if enabled is None:
+            enabled = available and dist.get_world_size(group) > 1
+        if not enabled:
+            return None
+        if not available:
+            raise ValueError(
+                f"{name}(distributed=True): torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group first (e.g. under torchrun)."
+            )
+        return cls(group, timeout, bucket_mb, name)
+
+    # -- collectives --------------------------------------------------------------------
+    def _wait(self, works: Sequence[Any], what: str) -> None:
+        for work in works:
+            try:
+                ok = work.wait(self.timeout)
+            except Exception as err:  # noqa: BLE001 - every backend error means the same
+                raise self._error(what, err) from err
+            if ok is False:  # pragma: no cover - backends that report instead of raising
+                raise self._error(what, "timed out")
+
+    def _error(self, what: str, cause: Any) -> RuntimeError:
+        return RuntimeError(
+            f"{self.name}: the {what} collective of step {self.step} failed on rank "
+            f"{self.rank} of {self.world} ({cause}). Another rank probably raised, stopped "
+            f"or skipped optimizer.step(); every rank must call step() (and state-changing "
+            f"methods) the same number of times. Timeout: {self.timeout.total_seconds():g} s."
+        )
+
+    def all_reduce(self, tensors: Sequence[Tensor], what: str, op: Any = None) -> None:
+        """In-place sum (or ``op``) of ``tensors`` over the ranks, bucketed by dtype."""
+        self.finish(self.start(tensors, what, op))
+
+    def start(self, tensors: Sequence[Tensor], what: str, op: Any = None) -> List[Any]:
+        """Launch the bucketed all-reduce of ``tensors``; :meth:`finish` completes it."""
+        op = dist.ReduceOp.SUM if op is None else op
+        by_dtype: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        pending = []
+        for items in by_dtype.values():
+            bucket: List[Tensor] = []
+            size = 0
+            for t in items + [None]:  # type: ignore[list-item]
+                if t is not None and (not bucket or size + t.nbytes <= self.bucket_bytes):
+                    bucket.append(t)
+                    size += t.nbytes
+                    continue
+                if bucket:
+                    flat = torch.cat([b.reshape(-1) for b in bucket])
+                    self.bytes[what] = self.bytes.get(what, 0) + flat.nbytes
+                    work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)
+                    pending.append((work, flat, bucket, what))
+                bucket, size = ([t], t.nbytes) if t is not None else ([], 0)
+        return pending
+
+    def finish(self, pending: List[Any]) -> None:
+        """Wait for :meth:`start`'s all-reduces and copy the results into the tensors."""
+        for work, _, _, what in pending:
+            self._wait([work], what)
+        for _, flat, bucket, _ in pending:
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    def mean(self, value: float, what: str = "loss") -> float:
+        """The mean of a scalar over the ranks (float64)."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self.all_reduce([t], what)
+        return float(t) / self.world
+
+    @property
+    def device(self) -> torch.device:
+        """The device collectives of this group run on (NCCL: the current CUDA device)."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def agree(self, signature: List[Tuple[Hashable, Any]]) -> List[Tuple[Hashable, Any]]:
+        """The union over ranks of ``(key, spec)`` pairs, sorted by key, same on every rank.
+
+        One small all-reduce checks that every rank has the layout it had last time
+        (the common case); otherwise the ranks exchange their keys (``all_gather_object``)
+        and merge them: a key that only some ranks have (a skipped non-finite batch, a
+        branch not taken) is reduced with zeros from the others. For a key present on
+        several ranks the first non-``None`` spec wins; specs must agree otherwise.
+        """
+        signature = sorted(signature, key=lambda kv: repr(kv[0]))
+        digest = hashlib.sha1(repr(signature).encode()).digest()[:7]
+        h = int.from_bytes(digest, "little")
+        check = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
+        self.all_reduce([check], "control", op=dist.ReduceOp.MAX)
+        same = int(check[0]) == h and int(check[1]) == -h
+        if same and self._layout is not None and self._layout[0] == h:
+            return self._layout[1]
+        if same:
+            layout = signature
+        else:
+            gathered: List[Any] = [None] * self.world
+            try:
+                dist.all_gather_object(gathered, signature, group=self.group)
+            except Exception as err:  # noqa: BLE001
+                raise self._error("layout exchange", err) from err
+            merged: Dict[Hashable, Any] = {}
+            for part in gathered:
+                for key, spec in part:
+                    merged[key] = _merge_spec(merged.get(key), spec, key, self.name)
+            layout = sorted(merged.items(), key=lambda kv: repr(kv[0]))
+        self._layout = (h, layout) if same else None
+        return layout
+
+    def owners(self, costs: Dict[Hashable, float]) -> Dict[Hashable, int]:
+        """Assign each key to a rank: longest processing time first, least-loaded rank."""
+        load = [0.0] * self.world
+        owner: Dict[Hashable, int] = {}
+        for key, cost in sorted(costs.items(), key=lambda kv: (-kv[1], repr(kv[0]))):
+            r = min(range(self.world), key=lambda i: (load[i], i))
+            owner[key] = r
+            load[r] += cost
+        return owner
+
+
+def _merge_spec(a: Any, b: Any, key: Hashable, name: str) -> Any:
+    if a is None:
+        return b
+    merged = []
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            merged.append(x if y is None else y)
+        elif x != y:
+            raise RuntimeError(
+                f"{name}: ranks disagree on the statistics of {key!r} ({x} vs {y}); do all "
+                "ranks run the same model?"
+            )
+        else:
+            merged.append(x)
+    return tuple(merged)
+
+
+# -- symmetric packing ---------------------------------------------------------------------
+_TRIU: Dict[Tuple[int, torch.device], Tuple[Tensor, Tensor]] = {}
+
+
+def _triu(D: int, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """Linear positions of the upper triangle of a ``D x D`` matrix, and of its mirror."""
+    key = (D, device)
+    if key not in _TRIU:
+        i, j = torch.triu_indices(D, D, device=device)
+        _TRIU[key] = (i * D + j, j * D + i)
+    return _TRIU[key]
+
+
+def pack(t: Tensor, symmetric: bool) -> Tensor:
+    """``t`` flattened; the upper triangle only for symmetric ``[..., D, D]`` with large D."""
+    if symmetric and t.shape[-1] >= TRIU_MIN_SIZE:
+        D = t.shape[-1]
+        upper, _ = _triu(D, t.device)
+        return t.reshape(-1, D * D).index_select(1, upper).reshape(-1)
+    return t.reshape(-1)
+
+
+def packed_numel(shape: Sequence[int], symmetric: bool) -> int:
+    """The length of :func:`pack`'s result for a tensor of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= s
+    if symmetric and shape[-1] >= TRIU_MIN_SIZE:
+        D = shape[-1]
+        return n // (D * D) * (D * (D + 1) // 2)
+    return n
+
+
+def unpack(flat: Tensor, shape: Sequence[int], symmetric: bool) -> Tensor:
+    """The inverse of :func:`pack` (the lower triangle mirrored from the upper)."""
+    if symmetric and shape[-1] >= TRIU_MIN_SIZE:
+        D = shape[-1]
+        upper, mirror = _triu(D, flat.device)
+        rows = flat.view(-1, upper.numel())
+        out = flat.new_empty(rows.shape[0], D * D)
+        out.index_copy_(1, upper, rows)
+        out.index_copy_(1, mirror, rows)
+        return out.view(*shape)
+    return flat.view(*shape).clone()

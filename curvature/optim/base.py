@@ -465,7 +465,7 @@ class CurvatureOptimizer(Optimizer):
         ``keep_calls``: registered outputs may share layer calls (two heads of one
         forward), so calls stay until ``step()``; the automatic output owns its forward.
         """
-        if not torch.isfinite(output.detach()).all():
+        if not torch.isfinite(output.detach().sum()):
             self.skipped_statistics += 1
             return
         V = backprop_sources(
@@ -858,13 +858,14 @@ class CurvatureOptimizer(Optimizer):
                     )
             nu = min(1.0, math.sqrt(self.kl_clip / vg)) if vg > 0 else 1.0
         self.last_kl_scale = nu
+        all_finite = bool(torch.isfinite(directions.sum()))  # one reduction when all is well
         for n, p in self.model.named_parameters():
             if p not in groups or n not in self._offsets or p.grad is None:
                 continue
             g = groups[p]
             o = self._offsets[n]
             d = (nu * directions[o : o + p.numel()]).view_as(p).to(p.dtype)
-            if not torch.isfinite(d).all():
+            if not all_finite and not torch.isfinite(d).all():
                 warnings.warn(
                     f"{type(self).__name__}: non-finite update for '{n}' skipped "
                     "(NaN/inf gradients?).",

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..kfac import _exact_index, _expanded_diag, _local_offsets, _per_vector_grads
 from .base import CurvatureOptimizer
+from .kfac import _put, _take
 
 
 class DiagonalNaturalGradient(CurvatureOptimizer):
@@ -80,14 +81,14 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
                 damping[o : o + p.numel()] = groups[p]["damping"]
         for name, d in self.diagonal_.items():
             ix = self._ix[name].to(grads.device)
-            out[ix] = grads[ix] / (d.to(grads.dtype) + damping[ix])
+            _put(out, ix, _take(grads, ix) / (d.to(grads.dtype) + _take(damping, ix)))
         return out
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
         out = torch.zeros_like(v)
         for name, d in self.diagonal_.items():
             ix = self._ix[name].to(v.device)
-            out[ix] = d.to(v.dtype) * v[ix]
+            _put(out, ix, d.to(v.dtype) * _take(v, ix))
         return out
 
     def _curvature_state(self) -> Dict[str, Any]:

@@ -47,6 +47,16 @@ def _clone(x):
     return x.clone() if isinstance(x, Tensor) else x
 
 
+def _take(flat: Tensor, index: Tensor) -> Tensor:
+    """``flat[index]`` (shaped like ``index``); ``index_select`` is several times faster."""
+    return flat.index_select(0, index.reshape(-1)).view(index.shape)
+
+
+def _put(flat: Tensor, index: Tensor, values: Tensor) -> None:
+    """``flat[index] = values`` in place, through ``index_copy_``."""
+    flat.index_copy_(0, index.reshape(-1), values.reshape(-1).to(flat.dtype))
+
+
 def _block_name(key: Key) -> str:
     return ".".join(x for x in key if x)
 
@@ -496,7 +506,7 @@ class KFAC(CurvatureOptimizer):
             if key not in self._eig or not self._uses(key):
                 continue
             ix = index.to(grads.device)
-            M = grads[ix]
+            M = _take(grads, ix)
             lam = self._block_damping(key)
             kind, *parts = self._eig[key]
             if kind == "two":
@@ -505,11 +515,11 @@ class KFAC(CurvatureOptimizer):
                     kind, *parts = self._eig[key]
                 muA, PA, muG, PG = (t.to(grads.dtype) for t in parts[:4])
                 rot = (PG.mT @ M @ PA) / (1 + muG[..., :, None] * muA[..., None, :])
-                out[ix] = PG @ rot @ PA.mT
+                _put(out, ix, PG @ rot @ PA.mT)
                 continue
             if not self._ekfac and self.damping_mode == "pi":
                 Ainv, Ginv = self._pi_inverses(key, lam)
-                out[ix] = Ginv.to(grads.dtype) @ M @ Ainv.to(grads.dtype)  # two GEMMs
+                _put(out, ix, Ginv.to(grads.dtype) @ M @ Ainv.to(grads.dtype))  # two GEMMs
                 continue
             lA, QA, lG, QG = (t.to(grads.dtype) for t in parts)
             rot = QG.mT @ M @ QA
@@ -517,11 +527,11 @@ class KFAC(CurvatureOptimizer):
                 rot = rot / (self._lambda[key].to(grads.dtype) + lam)
             else:  # exact damping in the eigenbasis (KFAC "exact", EKFAC before Lambda)
                 rot = rot / (lG[..., :, None] * lA[..., None, :] + lam)
-            out[ix] = QG @ rot @ QA.mT
+            _put(out, ix, QG @ rot @ QA.mT)
         for key, d in self._diag.items():  # blocks on the diagonal fallback
             ix = self._diag_index(key).to(grads.device)
             group = groups.get(self._layer_param(key[0]), self.param_groups[0])
-            out[ix] = grads[ix] / (d.to(grads.dtype) + group["damping"])
+            _put(out, ix, _take(grads, ix) / (d.to(grads.dtype) + group["damping"]))
         if self.precondition == "owner" and self._comm is not None:
             out = out * self._owned_mask(out)
             self._comm.all_reduce([out], "directions")
@@ -576,19 +586,21 @@ class KFAC(CurvatureOptimizer):
             if key not in self.factors_:
                 continue
             ix = index.to(v.device)
-            M = v[ix]
+            M = _take(v, ix)
             if self._ekfac and key in self._lambda and self._eig.get(key, ("",))[0] == "one":
                 _, _, QA, _, QG = (
                     t if isinstance(t, str) else t.to(v.dtype) for t in self._eig[key]
                 )
-                out[ix] = QG @ ((QG.mT @ M @ QA) * self._lambda[key].to(v.dtype)) @ QA.mT
+                _put(out, ix, QG @ ((QG.mT @ M @ QA) * self._lambda[key].to(v.dtype)) @ QA.mT)
             else:
-                out[ix] = sum(
-                    G.to(v.dtype) @ M @ A.to(v.dtype) for A, G in self.factors_[key].values()
+                _put(
+                    out,
+                    ix,
+                    sum(G.to(v.dtype) @ M @ A.to(v.dtype) for A, G in self.factors_[key].values()),
                 )
         for key, d in self._diag.items():
             ix = self._diag_index(key).to(v.device)
-            out[ix] = d.to(v.dtype) * v[ix]
+            _put(out, ix, d.to(v.dtype) * _take(v, ix))
         return out
 
     def _layer_param(self, name: str):

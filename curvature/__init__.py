@@ -19,7 +19,7 @@ from .optim import EKFAC, KFAC, DiagonalNaturalGradient
 from .per_sample import jacobian, per_sample_grads
 from .traces import hessian_trace, hutchinson_trace, hutchinson_trace_blocks
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # semantic versioning; the single source (pyproject.toml reads it)
 
 __all__ = [
     "Capture",

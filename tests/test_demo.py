@@ -1,12 +1,143 @@
-"""The README's demo runs (one epoch) and prints its table."""
+"""The README's demo (`python -m curvature.demo`): small, fast runs of its pieces."""
 
+import gzip
+import json
+import struct
+import sys
+
+import numpy as np
 import pytest
+import torch
+
+from curvature import demo
 
 
-def test_demo_runs(capsys):
+def write_idx(path, array: np.ndarray) -> None:
+    codes = {np.dtype(np.uint8): 0x08, np.dtype(">f4"): 0x0D}
+    header = bytes([0, 0, codes[array.dtype], array.ndim])
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    raw = header + array.tobytes()
+    if str(path).endswith(".gz"):
+        with gzip.open(path, "wb") as f:
+            f.write(raw)
+    else:
+        path.write_bytes(raw)
+
+
+def tiny_fashion(folder, n_train=96, n_test=40, gz=True):
+    rng = np.random.default_rng(0)
+    ext = ".gz" if gz else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = (np.arange(n) % 10).astype(np.uint8)
+        images = rng.integers(0, 40, size=(n, 28, 28)).astype(np.uint8)
+        images[np.arange(n), labels, :] = 255  # learnable: the label's row is bright
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{ext}", images)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{ext}", labels)
+    return folder
+
+
+def test_demo_runs_on_digits(tmp_path, capsys):
     pytest.importorskip("sklearn")
-    from curvature import demo
-
-    demo.main(["--epochs", "1"])
+    fig, js = tmp_path / "curves.png", tmp_path / "demo.json"
+    args = ["--epochs", "1", "--subsample", "300", "--no-progress", "--device", "cpu"]
+    results = demo.main(args + ["--figure", str(fig), "--json", str(js)])
     out = capsys.readouterr().out
-    assert "| KFAC (MC Fisher, lr 1e-2) |" in out and "equals x: True" in out
+    assert set(results) == {"sgd", "clip", "adam", "kfac", "ekfac"}
+    for label in ("SGD", "SGD + per-sample clip", "Adam", "KFAC", "EKFAC"):
+        assert f"| {label} |" in out
+    assert "time to loss 0.1 (s)" in out and "equals x: True" in out
+    for r in results.values():
+        h = r["history"]
+        assert h["epoch"][0] == 0 and h["epoch"][-1] == pytest.approx(1.0)
+        assert len(h["time"]) == len(h["loss"]) >= 3 and h["time"] == sorted(h["time"])
+        assert 0 <= r["test_acc"] <= 1 and np.isfinite(r["train_loss"])
+        if r["time_to_target"] is not None:
+            assert r["time_to_target"] <= r["seconds"]
+    assert 0 <= results["clip"]["clipped"] <= 1 and results["sgd"]["clipped"] is None
+    assert json.loads(js.read_text())["results"]["kfac"]["optimizer"] == "KFAC"
+    if _has("matplotlib"):
+        assert fig.exists() and fig.stat().st_size > 1000
+        assert str(fig) in out
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_target_and_figure_options(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    results = demo.main(
+        ["--epochs", "1", "--subsample", "200", "--optimizers", "adam", "kfac"]
+        + ["--target-loss", "100", "--figure", "", "--no-progress"]
+    )
+    out = capsys.readouterr().out
+    assert set(results) == {"adam", "kfac"}
+    assert "time to loss 100 (s)" in out and "figure" not in out
+    for r in results.values():  # the initial loss (~2.3) is below 100: reached at once
+        assert r["time_to_target"] == 0.0 and r["epochs_to_target"] == 0.0
+
+
+def test_read_idx(tmp_path):
+    a = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    write_idx(tmp_path / "a-idx3-ubyte", a)
+    write_idx(tmp_path / "a-idx3-ubyte.gz", a)
+    f = np.arange(6, dtype=">f4").reshape(6)
+    write_idx(tmp_path / "f-idx1", f)
+    np.testing.assert_array_equal(demo.read_idx(str(tmp_path / "a-idx3-ubyte")), a)
+    np.testing.assert_array_equal(demo.read_idx(str(tmp_path / "a-idx3-ubyte.gz")), a)
+    np.testing.assert_array_equal(demo.read_idx(str(tmp_path / "f-idx1")), f)
+    (tmp_path / "bad").write_bytes(b"\x01\x02\x08\x01\x00\x00\x00\x01\x00")
+    with pytest.raises(ValueError, match="magic"):
+        demo.read_idx(str(tmp_path / "bad"))
+    (tmp_path / "short").write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", 5) + b"\x00")
+    with pytest.raises(ValueError, match="shape"):
+        demo.read_idx(str(tmp_path / "short"))
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fashion_mnist_from_data_dir(tmp_path, gz):
+    tiny_fashion(tmp_path, gz=gz)
+    data = demo.load_data("fashion-mnist", str(tmp_path), subsample=64)
+    assert data.Xtr.shape == (64, 784) and data.Xte.shape == (40, 784)
+    assert data.Xtr.dtype == torch.float32 and 0 <= data.Xtr.min() and data.Xtr.max() <= 1
+    assert data.ytr.dtype == torch.long and set(data.yte.tolist()) == set(range(10))
+    assert "Fashion-MNIST" in data.description
+
+
+def test_fashion_mnist_demo(tmp_path, capsys):
+    tiny_fashion(tmp_path)
+    results = demo.main(
+        ["--dataset", "fashion-mnist", "--data-dir", str(tmp_path), "--epochs", "1"]
+        + ["--optimizers", "adam", "kfac", "--figure", "", "--no-progress", "--hidden", "16"]
+    )
+    out = capsys.readouterr().out
+    assert "Fashion-MNIST 28x28" in out and "MLP 784-16-10" in out
+    assert "time to loss 0.4 (s)" in out and set(results) == {"adam", "kfac"}
+
+
+def test_fashion_mnist_missing(tmp_path):
+    with pytest.raises(SystemExit, match="--data-dir"):
+        demo.load_data("fashion-mnist", str(tmp_path))
+
+
+def test_device_choice():
+    assert demo.pick_device("cpu") == torch.device("cpu")
+    assert demo.pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA is not available"):
+            demo.pick_device("cuda")
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    bar = demo.progress_bar(6, "KFAC", steps_per_epoch=3)
+    assert isinstance(bar, demo._PlainBar)
+    bar.set_postfix_str("loss 0.5")
+    for _ in range(6):
+        bar.update(1)
+    bar.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["KFAC: epoch 1, step 3/6 loss 0.5", "KFAC: epoch 2, step 6/6 loss 0.5"]

@@ -45,19 +45,14 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
+from curvature.info import OPTIONAL  # noqa: E402
+
 BENCHMARKS = ("per_sample", "optim_step", "pinn", "laplacian", "distributed")
 DOC_PATH = os.path.join(ROOT, "docs", "benchmarks.md")
 DOC_TITLE = "Summary"
 RESULTS = os.path.join(HERE, "results")
 
-PEER_DISTS = (
-    "backpack-for-pytorch",
-    "curvlinops-for-pytorch",
-    "opacus",
-    "asdfghjkl",
-    "nngeometry",
-    "torchjd",
-)
+PEER_DISTS = tuple(d for d, what in OPTIONAL.items() if what.startswith("peer"))
 
 # Reference figures of the peers from shared/PERFORMANCE.md (not re-measured here)
 ASDL_KFAC_STEP = {"mlp": 6.9, "cnn": 41.0, "tokens": 3.1}

@@ -134,24 +134,18 @@ def test_ddp_example_runs_under_torchrun_and_resumes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ck = str(tmp_path / "ck.pt")
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script]
-    first = subprocess.run(
-        [*run, "--epochs", "1", "--checkpoint", ck],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert first.returncode == 0, first.stdout + first.stderr
+
+    def launch(*args):
+        done = subprocess.run(
+            [*run, "--epochs", "1", *args], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    first = launch("--checkpoint", ck)
     assert "epoch 1: train loss" in first.stdout and "2 rank(s)" in first.stdout
     assert "statistics" in first.stdout  # bytes communicated per step are reported
-    second = subprocess.run(
-        [*run, "--epochs", "1", "--resume", ck],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert second.returncode == 0, second.stdout + second.stderr
+    second = launch("--resume", ck)
     loss = lambda out: float(out.split("train loss ")[1].split()[0])  # noqa: E731
     assert loss(second.stdout) < loss(first.stdout)  # resumed, not restarted
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
+from . import _memory
 from .laplacian import current_slots
 from .layers import Call, FunctionalRule, LayerRule, registered_rule
 from .layers.norm import batchnorm_train_error
@@ -143,7 +144,7 @@ class Capture:
             self._record(name, module, args, kwargs, output)
 
     def _record(self, name: str, module: nn.Module, args, kwargs, output) -> None:
-        leaves, _ = tree_flatten(output)
+        leaves = _leaves(output)
         edges, meta, index, views = [], [], [], []
         base_ok = self._rules[name].base_edge_outputs
         for i, t in enumerate(leaves):
@@ -155,7 +156,7 @@ class Capture:
                 index.append(i)
         if not edges:  # e.g. a forward under no_grad: nothing to differentiate
             return
-        inputs, _ = tree_flatten((args, kwargs))
+        inputs = _leaves(args) + _leaves(list(kwargs.values())) if kwargs else _leaves(args)
         versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
         extra = self._rules[name].extra_edges(module, args, kwargs, leaves, index)
         for edge, t_meta in extra[0] if extra else ():
@@ -364,10 +365,15 @@ class Capture:
 
         Returns:
             Parameter name (as in ``model.named_parameters()``) to ``[N, *p.shape]``.
+            Without ``out``, large CPU results reuse the memory of earlier results that
+            are no longer referenced anywhere (not even through a view); a result you
+            keep is never overwritten. See
+            :func:`curvature.per_sample.release_result_cache`.
 
         """
         self._pull_losses(losses, retain_graph)
         N = self.batch_size
+        _memory.POOL.new_call()
         res: Dict[str, Tensor] = {}
         with self._computing():
             for name, module, rule, calls in self._active():
@@ -406,6 +412,18 @@ class Capture:
         self._pull_losses(losses, retain_graph)
         with self._computing():
             return sum(rule.gram(module, calls) for _, module, rule, calls in self._active())
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _leaves(obj: Any) -> List[Any]:
+    """``tree_flatten(obj)[0]``, without its cost for a tensor or a flat tuple / list."""
+    if type(obj) is Tensor:
+        return [obj]
+    if type(obj) in (tuple, list) and all(type(x) is Tensor or type(x) in _SCALARS for x in obj):
+        return list(obj)
+    return tree_flatten(obj)[0]
 
 
 def _assign_grads(c: Call, grads: Sequence[Optional[Tensor]], lead: Tuple[int, ...]) -> None:

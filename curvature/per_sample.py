@@ -98,3 +98,20 @@ def jacobian(
             )
     result = [torch.cat(p).view(*outputs.shape, *t.shape) for p, t in zip(parts, ins)]
     return result[0] if single else result
+
+
+def release_result_cache() -> None:
+    """Free the memory that :meth:`curvature.Capture.per_sample_grads` keeps for reuse.
+
+    Results of at least 1 MiB on CPU are allocated from a cache: once every tensor using
+    a result's memory has been dropped, the memory is handed out again for the results of
+    the next call instead of being returned to the operating system (fresh memory costs a
+    page fault per 4 KiB on first write, often more than computing the result). A result
+    that is still referenced, even through a view, is never reused. Memory that one call
+    did not reuse is released by the next call, so the cache holds at most one call's
+    results (and at most 1 GiB); this function releases it at once. Set
+    ``curvature._memory.POOL.enabled = False`` to allocate every result afresh.
+    """
+    from . import _memory
+
+    _memory.POOL.release()

@@ -23,13 +23,14 @@ gradients ``g`` come from, in order of preference:
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
+from .._memory import result_empty
 from .base import expanded_gram, expanded_sq_norms
 from .functional import FunctionalRule
 from .registry import register
@@ -45,6 +46,15 @@ _ARG_NAMES = (
     "is_causal",
 )
 _SUB = ("q_proj", "k_proj", "v_proj", "out_proj")
+_GRAPH_KEYS = (  # the parameters the recorded projection matmuls give gradients of
+    "in_proj_weight",
+    "in_proj_bias",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "out_proj.weight",
+    "out_proj.bias",
+)
 
 
 def _projection_params(module: nn.MultiheadAttention) -> Dict[str, Tuple[Tensor, Optional[Tensor]]]:
@@ -68,8 +78,14 @@ _PASS_THROUGH = ("TBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeA
 _SPLITS = ("SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0")
 
 
-def _find_projections(module: nn.MultiheadAttention, out: Tensor) -> Optional[dict]:
+def _find_projections(
+    module: nn.MultiheadAttention, out: Tensor, inputs: Sequence[Tensor] = ()
+) -> Optional[dict]:
     """Internal matmul nodes of the projections, found by walking the autograd graph.
+
+    The walk starts at the output and stops at the nodes that produced ``inputs`` (the
+    call's query, key and value), so it covers this call's graph only: neither the rest
+    of the model below the layer nor an earlier call of the same module.
 
     Returns ``{"in": [(node, weight name, split index)], "out": node}`` or ``None`` when
     the graph does not have the expected structure (the rule then replays the module).
@@ -77,7 +93,8 @@ def _find_projections(module: nn.MultiheadAttention, out: Tensor) -> Optional[di
     params = {id(p): n for n, p in module.named_parameters()}
     weights = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"}
     found_in, found_out = [], None
-    seen, stack = set(), [out.grad_fn]
+    seen = {t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
+    stack = [out.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -194,7 +211,10 @@ class MultiheadAttentionRule(FunctionalRule):
         """
         if module.bias_k is not None or 0 not in index or not isinstance(leaves[0], Tensor):
             return None
-        found = _find_projections(module, leaves[0])
+        named = dict(zip(_ARG_NAMES, args))
+        named.update(kwargs)
+        qkv = [named.get(k) for k in ("query", "key", "value")]
+        found = _find_projections(module, leaves[0], [t for t in qkv if isinstance(t, Tensor)])
         if found is None:
             return None
         E = module.embed_dim
@@ -398,7 +418,117 @@ class MultiheadAttentionRule(FunctionalRule):
         return out
 
     # -- per-sample quantities --------------------------------------------------------------
+    def _targets(self, module) -> Dict[str, Tuple[Optional[str], Optional[str], int, int]]:
+        """Per sub-layer: ``(weight key, bias key, first weight row, first bias row)``.
+
+        Keys name entries of the result dictionary, ``None`` when that parameter is not
+        trainable; the rows of the packed ``in_proj_weight`` / ``in_proj_bias`` are
+        ``[q; k; v]``.
+        """
+        E = module.embed_dim
+        params = _projection_params(module)
+        res = {}
+        for i, s in enumerate(_SUB):
+            W, b = params[s]
+            if s == "out_proj":
+                wk, bk, row = "out_proj.weight", "out_proj.bias", 0
+            elif module._qkv_same_embed_dim:
+                wk, bk, row = "in_proj_weight", "in_proj_bias", i * E
+            else:
+                wk, bk, row = f"{s}_weight", "in_proj_bias", 0
+            bias_row = 0 if s == "out_proj" else i * E
+            res[s] = (
+                wk if W.requires_grad else None,
+                bk if b is not None and b.requires_grad else None,
+                row,
+                bias_row,
+            )
+        return res
+
+    def _grads_from_graph(self, module, calls, out) -> Optional[Dict[str, Tensor]]:
+        """Per-sample gradients written straight into the results, from the pulled extras.
+
+        For each projection matmul of the recorded graph, ``sum_t g[n, t] a[n, t]^T`` is
+        one batched matrix product into the rows of the result it owns (one product for
+        the packed q/k/v projection), and the bias is ``sum_t g[n, t]``. ``None`` if a
+        call has no graph information (the caller then replays).
+        """
+        infos = []
+        for call in calls:
+            if self._from_graph(module, call) is None:
+                return None
+            info = call.extra_info
+            q = dict(zip(_ARG_NAMES, call.args)).get("query", call.kwargs.get("query"))
+            if q is None or q.dim() != 3:
+                return None
+            infos.append((info, call.grads[len(call.out_index) :], q))
+        targets = self._targets(module)
+        params = dict(module.named_parameters())
+        N = infos[0][2].shape[0] if module.batch_first else infos[0][2].shape[1]
+        names = self.param_names(module)
+        res: Dict[str, Tensor] = {}
+        accumulate = len(calls) > 1
+        for key in names:
+            if key not in _GRAPH_KEYS:
+                return None  # e.g. bias_k / bias_v: only the replay gives those
+            p = params[key]
+            dtype = infos[0][1][0].dtype
+            if out is not None and key in out and out[key].dtype == dtype:
+                res[key] = out[key]
+            else:
+                res[key] = result_empty((N, *p.shape), dtype, p.device)
+            if accumulate:
+                res[key].zero_()
+        for info, extras, _ in infos:
+            for (a, subs), g in zip(info, extras):
+                T = a.shape[0] // N
+                a = a.reshape(T, N, a.shape[-1]).transpose(0, 1)  # [N, T, D_in]
+                g_tn = g.reshape(T, N, g.shape[-1])  # rows in (T, N) order, as computed
+                g = g_tn.transpose(0, 1)  # [N, T, width]
+                # group consecutive sub-layers that fill consecutive rows of one result
+                groups: List[list] = []
+                for name, c0, c1 in subs:
+                    wk, bk, row, brow = targets[name]
+                    last = groups[-1] if groups else None
+                    if (
+                        last is not None
+                        and last[0] == wk
+                        and last[1] == bk
+                        and last[4] == c0
+                        and last[2] + (last[4] - last[3]) == row
+                        and last[5] + (last[4] - last[3]) == brow
+                    ):
+                        last[4] = c1
+                    else:
+                        groups.append([wk, bk, row, c0, c1, brow])
+                for wk, bk, row, c0, c1, brow in groups:
+                    gs = g[..., c0:c1]
+                    width = c1 - c0
+                    if wk is not None:
+                        target = res[wk][:, row : row + width]
+                        if accumulate:
+                            target.baddbmm_(gs.transpose(1, 2), a.to(gs.dtype))
+                        elif target.is_contiguous():
+                            torch.bmm(gs.transpose(1, 2), a.to(gs.dtype), out=target)
+                        else:
+                            target.copy_(torch.bmm(gs.transpose(1, 2), a.to(gs.dtype)))
+                    if bk is not None:  # sum over T of the (T, N) layout: a fast reduction
+                        target = res[bk][:, brow : brow + width]
+                        if accumulate:
+                            target.add_(g_tn[..., c0:c1].sum(0))
+                        elif target.is_contiguous():
+                            torch.sum(g_tn[..., c0:c1], 0, out=target)
+                        else:
+                            target.copy_(g_tn[..., c0:c1].sum(0))
+        for key, t in res.items():
+            if out is not None and key in out and t is not out[key]:
+                res[key] = out[key].copy_(t)
+        return {k: res[k] for k in names}
+
     def per_sample_grads(self, module, calls, out=None):  # noqa: D102
+        fast = self._grads_from_graph(module, calls, out)
+        if fast is not None:
+            return fast
         subs = self._sublayers(module, calls)
         if subs is None:
             return super().per_sample_grads(module, calls, out)

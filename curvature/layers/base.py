@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .._memory import empty_large
+from .._memory import result_empty
 
 #: Upper bound (in elements) for temporaries created while computing norms and Gram
 #: matrices; work is chunked over the batch so that no temporary exceeds it.
@@ -178,10 +178,18 @@ class LayerRule:
 def _buffer(
     out: Optional[Dict[str, Tensor]], key: str, shape: Tuple[int, ...], like: Tensor
 ) -> Tensor:
-    """``out[key]`` if given, else a new (huge-page backed) buffer."""
+    """``out[key]`` if given, else a new result buffer (see ``_memory.ResultPool``)."""
     if out is not None and key in out:
         return out[key]
-    return empty_large(shape, like.dtype, like.device)
+    return result_empty(shape, like.dtype, like.device)
+
+
+def _sum_into(t: Tensor, dim: int, target: Tensor) -> None:
+    """``target[...] = t.sum(dim)``, without a temporary when the dtypes agree."""
+    if t.dtype == target.dtype:
+        torch.sum(t, dim, out=target)
+    else:
+        target.copy_(t.sum(dim))
 
 
 class LinearFamilyRule(LayerRule):
@@ -280,11 +288,13 @@ class LinearFamilyRule(LayerRule):
                     else:
                         flat.baddbmm_(gt, at)
             if has_b:
-                col = self.bias_column(call, a)  # [N, S, C, 1]
-                b = (g * col).sum(1).reshape(N, *module.bias.shape)
-                res["bias"] = b if i == 0 else res["bias"] + b
-        if has_b and out is not None and "bias" in out:
-            res["bias"] = out["bias"].copy_(res["bias"])
+                # sum_s g[n, s, c] (times the bias column in a forward Laplacian)
+                gb = g if call.slots is None else g * self.bias_column(call, a)
+                if i == 0:
+                    res["bias"] = _buffer(out, "bias", (N, *module.bias.shape), g)
+                    _sum_into(gb, 1, res["bias"].view(N, C, D_out))
+                else:
+                    res["bias"].view(N, C, D_out).add_(gb.sum(1))
         return res
 
     def per_sample_sq_norms(self, module, calls):  # noqa: D102

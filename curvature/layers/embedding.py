@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._memory import empty_large
+from .._memory import result_empty
 from .base import LayerRule
 from .registry import register
 
@@ -41,6 +41,8 @@ class EmbeddingRule(LayerRule):
                 g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
             idx_list.append(idx)
             g_list.append(g)
+        if len(calls) == 1:  # no copies
+            return idx_list[0], g_list[0]
         return torch.cat(idx_list, 1), torch.cat(g_list, 1)
 
     def per_sample_grads(self, module, calls, out=None):  # noqa: D102
@@ -49,7 +51,7 @@ class EmbeddingRule(LayerRule):
         idx, g = self._flat(module, calls)
         N, S, D = g.shape
         V = module.num_embeddings
-        buf = out["weight"] if out else empty_large((N, V, D), g.dtype, g.device)
+        buf = out["weight"] if out else result_empty((N, V, D), g.dtype, g.device)
         flat = buf.view(N * V, D).zero_()
         rows = (idx + V * torch.arange(N, device=idx.device).unsqueeze(1)).reshape(-1)
         # index_put_ with accumulate: much faster than index_add_ on CPU for few rows

@@ -40,15 +40,19 @@ class _AffineNormRule(LayerRule):
         """Sum ``t [N, *x.shape[1:]]`` over positions sharing a parameter entry."""
         raise NotImplementedError
 
+    def normalized_from_call(self, module: nn.Module, call) -> Tensor:
+        """``xhat`` of a recorded call (by default recomputed from its input)."""
+        return self.normalized(module, call.args[0])
+
     def per_sample_grads(self, module, calls, out=None):  # noqa: D102
         weight = getattr(module, "weight", None)
         bias = getattr(module, "bias", None)
         out: dict[str, Tensor] = {}
         for call in calls:
-            x, g = call.args[0], call.grads[0]
+            g = call.grads[0]
             parts = {}
             if weight is not None and weight.requires_grad:
-                xhat = self.normalized(module, x).to(g.dtype)
+                xhat = self.normalized_from_call(module, call).to(g.dtype)
                 parts["weight"] = self.per_param_shape(module, g * xhat)
             if bias is not None and bias.requires_grad:
                 parts["bias"] = self.per_param_shape(module, g)
@@ -64,6 +68,35 @@ class LayerNormRule(_AffineNormRule):
     def normalized(self, module, x):  # noqa: D102
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
 
+    def extra_edges(self, module, args, kwargs, leaves, index):  # noqa: D102
+        """No extra edges; keeps the mean and ``1/std`` the forward saved, if found."""
+        node = leaves[0].grad_fn if index and index[0] == 0 else None
+        if type(node).__name__ != "NativeLayerNormBackward0":
+            return None
+        try:
+            mean, rstd = node._saved_result1, node._saved_result2
+        except (AttributeError, RuntimeError):
+            return None
+        x = args[0] if args else None
+        expected = (
+            (
+                *x.shape[: x.dim() - len(module.normalized_shape)],
+                *[1] * len(module.normalized_shape),
+            )
+            if isinstance(x, Tensor)
+            else None
+        )
+        if expected is None or tuple(mean.shape) != expected or tuple(rstd.shape) != expected:
+            return None
+        return [], (mean, rstd)
+
+    def normalized_from_call(self, module, call):  # noqa: D102
+        stats = getattr(call, "extra_info", None)
+        if stats is None:  # e.g. RMSNorm, or a forward without saved statistics
+            return self.normalized(module, call.args[0])
+        mean, rstd = stats
+        return (call.args[0] - mean).mul_(rstd)  # the forward's own statistics
+
     def per_param_shape(self, module, t):  # noqa: D102
         ns = tuple(module.normalized_shape)
         return t.reshape(t.shape[0], -1, *ns).sum(1)
@@ -77,6 +110,9 @@ if hasattr(nn, "RMSNorm"):
 
         def normalized(self, module, x):  # noqa: D102
             return F.rms_norm(x, module.normalized_shape, None, module.eps)
+
+        def extra_edges(self, module, args, kwargs, leaves, index):  # noqa: D102
+            return None  # no saved statistics to reuse: xhat is recomputed
 
 
 @register(nn.GroupNorm)

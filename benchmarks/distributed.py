@@ -145,6 +145,7 @@ def worker(rank: int, world: int, out_dir: str, steps: int) -> None:
                 opt.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 

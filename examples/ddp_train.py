@@ -102,6 +102,7 @@ def main() -> None:
             torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, args.checkpoint)
     optim.close()
     if launched:
+        dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
 
 

@@ -247,6 +247,7 @@ def main(rank: int, out_dir: str, task: str) -> None:
         raise
     torch.save(result, os.path.join(out_dir, f"{task}-{rank}.pt"))
     if task == "scenarios":
+        dist.barrier()
         dist.destroy_process_group()
     else:
         os._exit(0)  # a broken group cannot be destroyed cleanly

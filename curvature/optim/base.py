@@ -610,7 +610,7 @@ class CurvatureOptimizer(Optimizer):
         ref = next((v for st in stats.values() for v in st.values if v is not None), None)
         dtype = ref.dtype if ref is not None else self._stat_dtype_default()
         device = comm.device
-        counts = torch.zeros(len(layout), 2, dtype=torch.float64, device=device)
+        counts_cpu = torch.zeros(len(layout), 2, dtype=torch.float64)  # one host copy
         flats: List[Tensor] = []
         plan = []
         for i, (key, spec) in enumerate(layout):
@@ -621,7 +621,7 @@ class CurvatureOptimizer(Optimizer):
                     [None] * len(kinds), kinds, reduction=reduction, empirical=empirical
                 )
             st.shapes = list(shapes)
-            counts[i, 0], counts[i, 1] = st.rows, st.samples
+            counts_cpu[i, 0], counts_cpu[i, 1] = st.rows, st.samples
             for j, (shape, kind) in enumerate(zip(shapes, kinds)):
                 if shape is None:
                     continue
@@ -631,6 +631,7 @@ class CurvatureOptimizer(Optimizer):
                     v = torch.zeros(shape, dtype=dtype, device=device)
                 flats.append(pack(v.to(device), sym))
                 plan.append((st, j, shape, sym, v.device))
+        counts = counts_cpu.to(device)
         handle = comm.start([counts] + flats, "statistics")
         return stats, layout, counts, flats, plan, handle
 
@@ -642,8 +643,8 @@ class CurvatureOptimizer(Optimizer):
         self._comm.finish(handle)
         for (st, j, shape, sym, dev), flat in zip(plan, flats):
             st.values[j] = unpack(flat, shape, sym).to(dev)
-        for i, (key, _) in enumerate(layout):
-            stats[key].rows, stats[key].samples = float(counts[i, 0]), float(counts[i, 1])
+        for (key, _), (rows, samples) in zip(layout, counts.tolist()):
+            stats[key].rows, stats[key].samples = rows, samples
         return stats
 
     def _launch_early(self) -> None:

@@ -404,13 +404,12 @@ class KFAC(CurvatureOptimizer):
         """
         comm = self._comm
         codes = {"ok": 1.0, "kept": 2.0, "failed": 3.0}
-        status = torch.zeros(len(keys), dtype=torch.float64, device=comm.device)
+        codes_here = [codes[results[k][0]] if k in results else 0.0 for k in keys]
+        status = torch.tensor(codes_here, dtype=torch.float64).to(comm.device)
         buffers: List[Tensor] = [status]
         layout = []
-        for i, key in enumerate(keys):
+        for key in keys:
             mine = key in results
-            if mine:
-                status[i] = codes[results[key][0]]
             if self.precondition == "owner":
                 continue
             A, G = next(iter(self.factors_[key].values()))
@@ -425,8 +424,7 @@ class KFAC(CurvatureOptimizer):
         comm.all_reduce(buffers, "decompositions")
         shared: Dict[Key, Any] = {}
         parts_of = {key: (parts, dev) for key, parts, dev in layout}
-        for i, key in enumerate(keys):
-            code = int(status[i])
+        for key, code in zip(keys, status.tolist()):
             owner = self._owner.get(key, 0)
             if code == 1:
                 if key in parts_of:

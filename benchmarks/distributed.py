@@ -43,6 +43,7 @@ from curvature.optim.distributed import packed_numel  # noqa: E402
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md")
 WORKLOADS = ("mlp", "transformer")
+NOTE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_note.md")).read()
 OPTIMIZERS = ("sgd", "kfac-empirical", "kfac-empirical-owner", "kfac-mc", "ekfac-empirical")
 
 
@@ -250,7 +251,10 @@ def main() -> None:
             "step has no decomposition and the mean includes two). Communication: the "
             "payload each rank puts into the optimizer's all-reduces per step (DDP's own "
             "gradient all-reduce, 4 bytes per parameter, comes on top); the model column "
-            "is the statistics payload predicted by the formula in docs/distributed.md.\n\n" + text
+            "is the statistics payload predicted by the formula in docs/distributed.md.\n\n"
+            + text
+            + "\n\n"
+            + NOTE
         )
         update_doc_section(DOC, "Distributed training", body)
 

@@ -43,7 +43,8 @@ from curvature.optim.distributed import packed_numel  # noqa: E402
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md")
 WORKLOADS = ("mlp", "transformer")
-NOTE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_note.md")).read()
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_note.md")) as _f:
+    NOTE = _f.read()  # how to read the numbers, appended to the docs section
 OPTIMIZERS = ("sgd", "kfac-empirical", "kfac-empirical-owner", "kfac-mc", "ekfac-empirical")
 
 

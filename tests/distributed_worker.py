@@ -207,7 +207,15 @@ class _null:
 
 
 def run_failure(rank: int, out_dir: str, mode: str) -> Dict[str, object]:
-    """Rank 1 raises (``"raise"``) or stalls (``"stall"``) before its second step."""
+    """Rank 1 raises (``"raise"``) or stalls (``"stall"``) before its second step, or
+    (``"decompose"``) every eigendecomposition fails on rank 1."""
+    if mode == "decompose" and rank == 1:
+        import curvature.optim.kfac as kfac_module
+
+        def failing_eigh(M, name="matrix"):
+            raise RuntimeError(f"eigh({name}) failed (injected on rank 1)")
+
+        kfac_module.eigh = failing_eigh
     model = make_model()
     opt = make_optimizer("KFAC", model, dict(fisher="empirical", comm_timeout=3.0))
     try:

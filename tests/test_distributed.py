@@ -123,6 +123,14 @@ def test_a_failing_rank_gives_a_clear_error_not_a_hang(tmp_path, mode):
     assert "rank 0 of 2" in error and "step()" in error
 
 
+def test_a_decomposition_failing_on_its_owner_fails_on_every_rank(tmp_path):
+    """Every eigh fails on rank 1: the block it owns has no previous decomposition, so
+    both ranks raise (rank 0 naming the owner) instead of rank 0 waiting forever."""
+    results = spawn(str(tmp_path), "decompose", timeout=60.0)
+    assert "injected on rank 1" in results[1]["error"]
+    assert "RuntimeError" in results[0]["error"] and "rank 1, its owner" in results[0]["error"]
+
+
 def test_ddp_example_runs_under_torchrun_and_resumes(tmp_path):
     import os
     import subprocess

@@ -67,6 +67,13 @@ def _unflat(vec: Tensor, params: Dict[str, Tensor]) -> Dict[str, Tensor]:
     return out
 
 
+def _flat_or_zeros(grads: Sequence[Optional[Tensor]], params: Sequence[Tensor]) -> Tensor:
+    """``autograd.grad(..., allow_unused=True)`` results as one flat vector (zeros for None)."""
+    return torch.cat(
+        [(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)]
+    )
+
+
 def _accumulate(
     model: nn.Module, loss_func: nn.Module, data: Data, block: Callable[..., Tensor]
 ) -> Tensor:
@@ -124,11 +131,7 @@ def hessian(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:
         rows = []
         for i in range(flat.numel()):
             row = torch.autograd.grad(flat[i], ps, retain_graph=True, allow_unused=True)
-            rows.append(
-                torch.cat(
-                    [(torch.zeros_like(p) if r is None else r).reshape(-1) for r, p in zip(row, ps)]
-                )
-            )
+            rows.append(_flat_or_zeros(row, ps))
         return torch.stack(rows).detach()
 
     return _accumulate(model, loss_func, data, block)
@@ -216,9 +219,7 @@ def ggn_vector_product(
             (gf,) = torch.autograd.grad(loss_func(f, y), f, create_graph=True)
             (HJv,) = torch.autograd.grad(gf, f, Jv)
             res = torch.autograd.grad(out, ps, HJv, allow_unused=True)
-        flat = w * torch.cat(
-            [(torch.zeros_like(p) if r is None else r).reshape(-1) for r, p in zip(res, ps)]
-        )
+        flat = w * _flat_or_zeros(res, ps)
         total = flat if total is None else total + flat
     return list(_unflat(total, params).values())
 
@@ -241,12 +242,7 @@ def hessian_vector_product(
             grads = torch.autograd.grad(loss, ps, create_graph=True)
             inner = sum((g * b).sum() for g, b in zip(grads, vs))
             Hv = torch.autograd.grad(inner, ps, allow_unused=True)
-        flat = (
-            w
-            * torch.cat(
-                [(torch.zeros_like(p) if r is None else r).reshape(-1) for r, p in zip(Hv, ps)]
-            ).detach()
-        )
+        flat = w * _flat_or_zeros(Hv, ps).detach()
         total = flat if total is None else total + flat
     return list(_unflat(total, params).values())
 

@@ -299,6 +299,18 @@ def _check_args(loss_func, fisher, kfac_approx, mc_samples, on_unsupported):
         raise ValueError(f"on_unsupported={on_unsupported!r} must be 'warn' or 'error'.")
 
 
+def _exact_block_factors(rule: LayerRule, module: nn.Module, calls) -> Dict[str, tuple]:
+    """A layer without a Kronecker rule as one exact block: ``A = [[1]]``, ``G = U^T U``.
+
+    ``U`` ``[K N, P_l]`` stacks the per-vector gradients of all the layer's parameters;
+    the result has the ``{suffix: (A_sum, G_sum, count)}`` form of
+    :meth:`~curvature.layers.LayerRule.kfac_factors`.
+    """
+    U = _per_vector_grads(rule, module, calls).flatten(0, 1)
+    one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
+    return {"": (one, (U.T @ U)[None], 1)}
+
+
 def _passes(model, loss_func, data, fisher, mc_samples, seed):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors."""
     generator = torch.Generator().manual_seed(seed)
@@ -362,9 +374,7 @@ def kfac(
                             + f", {n_params} parameters"
                         )
                         continue
-                    U = _per_vector_grads(rule, module, calls).flatten(0, 1)  # [K N, P_l]
-                    one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
-                    res = {"": (one, (U.T @ U)[None], 1)}
+                    res = _exact_block_factors(rule, module, calls)
                 for suffix, (A_sum, G_sum, count) in res.items():
                     s = stats.setdefault((name, suffix), [0, None, 0])
                     s[0] = s[0] + A_sum

@@ -768,3 +768,16 @@ CASES: List[Case] = [
         MSE,
     ),
 ]
+
+
+# -- loss factories by reduction ----------------------------------------------------------------
+def ce(reduction: str) -> nn.Module:
+    return nn.CrossEntropyLoss(reduction=reduction)
+
+
+def mse(reduction: str) -> nn.Module:
+    return nn.MSELoss(reduction=reduction)
+
+
+def bce(reduction: str) -> nn.Module:
+    return nn.BCEWithLogitsLoss(reduction=reduction)

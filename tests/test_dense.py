@@ -13,6 +13,9 @@ from typing import Callable, Dict, List, NamedTuple
 
 import pytest
 import torch
+from cases import bce as _bce
+from cases import ce as _ce
+from cases import mse as _mse
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -61,18 +64,6 @@ class Problem(NamedTuple):
     X: Callable[[], Tensor]
     y: Callable[[], Tensor]
     loss: Callable[[str], nn.Module]
-
-
-def _ce(r):
-    return nn.CrossEntropyLoss(reduction=r)
-
-
-def _mse(r):
-    return nn.MSELoss(reduction=r)
-
-
-def _bce(r):
-    return nn.BCEWithLogitsLoss(reduction=r)
 
 
 PROBLEMS: Dict[str, Problem] = {

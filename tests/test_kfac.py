@@ -17,6 +17,9 @@ from typing import Callable, Dict, NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import bce as _bce
+from cases import ce as _ce
+from cases import mse as _mse
 from torch import Tensor, nn
 
 import curvature
@@ -62,18 +65,6 @@ def _conv_deep_linear(groups=1):
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1, groups=groups), nn.Conv2d(4, 4, 1, groups=groups)
     )
-
-
-def _ce(r):
-    return nn.CrossEntropyLoss(reduction=r)
-
-
-def _mse(r):
-    return nn.MSELoss(reduction=r)
-
-
-def _bce(r):
-    return nn.BCEWithLogitsLoss(reduction=r)
 
 
 class Case(NamedTuple):

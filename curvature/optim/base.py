@@ -946,3 +946,13 @@ def _check(name: str, arg: str, value: Any, ok: bool, allowed: str) -> None:
 def _promote(t: Tensor) -> Tensor:
     """Statistics never accumulate in half precision."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _take(flat: Tensor, index: Tensor) -> Tensor:
+    """``flat[index]`` (shaped like ``index``); ``index_select`` is several times faster."""
+    return flat.index_select(0, index.reshape(-1)).view(index.shape)
+
+
+def _put(flat: Tensor, index: Tensor, values: Tensor) -> None:
+    """``flat[index] = values`` in place, through ``index_copy_``."""
+    flat.index_copy_(0, index.reshape(-1), values.reshape(-1).to(flat.dtype))

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 from ..kfac import _exact_index, _expanded_diag, _local_offsets, _per_vector_grads
-from .base import CurvatureOptimizer
-from .kfac import _put, _take
+from .base import CurvatureOptimizer, _put, _take
 
 
 class DiagonalNaturalGradient(CurvatureOptimizer):

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..kfac import (
     _MAX_EXACT_BLOCK,
+    _exact_block_factors,
     _exact_index,
     _expanded_diag,
     _local_offsets,
@@ -37,7 +38,7 @@ from ..kfac import (
 )
 from ..layers.base import expanded_kfac
 from ..linalg import eigh, generalized_eigh, pi_factor
-from .base import CurvatureOptimizer
+from .base import CurvatureOptimizer, _put, _take
 
 Key = Tuple[str, str]
 _KINDS = ("A", "G", "g")  # statistics values of a block: A, G, EKFAC's corrections
@@ -45,16 +46,6 @@ _KINDS = ("A", "G", "g")  # statistics values of a block: A, G, EKFAC's correcti
 
 def _clone(x):
     return x.clone() if isinstance(x, Tensor) else x
-
-
-def _take(flat: Tensor, index: Tensor) -> Tensor:
-    """``flat[index]`` (shaped like ``index``); ``index_select`` is several times faster."""
-    return flat.index_select(0, index.reshape(-1)).view(index.shape)
-
-
-def _put(flat: Tensor, index: Tensor, values: Tensor) -> None:
-    """``flat[index] = values`` in place, through ``index_copy_``."""
-    flat.index_copy_(0, index.reshape(-1), values.reshape(-1).to(flat.dtype))
 
 
 def _block_name(key: Key) -> str:
@@ -303,9 +294,7 @@ class KFAC(CurvatureOptimizer):
                     d = _per_vector_grads(rule, module, calls).pow(2).sum((0, 1))
                     self._add_step_stat((name, "<diag>"), [d.to(self._stat_dtype(d))], ("g",))
                 return
-            U = _per_vector_grads(rule, module, calls).flatten(0, 1)
-            one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
-            res = {"": (one, (U.T @ U)[None], 1)}
+            res = _exact_block_factors(rule, module, calls)
         lambdas: Dict[str, Tensor] = {}
         if self._ekfac and with_g and self._eig:
             bases = {}

@@ -44,6 +44,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+from per_sample import versus_peers  # noqa: E402
 
 from curvature.info import OPTIONAL  # noqa: E402
 
@@ -223,9 +224,9 @@ def rows_per_sample(res: Dict[str, Any]) -> List[Row]:
                 cur += f" (out= {_x(co['ratio'], co.get('disturbed'))})"
             label = f"{qname}, x fwd+bwd"
             if q == "grads":
-                if ok:
-                    best_m, best = ok[0]
-                    r = c["ratio"] / best["ratio"]
+                vp = versus_peers(wl, q)
+                if vp is not None:
+                    peer, r, disturbed, direct = vp
                     rows.append(
                         _row(
                             wl["title"],
@@ -234,8 +235,8 @@ def rows_per_sample(res: Dict[str, Any]) -> List[Row]:
                             text,
                             "< 1x the fastest peer",
                             r < 1,
-                            f"{r:.2f}x {best_m}",
-                            bool(c.get("disturbed") or best.get("disturbed")),
+                            f"{r:.2f}x {peer}" + (", head to head" if direct else ""),
+                            disturbed,
                         )
                     )
                 else:

@@ -12,6 +12,7 @@ weighted by its share of the samples).
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -120,21 +121,68 @@ def _math_attention():
 def hessian(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:
     """The Hessian of the loss w.r.t. the trainable parameters, ``[P, P]``.
 
-    Reverse-over-reverse autograd, one row at a time (forward-mode AD misses
-    ``Embedding.padding_idx`` and some LayerNorm cross terms in torch 2.13).
+    Reverse-over-reverse autograd (forward-mode AD misses ``Embedding.padding_idx`` and
+    some LayerNorm cross terms in torch 2.13): the rows are Hessian-vector products with
+    unit vectors, :data:`HESSIAN_CHUNK` of them per batched backward
+    (``is_grads_batched``), one at a time where the batched backward is not supported.
     """
 
     def block(params, X, y):
         loss, ps = _loss_and_params(model, loss_func, X, y)
         grads = torch.autograd.grad(loss, ps, create_graph=True)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        rows = []
-        for i in range(flat.numel()):
-            row = torch.autograd.grad(flat[i], ps, retain_graph=True, allow_unused=True)
-            rows.append(_flat_or_zeros(row, ps))
-        return torch.stack(rows).detach()
+        return _hessian_rows(flat, ps).detach()
 
     return _accumulate(model, loss_func, data, block)
+
+
+#: Rows of the Hessian computed per batched backward in :func:`hessian`.
+HESSIAN_CHUNK = 64
+
+
+def _hessian_rows(flat: Tensor, ps: Sequence[Tensor]) -> Tensor:
+    """``[P, P]`` rows ``d flat_i / d ps`` of a flat gradient with a graph."""
+    P = flat.numel()
+    rows: List[Tensor] = []
+    i = 0
+    batched = HESSIAN_CHUNK > 1
+    while i < P:
+        if batched:
+            k = min(HESSIAN_CHUNK, P - i)
+            units = torch.zeros(k, P, dtype=flat.dtype, device=flat.device)
+            units[:, i : i + k].fill_diagonal_(1)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # vmap's per-op fallback notices
+                    out = torch.autograd.grad(
+                        flat,
+                        ps,
+                        units,
+                        retain_graph=True,
+                        allow_unused=True,
+                        is_grads_batched=True,
+                    )
+            except RuntimeError:  # an op without a batching rule: one row at a time
+                batched = False
+                continue
+            rows.append(_flat_or_zeros_batched(out, ps, k))
+            i += k
+        else:
+            row = torch.autograd.grad(flat[i], ps, retain_graph=True, allow_unused=True)
+            rows.append(_flat_or_zeros(row, ps).unsqueeze(0))
+            i += 1
+    return torch.cat(rows)
+
+
+def _flat_or_zeros_batched(grads: Sequence[Optional[Tensor]], params: Sequence[Tensor], k: int):
+    """``[k, P]``: batched gradients flattened, zeros for parameters that got none."""
+    return torch.cat(
+        [
+            (g if g is not None else p.new_zeros(k, *p.shape)).reshape(k, -1)
+            for g, p in zip(grads, params)
+        ],
+        dim=1,
+    )
 
 
 def _per_sample_grads(model, loss_func, params, X, y) -> Tensor:

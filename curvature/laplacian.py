@@ -649,13 +649,21 @@ def _forward_laplacian(plan: Plan, x: Tensor, c: Optional[Tensor]) -> ForwardLap
 
 
 def _linear(module: nn.Linear, state: Tensor) -> Tensor:
-    """``module(state)`` on all slots (weight sharing), bias removed from slots ``1..``.
+    """``module(state)`` on all slots (weight sharing), the bias on slot 0 only.
 
-    The module itself is called, so that forward hooks (the capture engine) see a Linear
-    layer applied to ``[N, d + 2, F_in]`` with weight sharing over the slots, and
-    :data:`FORWARD_LAPLACIAN_SLOTS` is ``d + 2`` during the call. The bias is then removed
-    out of place (hooks may hold the module's output).
+    A module that nobody observes is applied as ``W state`` plus the bias on the value
+    slot. Otherwise the module itself is called, so that forward hooks (the capture
+    engine) see a Linear layer applied to ``[N, d + 2, F_in]`` with weight sharing over
+    the slots, and :data:`FORWARD_LAPLACIAN_SLOTS` is ``d + 2`` during the call; the bias
+    is then removed from slots ``1..`` out of place (hooks may hold the module's output).
     """
+    if module.bias is not None and not _observed(module):
+        # nobody else sees this call: the bias goes into the value slot only (exact zeros
+        # for the derivative slots, and no full-size correction)
+        rows = F.pad(module.bias.unsqueeze(0), (0, 0, 0, state.shape[1] - 1))  # [b, 0, ..]
+        return F.linear(state, module.weight) + rows.view(
+            state.shape[1], *([1] * (state.ndim - 3)), -1
+        )
     token = FORWARD_LAPLACIAN_SLOTS.set(state.shape[1])
     try:
         out = module(state)
@@ -666,6 +674,21 @@ def _linear(module: nn.Linear, state: Tensor) -> Tensor:
         sign[0] = 0
         out = out + sign.view(-1, *([1] * (out.ndim - 2))) * module.bias
     return out
+
+
+def _observed(module: nn.Module) -> bool:
+    """Whether calling ``module`` could be seen by anyone: forward hooks (the capture
+    engine's among them), global module hooks, or a subclass with its own ``forward``.
+    """
+    from torch.nn.modules import module as _module
+
+    return bool(
+        type(module).forward is not nn.Linear.forward
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+    )
 
 
 def _elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:

@@ -600,6 +600,13 @@ CASES: List[Case] = [
         randn(8, 2),
         MSE,
     ),
+    Case(
+        "embedding_many_rows_short_sequences",  # fewer position pairs than rows used
+        lambda: Seq(nn.Embedding(40, 3, padding_idx=1), nn.Flatten(), nn.Linear(6, 2)),
+        with_pads(40, 2, pad=1),
+        randint(2),
+        CE,
+    ),
     # -- Normalization -----------------------------------------------------------------
     Case(
         "layernorm_affine_on_sequence",

@@ -397,6 +397,25 @@ def test_hessian_vector_product_of_a_padded_embedding_equals_hessian_times_v():
     _assert_close(_flatten(Hv), _hessian_autograd(model, loss_func, X, y) @ _flatten(v))
 
 
+@pytest.mark.parametrize("mode", ["chunk 1", "chunk 5", "chunk 64", "no batching rule"])
+def test_hessian_rows_in_chunks_or_one_by_one_match_autograd(monkeypatch, mode):
+    model, loss_func, X, y = _build("transformer-ce", "mean")
+    if mode.startswith("chunk"):
+        monkeypatch.setattr(dense, "HESSIAN_CHUNK", int(mode.split()[1]))
+    else:  # the batched backward raises: every row is computed on its own
+        grad = torch.autograd.grad
+
+        def no_batching(*args, **kwargs):
+            if kwargs.get("is_grads_batched"):
+                raise RuntimeError("Batching rule not implemented for aten::something")
+            return grad(*args, **kwargs)
+
+        monkeypatch.setattr(torch.autograd, "grad", no_batching)
+    H = curvature.hessian(model, loss_func, (X, y))
+    assert H.shape[0] % 5 != 0  # a last chunk shorter than the others
+    _assert_close(H, _hessian_autograd(model, loss_func, X, y))
+
+
 @pytest.mark.parametrize("N", [1, 4])
 def test_hessian_of_linear_then_layernorm_matches_autograd(N):
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))

@@ -134,9 +134,7 @@ class LayerRule:
 
     def gram(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         """Gram matrix ``[N, N]`` of the per-sample gradients of all covered params."""
-        grads = self.per_sample_grads(module, calls)
-        flat = torch.cat([g.flatten(1) for g in grads.values()], dim=1)
-        return flat @ flat.T
+        return gram_of(self.per_sample_grads(module, calls))
 
     # -- Kronecker factors ---------------------------------------------------------------
     def expanded_blocks(
@@ -173,6 +171,15 @@ class LayerRule:
         ``index[c, o, i]``, so that the block ``kron(G_c, A_c)`` acts on ``vec_row``.
         """
         return None
+
+
+def gram_of(grads: Dict[str, Tensor]) -> Tensor:
+    """``sum_p P_p P_p^T`` for per-sample gradients ``P_p [N, *p.shape]`` (no concatenation)."""
+    total = None
+    for g in grads.values():
+        flat = g.reshape(g.shape[0], -1)
+        total = flat @ flat.T if total is None else total.addmm_(flat, flat.T)
+    return total
 
 
 def _buffer(
@@ -301,6 +308,13 @@ class LinearFamilyRule(LayerRule):
         return expanded_sq_norms(*self.expand_calls(module, calls))
 
     def gram(self, module, calls):  # noqa: D102
+        has_w, has_b = self._weight_bias(module)
+        a, g = self.expand(module, calls[0])  # for the shapes (views for Linear)
+        N, S, _, D_in = a.shape
+        S, D, D_out = S * len(calls), D_in * has_w + has_b, g.shape[-1]
+        if S > 1 and not _pairs_cheaper(N, S, D, D_out):
+            # materialize with the per-sample gradient products: no bias-column copy
+            return gram_of(self.per_sample_grads(module, calls))
         return expanded_gram(*self.expand_calls(module, calls))
 
     # -- Kronecker factors -----------------------------------------------------------
@@ -343,7 +357,7 @@ def expanded_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     chunk = max(1, CHUNK_ELEMENTS // max(1, C * D * D_out))
     out = []
     for i in range(0, N, chunk):
-        grad = torch.einsum("nsco,nsci->ncoi", g[i : i + chunk], a[i : i + chunk])
+        grad = materialize(a[i : i + chunk], g[i : i + chunk])
         out.append(grad.pow(2).sum((1, 2, 3)))
     return torch.cat(out)
 
@@ -357,8 +371,7 @@ def expanded_gram(a: Tensor, g: Tensor) -> Tensor:
         aa = torch.einsum("nci,mci->cnm", a2, a2)
         gg = torch.einsum("nco,mco->cnm", g2, g2)
         return (aa * gg).sum(0)
-    # pairwise positions: N^2 S^2 (D + D_out) C versus materializing N D D_out (S + N) C
-    if N * S * S * (D + D_out) <= (S + N) * D * D_out:
+    if _pairs_cheaper(N, S, D, D_out):
         out = a.new_zeros(N, N)
         chunk = max(1, CHUNK_ELEMENTS // max(1, N * S * S * C))
         for i in range(0, N, chunk):
@@ -366,8 +379,30 @@ def expanded_gram(a: Tensor, g: Tensor) -> Tensor:
             gg = torch.einsum("nsco,mtco->nmcst", g[i : i + chunk], g)
             out[i : i + chunk] = (aa * gg).sum((2, 3, 4))
         return out
-    flat = torch.einsum("nsco,nsci->ncoi", g, a).reshape(N, -1)
+    flat = materialize(a, g).reshape(N, -1)
     return flat @ flat.T
+
+
+def _pairs_cheaper(N: int, S: int, D: int, D_out: int) -> bool:
+    """Whether the Gram matrix over pairs of positions beats materializing the gradients.
+
+    Pairwise positions cost ``N^2 S^2 (D + D_out)`` per group, materializing
+    ``N D D_out (S + N)``.
+    """
+    return N * S * S * (D + D_out) <= (S + N) * D * D_out
+
+
+def materialize(a: Tensor, g: Tensor) -> Tensor:
+    """Per-sample gradients ``sum_s g[n, s, c] a[n, s, c]^T`` as ``[N, C, D_out, D]``.
+
+    One batched GEMM over ``N C`` with the position axis contracted (faster than the
+    equivalent ``einsum``, which may copy its operands into a different layout).
+    """
+    N, S, C, D = a.shape
+    D_out = g.shape[-1]
+    gt = g.permute(0, 2, 3, 1).reshape(N * C, D_out, S)
+    at = a.permute(0, 2, 1, 3).reshape(N * C, S, D)
+    return torch.bmm(gt, at).view(N, C, D_out, D)
 
 
 def expanded_kfac(

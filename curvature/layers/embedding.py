@@ -74,12 +74,20 @@ class EmbeddingRule(LayerRule):
     def gram(self, module, calls):  # noqa: D102
         idx, g = self._flat(module, calls)
         N, S, D = g.shape
-        if N * S * S > module.num_embeddings * 4:
-            flat = self.per_sample_grads(module, calls)["weight"].reshape(N, -1)
-            return flat @ flat.T
-        same = (idx[:, None, :, None] == idx[None, :, None, :]).to(g.dtype)  # [N, M, S, T]
-        gg = torch.einsum("nsd,mtd->nmst", g, g)
-        return (same * gg).sum((2, 3))
+        # the rows the batch uses: U <= min(V, N S) of them
+        used, inverse = torch.unique(idx.reshape(-1), return_inverse=True)
+        U = used.shape[0]
+        if S * S <= U:  # pairs of positions that hit the same row: N^2 S^2 D
+            same = (idx[:, None, :, None] == idx[None, :, None, :]).to(g.dtype)  # [N,M,S,T]
+            gg = torch.einsum("nsd,mtd->nmst", g, g)
+            return (same * gg).sum((2, 3))
+        # per-sample gradients restricted to the used rows [N, U, D]: N^2 U D
+        rows = inverse.view(N, S) + U * torch.arange(N, device=idx.device).unsqueeze(1)
+        compact = g.new_zeros(N * U, D).index_put_(
+            (rows.reshape(-1),), g.reshape(-1, D), accumulate=True
+        )
+        flat = compact.view(N, U * D)
+        return flat @ flat.T
 
     # -- Kronecker factors: a one-hot input, so A is diagonal for "expand" -----------------
     def _flat_batched(self, module, calls):

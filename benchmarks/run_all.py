@@ -573,7 +573,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             result = _load(given[name])
             benchmarks[name] = {
                 "command": result.get("command", f"(results read from {given[name]})"),
-                "date": result.get("date", "?"),
+                "date": result.get("date")
+                or time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(given[name]))),
                 "elapsed_s": result.get("elapsed_s", 0),
                 "returncode": 0,
                 "reused": True,

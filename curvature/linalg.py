@@ -34,11 +34,7 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
 
     """
     dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
-    if not torch.isfinite(M).all():
-        raise RuntimeError(
-            f"eigh({name}): the matrix has non-finite entries (NaN/inf in the statistics); "
-            "check the data and the loss, or lower the learning rate."
-        )
+    require_finite(M, f"eigh({name})")
     S = symmetrize(M.to(dtype))
     attempts = [(dtype, 0.0), (torch.float64, 0.0), (torch.float64, 1e-10)]
     last: Exception = RuntimeError("unreachable")
@@ -57,6 +53,40 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
     raise RuntimeError(
         f"eigh({name}) failed in float64 even with jitter; increase the damping."
     ) from last
+
+
+def require_finite(M: Tensor, what: str) -> None:
+    """Raise a ``RuntimeError`` naming ``what`` if ``M`` has a NaN or an infinity."""
+    if not torch.isfinite(M).all():
+        raise RuntimeError(
+            f"{what}: the matrix has non-finite entries (NaN/inf in the statistics); "
+            "check the data and the loss, or lower the learning rate."
+        )
+
+
+def damped_inverse(M: Tensor, shift: Tensor, *, name: str = "matrix") -> Tensor:
+    """``(M + shift I)^{-1}`` of a symmetric PSD ``M [..., D, D]`` with ``shift [...] > 0``.
+
+    A Cholesky factorization and its inverse: about five times cheaper than an
+    eigendecomposition at ``D`` of several hundred. Where the shifted matrix is not
+    numerically positive definite (a ``shift`` far below the rounding error of ``M``),
+    the inverse is taken from :func:`eigh`, whose eigenvalues are clamped at 0, so
+    the result is the same as ``Q diag(1 / (max(l, 0) + shift)) Q^T``.
+
+    Returns:
+        The inverse in ``M``'s dtype (computed in at least float32).
+
+    """
+    dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
+    require_finite(M, f"damped_inverse({name})")
+    eye = torch.eye(M.shape[-1], dtype=dtype, device=M.device)
+    S = symmetrize(M.to(dtype)) + shift.to(dtype)[..., None, None] * eye
+    L, info = torch.linalg.cholesky_ex(S)
+    if not bool((info == 0).all()):
+        evals, evecs = eigh(M, name=name)
+        return (evecs / (evals + shift.to(evals.dtype)[..., None])[..., None, :]) @ evecs.mT
+    inv = torch.cholesky_inverse(L)
+    return symmetrize(inv).to(M.dtype if M.dtype in (torch.float32, torch.float64) else dtype)
 
 
 def pi_factor(mean_a: Tensor, mean_g: Tensor) -> Tensor:

@@ -550,3 +550,67 @@ def test_float64_model_keeps_float64_factors():
     train_step(opt, model, *batch(dtype=torch.float64))
     assert all(A.dtype == G.dtype == torch.float64 for A, G in opt.factors().values())
     assert bool(torch.isfinite(model[0].weight).all())
+
+
+# -- damped inverses by Cholesky (KFAC, pi damping) ------------------------------------------------
+KFAC_MODULE = __import__("sys").modules["curvature.optim.kfac"]
+
+
+def _run_kfac(steps=12, cholesky=True, monkeypatch=None, **kw):
+    model, (X, y) = mlp((4, 6, 3), dtype=torch.float64), batch(dtype=torch.float64)
+    opt = KFAC(model, lr=0.2, damping=1e-3, fisher="type-2", loss_func=CE, inverse_every=3, **kw)
+    if not cholesky:
+        monkeypatch.setattr(opt, "_by_cholesky", lambda: False)
+
+    def closure():
+        opt.zero_grad()
+        loss = CE(model(X), y)
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        opt.step(closure) if kw.get("adaptive_damping") else train_step(opt, model, X, y)
+    return model, opt
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive damping"])
+def test_cholesky_inverses_give_the_steps_of_the_eigendecomposition(monkeypatch, adaptive):
+    kw = dict(adaptive_damping=True, damping_adaptation_interval=2) if adaptive else {}
+    fast, opt = _run_kfac(**kw)
+    assert {v[0] for v in opt._eig.values()} == {"chol"}
+    slow, ref = _run_kfac(cholesky=False, monkeypatch=monkeypatch, **kw)
+    assert {v[0] for v in ref._eig.values()} == {"one"}
+    for p, q in zip(fast.parameters(), slow.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-8)
+
+
+def test_a_failed_inversion_keeps_the_previous_one_then_a_first_failure_raises(monkeypatch):
+    model, (X, y) = mlp(), batch()
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE, inverse_every=2)
+    for _ in range(3):
+        train_step(opt, model, X, y)
+    kept = {k: v for k, v in opt._eig.items()}
+
+    def broken(M, what):
+        raise RuntimeError(f"{what}: injected")
+
+    monkeypatch.setattr(KFAC_MODULE, "require_finite", broken)
+    with pytest.warns(UserWarning, match="keeping the previous one"):
+        for _ in range(2):  # one of them refreshes
+            train_step(opt, model, X, y)
+    assert all(opt._eig[k] is v for k, v in kept.items())
+    assert finite(model)
+    model = mlp()
+    fresh = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE)
+    with pytest.raises(RuntimeError, match="failed repeatedly.*injected"):
+        train_step(fresh, model, X, y)
+
+
+def test_a_pi_damping_state_loads_into_exact_damping():
+    model, opt = _run_kfac(steps=4)
+    other = KFAC(model, lr=0.2, damping=1e-3, damping_mode="exact", fisher="type-2", loss_func=CE)
+    other.load_state_dict(opt.state_dict())
+    X, y = batch(dtype=torch.float64)
+    train_step(other, model, X, y)
+    assert {v[0] for v in other._eig.values()} == {"one"}
+    assert finite(model)

@@ -37,7 +37,7 @@ from ..kfac import (
     eigenvalue_corrections,
 )
 from ..layers.base import expanded_kfac
-from ..linalg import eigh, generalized_eigh, pi_factor
+from ..linalg import damped_inverse, eigh, generalized_eigh, pi_factor, require_finite
 from .base import CurvatureOptimizer, _put, _take
 
 Key = Tuple[str, str]
@@ -376,6 +376,13 @@ class KFAC(CurvatureOptimizer):
         terms = self.factors_[key]
         name = _block_name(key) or "<model>"
         try:
+            if len(terms) == 1 and self._by_cholesky():
+                # pi damping needs only the damped inverses: keep the factors of this
+                # refresh and invert them (Cholesky) for the damping of the moment
+                A, G = next(iter(terms.values()))
+                require_finite(A, f"A of '{name}'")
+                require_finite(G, f"G of '{name}'")
+                return "ok", ("chol", A.clone(), G.clone())
             if len(terms) == 1:
                 A, G = next(iter(terms.values()))
                 lA, QA = eigh(A, name=f"A of '{name}'")
@@ -384,6 +391,21 @@ class KFAC(CurvatureOptimizer):
             return "ok", self._decompose_two(key, terms)
         except RuntimeError as err:
             return ("kept" if key in self._eig else "failed"), str(err)
+
+    def _by_cholesky(self) -> bool:
+        """Whether single-term blocks are inverted with Cholesky instead of decomposed.
+
+        KFAC with pi damping only ever uses ``(A + pi sqrt(lam) I)^{-1}`` and
+        ``(G + sqrt(lam) / pi I)^{-1}``: a Cholesky factorization gives them about five
+        times faster than ``eigh`` at several hundred rows (and more accurately in
+        float32). Distributed runs that split the decompositions over ranks keep
+        ``eigh``, whose results the owners share.
+        """
+        return (
+            not self._ekfac
+            and self.damping_mode == "pi"
+            and (self._comm is None or self.decompose == "all")
+        )
 
     def _share(self, keys: List[Key], results: Dict[Key, Tuple[str, Any]]) -> Dict[Key, Any]:
         """Exchange the owners' results (one all-reduce of a zero-padded buffer).
@@ -496,6 +518,10 @@ class KFAC(CurvatureOptimizer):
             M = _take(grads, ix)
             lam = self._block_damping(key)
             kind, *parts = self._eig[key]
+            if kind == "chol" and (self._ekfac or self.damping_mode != "pi"):
+                # e.g. a state saved with pi damping, loaded with exact damping
+                self._eig[key] = self._from_snapshot(key, *parts)
+                kind, *parts = self._eig[key]
             if kind == "two":
                 if parts[-1] != lam:  # the damping changed (adaptive): decompose again
                     self._eig[key] = self._decompose_two(key, self.factors_[key])
@@ -549,14 +575,28 @@ class KFAC(CurvatureOptimizer):
         eig = self._eig[key]
         if cached is not None and cached[2] == lam and cached[3] is eig:
             return cached[0], cached[1]
-        _, lA, QA, lG, QG = eig
-        dA, dG = lA.shape[-1], lG.shape[-1]
-        pi = pi_factor(lA.sum(-1) / dA, lG.sum(-1) / dG)
         root = lam**0.5
-        Ainv = (QA / (lA + (pi * root)[..., None])[..., None, :]) @ QA.mT
-        Ginv = (QG / (lG + (root / pi)[..., None])[..., None, :]) @ QG.mT
+        if eig[0] == "chol":
+            _, A, G = eig
+            trA = A.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
+            trG = G.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
+            pi = pi_factor(trA, trG)
+            name = _block_name(key) or "<model>"
+            Ainv = damped_inverse(A, pi * root, name=f"A of '{name}'")
+            Ginv = damped_inverse(G, root / pi, name=f"G of '{name}'")
+        else:
+            _, lA, QA, lG, QG = eig
+            dA, dG = lA.shape[-1], lG.shape[-1]
+            pi = pi_factor(lA.sum(-1) / dA, lG.sum(-1) / dG)
+            Ainv = (QA / (lA + (pi * root)[..., None])[..., None, :]) @ QA.mT
+            Ginv = (QG / (lG + (root / pi)[..., None])[..., None, :]) @ QG.mT
         self._inv[key] = (Ainv, Ginv, lam, eig)
         return Ainv, Ginv
+
+    def _from_snapshot(self, key: Key, A: Tensor, G: Tensor) -> tuple:
+        """The eigendecomposition ``("one", lA, QA, lG, QG)`` of kept factors."""
+        name = _block_name(key) or "<model>"
+        return ("one", *eigh(A, name=f"A of '{name}'"), *eigh(G, name=f"G of '{name}'"))
 
     def _diag_index(self, key) -> Tensor:
         """Flat positions of a diagonal block: a large Kronecker block or a whole layer."""

@@ -217,7 +217,10 @@ def run_failure(rank: int, out_dir: str, mode: str) -> Dict[str, object]:
 
         kfac_module.eigh = failing_eigh
     model = make_model()
-    opt = make_optimizer("KFAC", model, dict(fisher="empirical", comm_timeout=3.0))
+    kw = dict(fisher="empirical", comm_timeout=3.0)
+    if mode == "decompose":  # eigendecompositions, split over the ranks (pi: Cholesky)
+        kw["damping_mode"] = "exact"
+    opt = make_optimizer("KFAC", model, kw)
     try:
         for step in range(3):
             if rank == 1 and step == 1:

@@ -62,7 +62,11 @@ def test_the_comparison_catches_unreduced_statistics(ranks):
 def test_ranks_communicate_statistics_and_split_decompositions(ranks):
     plain, ddp = ranks[0]["kfac-empirical-plain"]["bytes"], ranks[0]["kfac-empirical-ddp"]["bytes"]
     assert plain["gradients"] > 0 and "gradients" not in ddp  # DDP averages the gradients
-    assert ddp["statistics"] > 0 and ddp["decompositions"] > 0
+    # pi damping: every rank inverts its (identical) factors by Cholesky, nothing to share
+    assert ddp["statistics"] > 0 and "decompositions" not in ddp
+    # eigendecompositions (exact damping, EKFAC) are split over the ranks and shared
+    for name in ("kfac-type2-exact-ddp", "ekfac-empirical-ddp"):
+        assert ranks[0][name]["bytes"]["decompositions"] > 0
     assert "decompositions" not in ranks[0]["kfac-type2-plain-all"]["bytes"]
     assert ranks[0]["kfac-type2-owner"]["bytes"]["directions"] > 0
 

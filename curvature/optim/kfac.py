@@ -125,7 +125,9 @@ class KFAC(CurvatureOptimizer):
         bucket_mb (float): Largest all-reduce bucket in megabytes (default 25).
         decompose (str): ``"split"`` (default; each block is decomposed on one rank
             chosen by a cost model, and the results are shared) or ``"all"`` (every rank
-            decomposes every block; nothing communicated at refresh time).
+            decomposes every block; nothing communicated at refresh time). For
+            eigendecomposed blocks only: KFAC with pi damping inverts its factors by
+            Cholesky on each rank that preconditions them, with nothing to share.
         precondition (str): ``"all"`` (default; every rank preconditions every block) or
             ``"owner"`` (KFAC only: each block on its owner, which keeps its
             decomposition; the preconditioned gradient is all-reduced every step).
@@ -363,11 +365,20 @@ class KFAC(CurvatureOptimizer):
         return first, [A, G]
 
     def _refresh(self) -> None:
-        """Decompose the factors: locally, or split over the ranks and shared."""
+        """Decompose the factors: locally, or split over the ranks and shared.
+
+        Blocks inverted by Cholesky (:meth:`_by_cholesky`) only keep their factors here,
+        which every rank holds identically after the statistics' all-reduce: nothing is
+        exchanged for them, and each rank that preconditions a block inverts it.
+        """
         keys = sorted(self.factors_, key=repr)
-        results = {k: self._decompose(k) for k in keys if self._mine(k)}
-        if self._comm is not None and self.decompose == "split":
-            results = self._share(keys, results)
+        local = [k for k in keys if self._by_cholesky() and len(self.factors_[k]) == 1]
+        shared = [k for k in keys if k not in local]
+        results = {k: self._decompose(k) for k in shared if self._mine(k)}
+        if self._comm is not None and self.decompose == "split" and shared:
+            results = self._share(shared, results)
+        for k in local:
+            results[k] = self._decompose(k) if self._uses(k) else ("ok", None)
         for key in keys:
             self._install(key, *results[key])
 
@@ -398,14 +409,11 @@ class KFAC(CurvatureOptimizer):
         KFAC with pi damping only ever uses ``(A + pi sqrt(lam) I)^{-1}`` and
         ``(G + sqrt(lam) / pi I)^{-1}``: a Cholesky factorization gives them about five
         times faster than ``eigh`` at several hundred rows (and more accurately in
-        float32). Distributed runs that split the decompositions over ranks keep
-        ``eigh``, whose results the owners share.
+        float32). Forming the inverse from an eigendecomposition costs about as much
+        as the whole Cholesky route and ran on every rank anyway, so distributed runs
+        use it too, without splitting: no decompositions to exchange.
         """
-        return (
-            not self._ekfac
-            and self.damping_mode == "pi"
-            and (self._comm is None or self.decompose == "all")
-        )
+        return not self._ekfac and self.damping_mode == "pi"
 
     def _share(self, keys: List[Key], results: Dict[Key, Tuple[str, Any]]) -> Dict[Key, Any]:
         """Exchange the owners' results (one all-reduce of a zero-padded buffer).

@@ -135,13 +135,15 @@ def train(name: str, args, problem) -> Dict[str, List[float]]:
     else:
         raise ValueError(f"unknown optimizer {name!r}")
 
-    def closure() -> Tensor:
+    def closure(backward: bool = True) -> Tensor:
+        # KFAC's line search calls closure(backward=False): it needs the loss only
         opt.zero_grad()
         loss, r, u_b = loss_fn()
         if name == "kfac":  # no-op during the line search's loss evaluations
             opt.register_output(r.unsqueeze(-1), mse, torch.zeros_like(r).unsqueeze(-1))
             opt.register_output(u_b.unsqueeze(-1), mse, g_bnd.unsqueeze(-1))
-        loss.backward()
+        if backward:
+            loss.backward()
         return loss
 
     history: Dict[str, List[float]] = {"step": [], "time": [], "l2": [], "loss": []}

@@ -412,6 +412,70 @@ def test_closure_returns_the_loss_and_takes_the_same_step():
     assert opt.step() is None  # without a closure, step returns None as in torch.optim
 
 
+def _counting_closure(opt, model, loss_func, X, y, calls, keyword=True):
+    """A closure recording how it was called; with ``keyword`` it takes ``backward``."""
+
+    def evaluate(backward):
+        calls.append(backward)
+        opt.zero_grad()
+        loss = loss_func(model(X), y)
+        if backward:
+            loss.backward()
+        return loss
+
+    if keyword:
+        return lambda backward=True: evaluate(backward)
+    return lambda: evaluate(True)
+
+
+def test_a_one_point_line_search_is_the_plain_step():
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    model, reference = mlp(), mlp()
+    opt = KFAC(model, lr=123.0, damping=1e-2, line_search_grid=[0.2])
+    opt.step(_counting_closure(opt, model, loss_func, X, y, []))
+    assert opt.last_line_search_lr == 0.2
+    train_step(KFAC(reference, lr=0.2, damping=1e-2), reference, loss_func, X, y)
+    assert_lists_close(params(model), params(reference), atol=1e-14)
+
+
+@pytest.mark.parametrize("keyword", [True, False], ids=["backward keyword", "plain closure"])
+def test_line_search_takes_the_best_grid_point_and_skips_backward_passes(keyword):
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    grid = [8.0, 2.0, 0.5, 0.125]
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, line_search_grid=grid)
+    calls: list = []
+    opt.step(_counting_closure(opt, model, loss_func, X, y, calls, keyword))
+    # one evaluation with its backward (the step's gradient), one per grid point without
+    assert calls == [True] + [not keyword] * len(grid)
+    with torch.no_grad():
+        final = float(loss_func(model(X), y))
+    losses = {}
+    for lr in grid:  # brute force: the plain step with each learning rate
+        twin = mlp()
+        train_step(KFAC(twin, lr=lr, damping=1e-2), twin, loss_func, X, y)
+        with torch.no_grad():
+            losses[lr] = float(loss_func(twin(X), y))
+    best = min(losses, key=losses.get)
+    assert opt.last_line_search_lr == best and len(set(losses.values())) == len(grid)
+    assert final == pytest.approx(losses[best], rel=1e-12)
+
+
+def test_adaptive_damping_evaluates_the_closure_without_backward():
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, adaptive_damping=True, damping_adaptation_interval=1)
+    calls: list = []
+    closure = _counting_closure(opt, model, loss_func, X, y, calls)
+    for _ in range(3):
+        opt.step(closure)
+    assert calls == [True, False] * 3
+    assert math.isfinite(opt.last_reduction_ratio)
+
+
 def test_momentum_is_heavy_ball_on_the_preconditioned_direction():
     """``buf = m buf + d``, ``p -= lr buf``: with the same batch, step 2 of the momentum run
     differs from the plain run by ``m (p1 - p0)``."""

@@ -29,6 +29,7 @@ process; ``loss / k`` over ``k`` equal micro-batches; on ``W`` ranks with batche
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -687,6 +688,13 @@ class CurvatureOptimizer(Optimizer):
         the reduction ratio ``rho > 3/4`` multiplies the damping by
         ``damping_adaptation_decay``, ``rho < 1/4`` divides it (Levenberg-Marquardt,
         Martens & Grosse 2015).
+
+        These extra evaluations (and those of ``line_search_grid``, one per candidate
+        learning rate) only need the loss. A closure that accepts a ``backward`` keyword
+        (``def closure(backward=True): ...``) is called with ``backward=False`` for them
+        and may skip its ``loss.backward()``; a closure without it is called as it is
+        (its backward passes are then wasted work, and ``.grad`` after the step holds
+        the gradient at the last evaluated point).
         """
         if self.line_search_grid is not None and closure is None:
             raise ValueError(
@@ -758,8 +766,7 @@ class CurvatureOptimizer(Optimizer):
         try:
             for lr in self.line_search_grid:
                 move(lr)
-                with torch.enable_grad():
-                    value = self._global_loss(float(closure().detach()))
+                value = self._global_loss(_loss_only(closure))
                 if value < best_loss:
                     best, best_loss = lr, value
         finally:
@@ -787,8 +794,7 @@ class CurvatureOptimizer(Optimizer):
     def _adapt_damping(self, closure, loss_before: float, grads: Tensor, delta: Tensor) -> None:
         self._evaluating = True
         try:
-            with torch.enable_grad():
-                loss_after = self._global_loss(float(closure().detach()))
+            loss_after = self._global_loss(_loss_only(closure))
         finally:
             self._evaluating = False
         loss_before = self._global_loss(loss_before)
@@ -956,3 +962,20 @@ def _take(flat: Tensor, index: Tensor) -> Tensor:
 def _put(flat: Tensor, index: Tensor, values: Tensor) -> None:
     """``flat[index] = values`` in place, through ``index_copy_``."""
     flat.index_copy_(0, index.reshape(-1), values.reshape(-1).to(flat.dtype))
+
+
+def _loss_only(closure: Callable[..., Tensor]) -> float:
+    """The closure's loss, evaluated for its value only.
+
+    ``closure(backward=False)`` where the closure takes a ``backward`` keyword (it may
+    then skip its backward pass), else ``closure()``; with gradients enabled either way
+    (the loss may need input derivatives, e.g. a Laplacian computed by autograd).
+    """
+    try:
+        params = inspect.signature(closure).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature
+        params = {}
+    takes = "backward" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    with torch.enable_grad():
+        loss = closure(backward=False) if takes else closure()
+    return float(loss.detach())

@@ -64,8 +64,9 @@ def require_finite(M: Tensor, what: str) -> None:
         )
 
 
-def damped_inverse(M: Tensor, shift: Tensor, *, name: str = "matrix") -> Tensor:
-    """``(M + shift I)^{-1}`` of a symmetric PSD ``M [..., D, D]`` with ``shift [...] > 0``.
+def damped_inverse(M: Tensor, shift, *, name: str = "matrix") -> Tensor:
+    """``(M + shift I)^{-1}`` of a symmetric PSD ``M [..., D, D]``, ``shift`` > 0 (a number or
+    ``[...]``, one per matrix).
 
     A Cholesky factorization and its inverse: about five times cheaper than an
     eigendecomposition at ``D`` of several hundred. Where the shifted matrix is not
@@ -74,19 +75,18 @@ def damped_inverse(M: Tensor, shift: Tensor, *, name: str = "matrix") -> Tensor:
     the result is the same as ``Q diag(1 / (max(l, 0) + shift)) Q^T``.
 
     Returns:
-        The inverse in ``M``'s dtype (computed in at least float32).
+        The inverse in ``M``'s dtype, at least float32.
 
     """
     dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
     require_finite(M, f"damped_inverse({name})")
+    shift = torch.as_tensor(shift, dtype=dtype, device=M.device)
     eye = torch.eye(M.shape[-1], dtype=dtype, device=M.device)
-    S = symmetrize(M.to(dtype)) + shift.to(dtype)[..., None, None] * eye
-    L, info = torch.linalg.cholesky_ex(S)
+    L, info = torch.linalg.cholesky_ex(symmetrize(M.to(dtype)) + shift[..., None, None] * eye)
     if not bool((info == 0).all()):
         evals, evecs = eigh(M, name=name)
         return (evecs / (evals + shift.to(evals.dtype)[..., None])[..., None, :]) @ evecs.mT
-    inv = torch.cholesky_inverse(L)
-    return symmetrize(inv).to(M.dtype if M.dtype in (torch.float32, torch.float64) else dtype)
+    return symmetrize(torch.cholesky_inverse(L))
 
 
 def pi_factor(mean_a: Tensor, mean_g: Tensor) -> Tensor:

@@ -584,6 +584,54 @@ def test_cholesky_inverses_give_the_steps_of_the_eigendecomposition(monkeypatch,
         torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-8)
 
 
+class _Tokens(nn.Module):
+    """Embedding, LayerNorm, self-attention and a Linear head on [N, S] tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(7, 8), nn.LayerNorm(8)
+        self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        h = self.ln(self.emb(tokens))
+        return self.head(h + self.attn(h, h, h, need_weights=False)[0]).mean(1)
+
+
+def _grouped_cnn():
+    return nn.Sequential(
+        nn.Conv2d(4, 6, 3, groups=2),
+        nn.Tanh(),
+        nn.Conv2d(6, 4, 2, groups=2),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 3),
+    )
+
+
+@pytest.mark.parametrize("arch", ["grouped conv", "tokens"])
+def test_cholesky_and_eigendecomposition_agree_on_other_layers(monkeypatch, arch):
+    g = torch.Generator().manual_seed(3)
+    if arch == "tokens":
+        make, X = _Tokens, torch.randint(0, 7, (6, 5), generator=g)
+    else:
+        make, X = _grouped_cnn, torch.randn(6, 4, 6, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=g)
+    runs = []
+    for cholesky in (True, False):
+        torch.manual_seed(0)
+        model = make().double()
+        opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE, inverse_every=2)
+        if not cholesky:
+            monkeypatch.setattr(opt, "_by_cholesky", lambda: False)
+        for _ in range(5):
+            train_step(opt, model, X, y)
+        kinds = {v[0] for v in opt._eig.values()}
+        assert kinds == ({"chol"} if cholesky else {"one"})
+        runs.append(model)
+        opt.close()
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-8)
+
+
 def test_a_failed_inversion_keeps_the_previous_one_then_a_first_failure_raises(monkeypatch):
     model, (X, y) = mlp(), batch()
     opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE, inverse_every=2)

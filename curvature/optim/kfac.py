@@ -81,11 +81,13 @@ class KFAC(CurvatureOptimizer):
             layers.
         factor_decay (float): EMA decay of the factors (default 0.95).
         factor_every (int): Collect statistics every this many steps (default 1).
-        inverse_every (int): Refresh decompositions every this many steps (default 10).
+        inverse_every (int): Refresh the factor inverses (pi damping: Cholesky) or
+            eigendecompositions (``"exact"``, EKFAC) every this many steps (default 10).
         kl_clip (float | None): Scale updates so that ``lr^2 d^T g <= kl_clip``
             (default None: off).
         damping_mode (str): ``"pi"`` (default; Tikhonov damping of each factor with the pi
-            heuristic, more conservative in directions where one factor is large) or
+            heuristic, more conservative in directions where one factor is large; the
+            damped factors are inverted by Cholesky) or
             ``"exact"`` (``kron(G, A) + lambda I`` inverted exactly in the eigenbasis).
             EKFAC always damps its corrected eigenvalues exactly.
         max_factor_size (int): Blocks with a Kronecker factor larger than this (default

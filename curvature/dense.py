@@ -68,10 +68,19 @@ def _unflat(vec: Tensor, params: Dict[str, Tensor]) -> Dict[str, Tensor]:
     return out
 
 
-def _flat_or_zeros(grads: Sequence[Optional[Tensor]], params: Sequence[Tensor]) -> Tensor:
-    """``autograd.grad(..., allow_unused=True)`` results as one flat vector (zeros for None)."""
+def _flat_or_zeros(
+    grads: Sequence[Optional[Tensor]], params: Sequence[Tensor], lead: Tuple[int, ...] = ()
+) -> Tensor:
+    """``autograd.grad(..., allow_unused=True)`` results as ``[*lead, P]`` (zeros for None).
+
+    ``lead`` is the batch shape of batched gradients (``is_grads_batched``).
+    """
     return torch.cat(
-        [(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)]
+        [
+            (p.new_zeros(*lead, *p.shape) if g is None else g).reshape(*lead, -1)
+            for g, p in zip(grads, params)
+        ],
+        dim=-1,
     )
 
 
@@ -165,24 +174,13 @@ def _hessian_rows(flat: Tensor, ps: Sequence[Tensor]) -> Tensor:
             except RuntimeError:  # an op without a batching rule: one row at a time
                 batched = False
                 continue
-            rows.append(_flat_or_zeros_batched(out, ps, k))
+            rows.append(_flat_or_zeros(out, ps, (k,)))
             i += k
         else:
             row = torch.autograd.grad(flat[i], ps, retain_graph=True, allow_unused=True)
             rows.append(_flat_or_zeros(row, ps).unsqueeze(0))
             i += 1
     return torch.cat(rows)
-
-
-def _flat_or_zeros_batched(grads: Sequence[Optional[Tensor]], params: Sequence[Tensor], k: int):
-    """``[k, P]``: batched gradients flattened, zeros for parameters that got none."""
-    return torch.cat(
-        [
-            (g if g is not None else p.new_zeros(k, *p.shape)).reshape(k, -1)
-            for g, p in zip(grads, params)
-        ],
-        dim=1,
-    )
 
 
 def _per_sample_grads(model, loss_func, params, X, y) -> Tensor:

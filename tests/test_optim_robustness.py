@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from cases import TinyTransformer
 from torch import nn
 
 import curvature
@@ -584,19 +585,6 @@ def test_cholesky_inverses_give_the_steps_of_the_eigendecomposition(monkeypatch,
         torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-8)
 
 
-class _Tokens(nn.Module):
-    """Embedding, LayerNorm, self-attention and a Linear head on [N, S] tokens."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb, self.ln = nn.Embedding(7, 8), nn.LayerNorm(8)
-        self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
-
-    def forward(self, tokens):
-        h = self.ln(self.emb(tokens))
-        return self.head(h + self.attn(h, h, h, need_weights=False)[0]).mean(1)
-
-
 def _grouped_cnn():
     return nn.Sequential(
         nn.Conv2d(4, 6, 3, groups=2),
@@ -610,11 +598,12 @@ def _grouped_cnn():
 @pytest.mark.parametrize("arch", ["grouped conv", "tokens"])
 def test_cholesky_and_eigendecomposition_agree_on_other_layers(monkeypatch, arch):
     g = torch.Generator().manual_seed(3)
-    if arch == "tokens":
-        make, X = _Tokens, torch.randint(0, 7, (6, 5), generator=g)
+    if arch == "tokens":  # logits [N, vocab, S] for targets [N, S]
+        make, X = TinyTransformer, torch.randint(0, 11, (6, 5), generator=g)
+        y = torch.randint(0, 11, (6, 5), generator=g)
     else:
         make, X = _grouped_cnn, torch.randn(6, 4, 6, 6, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (6,), generator=g)
+        y = torch.randint(0, 3, (6,), generator=g)
     runs = []
     for cholesky in (True, False):
         torch.manual_seed(0)

@@ -389,19 +389,16 @@ class KFAC(CurvatureOptimizer):
         terms = self.factors_[key]
         name = _block_name(key) or "<model>"
         try:
-            if len(terms) == 1 and self._by_cholesky():
-                # pi damping needs only the damped inverses: keep the factors of this
-                # refresh and invert them (Cholesky) for the damping of the moment
-                A, G = next(iter(terms.values()))
-                require_finite(A, f"A of '{name}'")
-                require_finite(G, f"G of '{name}'")
-                return "ok", ("chol", A.clone(), G.clone())
-            if len(terms) == 1:
-                A, G = next(iter(terms.values()))
-                lA, QA = eigh(A, name=f"A of '{name}'")
-                lG, QG = eigh(G, name=f"G of '{name}'")
-                return "ok", ("one", lA, QA, lG, QG)
-            return "ok", self._decompose_two(key, terms)
+            if len(terms) > 1:
+                return "ok", self._decompose_two(key, terms)
+            A, G = next(iter(terms.values()))
+            if not self._by_cholesky():
+                return "ok", self._eigendecompose(key, A, G)
+            # pi damping needs only the damped inverses: keep the factors of this refresh
+            # and invert them (Cholesky) for the damping of the moment
+            require_finite(A, f"A of '{name}'")
+            require_finite(G, f"G of '{name}'")
+            return "ok", ("chol", A.clone(), G.clone())
         except RuntimeError as err:
             return ("kept" if key in self._eig else "failed"), str(err)
 
@@ -530,7 +527,7 @@ class KFAC(CurvatureOptimizer):
             kind, *parts = self._eig[key]
             if kind == "chol" and (self._ekfac or self.damping_mode != "pi"):
                 # e.g. a state saved with pi damping, loaded with exact damping
-                self._eig[key] = self._from_snapshot(key, *parts)
+                self._eig[key] = self._eigendecompose(key, *parts)
                 kind, *parts = self._eig[key]
             if kind == "two":
                 if parts[-1] != lam:  # the damping changed (adaptive): decompose again
@@ -603,8 +600,8 @@ class KFAC(CurvatureOptimizer):
         self._inv[key] = (Ainv, Ginv, lam, eig)
         return Ainv, Ginv
 
-    def _from_snapshot(self, key: Key, A: Tensor, G: Tensor) -> tuple:
-        """The eigendecomposition ``("one", lA, QA, lG, QG)`` of kept factors."""
+    def _eigendecompose(self, key: Key, A: Tensor, G: Tensor) -> tuple:
+        """``("one", lA, QA, lG, QG)``: the eigendecompositions of a block's factors."""
         name = _block_name(key) or "<model>"
         return ("one", *eigh(A, name=f"A of '{name}'"), *eigh(G, name=f"G of '{name}'"))
 

@@ -182,6 +182,68 @@ def test_attention_called_twice_from_the_graph(float64_seeded, cross, kdim, kwar
         assert_grads_match(grads, expected)
 
 
+class _AttentionOnce(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.need_weights = False
+
+    def forward(self, x):
+        return self.att(x, x, x, need_weights=self.need_weights)[0].mean(1)
+
+
+def test_attention_graph_routes_are_reused_and_revalidated(float64_seeded, monkeypatch):
+    from cases import torch_func_per_sample_grads
+
+    from curvature.layers import attention
+
+    walks = []
+    walk = attention._find_projections
+    monkeypatch.setattr(attention, "_find_projections", lambda *a: walks.append(1) or walk(*a))
+    monkeypatch.setattr(
+        attention.MultiheadAttentionRule,
+        "_replay",
+        lambda *a: pytest.fail("the graph path should cover this model"),
+    )
+    model = _AttentionOnce()
+    loss = nn.MSELoss()
+    for need_weights, expected_walks in [(False, 1), (False, 1), (True, 2), (True, 2)]:
+        model.need_weights = need_weights  # another graph: the stored route must not match
+        X, y = torch.randn(3, 4, 6), torch.randn(3, 6)
+        with curvature.capture(model) as cap:
+            out = model(X)
+        grads = cap.per_sample_grads(curvature.per_sample_losses(loss, out, y))
+        assert_grads_match(grads, torch_func_per_sample_grads(model, loss, X, y))
+        assert len(walks) == expected_walks
+
+
+def test_attention_routes_that_do_not_fit_the_graph_are_refused():
+    from curvature.layers.attention import _find_projections, _follow_routes
+
+    att = nn.MultiheadAttention(6, 2, batch_first=True)
+    x = torch.randn(2, 3, 6, requires_grad=True) * 1.0
+    out = att(x, x, x, need_weights=False)[0]
+    found = _find_projections(att, out, [x])
+    again = _follow_routes(att, out, [x], found["routes"])
+    assert again["out"] is found["out"] and again["in"] == found["in"]
+    routes = dict((hit[0], (path, hit)) for path, hit in found["routes"])
+    (p_out, hit_out), (p_in, hit_in) = routes["out_proj.weight"], routes["in_proj_weight"]
+    assert _follow_routes(att, out, [x], [(p_out + (9,), hit_out), (p_in, hit_in)]) is None
+    other_rows = (hit_in[0], hit_in[1] + 1)  # the same weight, another split
+    assert _follow_routes(att, out, [x], [(p_out, hit_out), (p_in, other_rows)]) is None
+    assert _follow_routes(att, out, [out], found["routes"]) is None  # stop at the inputs
+
+
+def test_pool_blocks_are_mapped_outside_the_heap(pool_everything):
+    # whole pages from the OS (mmap), so that blocks kept between calls never fragment the
+    # heap that autograd allocates from; empty results do not go through the pool
+    t = _memory.result_empty((3, 1000), torch.float32, torch.device("cpu"))
+    assert t.data_ptr() % 4096 == 0
+    t.fill_(2.0)
+    assert float(t.sum()) == 6000.0
+    assert _memory.result_empty((0, 5), torch.float32, torch.device("cpu")).numel() == 0
+
+
 def test_pool_keeps_at_most_max_bytes(pool_everything):
     pool_everything.max_bytes = 0
     grads = _grads(_model(), *_batch(0))

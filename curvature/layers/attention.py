@@ -23,6 +23,7 @@ gradients ``g`` come from, in order of preference:
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -87,35 +88,75 @@ def _find_projections(
     call's query, key and value), so it covers this call's graph only: neither the rest
     of the model below the layer nor an earlier call of the same module.
 
-    Returns ``{"in": [(node, weight name, split index)], "out": node}`` or ``None`` when
-    the graph does not have the expected structure (the rule then replays the module).
+    Returns ``{"in": [(node, weight name, split index)], "out": node, "routes": ...}`` or
+    ``None`` when the graph does not have the expected structure (the rule then replays
+    the module). ``routes`` lists, per found node, its path from the output node
+    (``next_functions`` positions), for :func:`_follow_routes` on later calls.
     """
     params = {id(p): n for n, p in module.named_parameters()}
     weights = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"}
-    found_in, found_out = [], None
+    found_in, found_out, routes = [], None, []
     seen = {t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
-    stack = [out.grad_fn]
+    stack = [(out.grad_fn, ())]
     while stack:
-        node = stack.pop()
+        node, path = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        kind = type(node).__name__
-        if kind in ("MmBackward0", "AddmmBackward0"):
-            for f, i in node.next_functions:
+        nexts = node.next_functions
+        if type(node).__name__ in ("MmBackward0", "AddmmBackward0"):
+            for f, i in nexts:
                 hit = _resolve(f, i, params)
                 if hit is None:
                     continue
                 if hit[0] == "out_proj.weight":
                     found_out = node
+                    routes.append((path, hit))
                 elif hit[0] in weights:
                     found_in.append((node, hit[0], hit[1]))
-        for f, _ in node.next_functions:
+                    routes.append((path, hit))
+        for j, (f, _) in enumerate(nexts):
             if f is not None and type(f).__name__ != "AccumulateGrad":
-                stack.append(f)
+                stack.append((f, path + (j,)))
     if found_out is None or not found_in:
         return None
-    return {"in": found_in, "out": found_out}
+    return {"in": found_in, "out": found_out, "routes": routes}
+
+
+def _follow_routes(
+    module: nn.MultiheadAttention, out: Tensor, inputs: Sequence[Tensor], routes: list
+) -> Optional[dict]:
+    """:func:`_find_projections` along the routes found on an earlier call, or ``None``.
+
+    Every node on a route must be outside the inputs' graph, and every end node must be
+    a matmul whose weight operand is the same parameter (and split) as before; otherwise
+    the graph changed and the caller walks it again.
+    """
+    params = {id(p): n for n, p in module.named_parameters()}
+    stops = {t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
+    found_in, found_out = [], None
+    for path, expected in routes:
+        node = out.grad_fn
+        for j in path:
+            if node is None or node in stops:
+                return None
+            nexts = node.next_functions
+            if j >= len(nexts):
+                return None
+            node = nexts[j][0]
+        if node is None or node in stops:
+            return None
+        if type(node).__name__ not in ("MmBackward0", "AddmmBackward0"):
+            return None
+        if not any(_resolve(f, i, params) == expected for f, i in node.next_functions):
+            return None
+        if expected[0] == "out_proj.weight":
+            found_out = node
+        else:
+            found_in.append((node, expected[0], expected[1]))
+    if found_out is None or not found_in:
+        return None
+    return {"in": found_in, "out": found_out, "routes": routes}
 
 
 def _resolve(fn, output_nr: int, params: Dict[int, str]) -> Optional[Tuple[str, int]]:
@@ -163,6 +204,11 @@ class MultiheadAttentionRule(FunctionalRule):
     covers_children = True
     needs_outputs = True
     base_edge_outputs = (0,)  # the out-projection result behind the output view
+
+    def __init__(self) -> None:
+        super().__init__()
+        # per module: where the projection matmuls sat in the graph of its last call
+        self._routes: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
 
     # -- torch.func fallback configuration ---------------------------------------------
     def batch_axis(self, module):  # noqa: D102
@@ -214,9 +260,14 @@ class MultiheadAttentionRule(FunctionalRule):
         named = dict(zip(_ARG_NAMES, args))
         named.update(kwargs)
         qkv = [named.get(k) for k in ("query", "key", "value")]
-        found = _find_projections(module, leaves[0], [t for t in qkv if isinstance(t, Tensor)])
+        inputs = [t for t in qkv if isinstance(t, Tensor)]
+        routes = self._routes.get(module)
+        found = None if routes is None else _follow_routes(module, leaves[0], inputs, routes)
         if found is None:
-            return None
+            found = _find_projections(module, leaves[0], inputs)
+            if found is None:
+                return None
+            self._routes[module] = found["routes"]
         E = module.embed_dim
         edges, info = [], []
         for node, weight, split in found["in"]:

@@ -1,6 +1,7 @@
 """benchmarks/run_all.py: the summary table from fixture results (nothing is timed here)."""
 
 import json
+import os
 import pathlib
 import sys
 
@@ -235,3 +236,60 @@ def test_command_lines(tmp_path):
     assert run_all.command_for("pinn", False, j, True)[2:4] == ["--worker", "pinn"]
     with pytest.raises(ValueError):
         run_all.command_for("nope", False, j, True)
+
+
+def test_per_sample_children_get_the_parent_options():
+    import per_sample
+
+    argv = ["--quick", "--workloads", "mlp,cnn", "--json=x.json", "--doc", "d.md", "--no-doc"]
+    argv += ["--repeats", "3", "--keep-freed-memory"]
+    assert per_sample.child_argv(argv, "cnn", "c.json") == [
+        "--workloads",
+        "cnn",
+        "--quick",
+        "--repeats",
+        "3",
+        "--keep-freed-memory",
+        "--child",
+        "--no-doc",
+        "--json",
+        "c.json",
+    ]
+
+
+def test_per_sample_runs_each_workload_in_a_child_process(tmp_path):
+    import per_sample
+
+    out = tmp_path / "r.json"
+    argv = ["--quick", "--workloads", "mlp,cnn", "--methods", "curvature", "--json", str(out)]
+    res = per_sample.main(argv)
+    assert set(res["workloads"]) == {"mlp", "cnn"}
+    assert json.loads(out.read_text())["workloads"].keys() == {"mlp", "cnn"}
+    processes = {wl["process"] for wl in res["workloads"].values()}
+    assert len(processes) == 2 and os.getpid() not in processes  # a fresh one each
+    for wl in res["workloads"].values():
+        assert wl["methods"]["curvature"]["grads"]["ratio"] > 0
+
+
+def test_per_sample_reports_the_transformer_without_page_faults():
+    import argparse
+
+    import per_sample
+
+    wl = {
+        "methods": {
+            "curvature": {"grads": {"ratio": 1.0, "mismatch": False}},
+            "opacus EW": {"grads": {"ratio": 1.1, "mismatch": False}},
+        },
+        "head_to_head": {"grads": {"opacus EW": {"ratio": 0.97, "disturbed": False}}},
+    }
+    (line,) = per_sample.fault_free_lines({"without_page_faults": {"transformer": wl}})
+    assert "keep-freed-memory" in line and "curvature / opacus EW = 0.97 (head to head)" in line
+    assert per_sample.fault_free_lines({}) == []
+    full = argparse.Namespace(quick=False, child=False, in_process=False, keep_freed_memory=False)
+    methods = list(per_sample.METHODS)
+    assert per_sample.wants_fault_free_check(full, ["mlp", "transformer"], methods)
+    assert not per_sample.wants_fault_free_check(full, ["mlp"], methods)
+    assert not per_sample.wants_fault_free_check(full, ["transformer"], ["curvature"])
+    quick = argparse.Namespace(**{**vars(full), "quick": True})
+    assert not per_sample.wants_fault_free_check(quick, ["transformer"], methods)

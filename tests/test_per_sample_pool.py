@@ -17,6 +17,7 @@ from torch import nn
 
 import curvature
 from curvature import _memory
+from curvature.layers import registered_rule
 
 
 @pytest.fixture
@@ -215,6 +216,54 @@ def test_attention_graph_routes_are_reused_and_revalidated(float64_seeded, monke
         grads = cap.per_sample_grads(curvature.per_sample_losses(loss, out, y))
         assert_grads_match(grads, torch_func_per_sample_grads(model, loss, X, y))
         assert len(walks) == expected_walks
+
+
+class _AttentionSwitching(nn.Module):
+    """One attention module whose call pattern changes from one forward to the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.mode = "self"
+
+    def forward(self, x, z, w):
+        q, k, v = {"self": (x, x, x), "kv": (x, z, z), "qkv": (x, z, w)}[self.mode]
+        return self.att(q, k, v, need_weights=False)[0].mean(1)
+
+
+def test_attention_routes_survive_changing_call_patterns(float64_seeded, monkeypatch):
+    # self-attention projects q, k, v with one matmul, k-is-v with two, else three: a
+    # stored route may then lead to some of them only; the walk must take over
+    from cases import torch_func_per_sample_grads
+
+    from curvature.layers import attention
+
+    monkeypatch.setattr(
+        attention.MultiheadAttentionRule,
+        "_replay",
+        lambda *a: pytest.fail("the graph path should cover this model"),
+    )
+    model = _AttentionSwitching()
+    loss = nn.MSELoss()
+    for mode in ("self", "kv", "qkv", "kv", "self", "qkv", "self", "qkv"):
+        model.mode = mode
+        X = (torch.randn(3, 4, 6), torch.randn(3, 5, 6), torch.randn(3, 5, 6))
+        y = torch.randn(3, 6)
+        with curvature.capture(model) as cap:
+            out = model(*X)
+        grads = cap.per_sample_grads(curvature.per_sample_losses(loss, out, y))
+        assert_grads_match(grads, torch_func_per_sample_grads(model, loss, X, y))
+    # a stored route that still fits but reaches only some projections (q and out of
+    # three separate q, k, v matmuls): the graph is walked again
+    rule = registered_rule(model.att)
+    partial = [r for r in rule._routes[model.att] if r[1][1] == 0]
+    assert 0 < len(partial) < len(rule._routes[model.att])
+    rule._routes[model.att] = partial
+    with curvature.capture(model) as cap:
+        out = model(*X)
+    grads = cap.per_sample_grads(curvature.per_sample_losses(loss, out, y))
+    assert_grads_match(grads, torch_func_per_sample_grads(model, loss, X, y))
+    assert len(rule._routes[model.att]) == 4  # q, k, v and out again
 
 
 def test_attention_routes_that_do_not_fit_the_graph_are_refused():

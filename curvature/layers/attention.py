@@ -263,11 +263,18 @@ class MultiheadAttentionRule(FunctionalRule):
         inputs = [t for t in qkv if isinstance(t, Tensor)]
         routes = self._routes.get(module)
         found = None if routes is None else _follow_routes(module, leaves[0], inputs, routes)
-        if found is None:
+        res = None if found is None else self._projection_edges(module, found)
+        if res is None:  # no route yet, or it leads elsewhere or to only some projections
             found = _find_projections(module, leaves[0], inputs)
             if found is None:
                 return None
             self._routes[module] = found["routes"]
+            res = self._projection_edges(module, found)
+        return res
+
+    @staticmethod
+    def _projection_edges(module, found: dict) -> Optional[tuple]:
+        """``(edges, info)`` of the ``found`` matmuls; ``None`` unless they cover q, k, v, out."""
         E = module.embed_dim
         edges, info = [], []
         for node, weight, split in found["in"]:

@@ -266,6 +266,18 @@ class Capture:
             _ = self.batch_size  # raises the "no forward was recorded" error
         calls = [c for _, _, _, cs in active for c in cs]
         edges = [e for c in calls for e in c.out_edges]
+        lead: Tuple[int, ...] = ()
+        vmapped = is_grads_batched
+        if is_grads_batched:
+            many = isinstance(grad_outputs, (list, tuple))
+            first = next(g for g in grad_outputs if g is not None) if many else grad_outputs
+            lead = (first.shape[0],)
+            if lead == (1,):  # one vector: a plain backward, without vmap's overhead
+                vmapped = False
+                if many:
+                    grad_outputs = [None if g is None else g[0] for g in grad_outputs]
+                else:
+                    grad_outputs = grad_outputs[0]
         self._recording = False
         self._pushing = False
         try:
@@ -275,8 +287,10 @@ class Capture:
                 grad_outputs,
                 retain_graph=retain_graph,
                 allow_unused=True,
-                is_grads_batched=is_grads_batched,
+                is_grads_batched=vmapped,
             )
+            if is_grads_batched and not vmapped:
+                grads = tuple(None if g is None else g.unsqueeze(0) for g in grads)
         except RuntimeError as err:
             if "second time" in str(err) or "freed" in str(err):
                 raise RuntimeError(
@@ -302,10 +316,6 @@ class Capture:
                 "The given outputs do not depend on the captured forward: compute them "
                 "from the output of the model run inside `with capture(model)`."
             )
-        lead: Tuple[int, ...] = ()
-        if is_grads_batched:
-            first = grad_outputs[0] if isinstance(grad_outputs, (list, tuple)) else grad_outputs
-            lead = (first.shape[0],)
         it = iter(grads)
         for c in calls:
             gs = [next(it) for _ in c.out_edges]

@@ -43,6 +43,34 @@ def test_batched_pull_equals_loop_of_pulls():
             torch.testing.assert_close(s, r, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("as_list", [False, True])
+def test_batched_pull_of_one_vector_keeps_its_axis(as_list, monkeypatch):
+    # K = 1 runs as a plain backward (no vmap) and must look like any batched pull,
+    # including the zeros of an output that the vector does not reach
+    model = _model()
+    X = torch.randn(4, 5)
+    with curvature.capture(model) as cap:
+        out = model(X)
+    v = torch.randn(1, *out.shape)
+    seen = []
+    grad = torch.autograd.grad
+    monkeypatch.setattr(
+        torch.autograd, "grad", lambda *a, **k: seen.append(k["is_grads_batched"]) or grad(*a, **k)
+    )
+    cap.pull([out] if as_list else out, [v] if as_list else v, is_grads_batched=True)
+    assert seen == [False]
+    ref = _reference_output_grads(model, X, v[0])
+    for name, r in zip(("0", "2"), ref):
+        g = cap._calls[name][0].grads[0]
+        assert g.shape == (1, *r.shape)
+        torch.testing.assert_close(g[0], r, rtol=1e-12, atol=1e-12)
+    hidden = cap._calls["2"][0].args[0]  # depends on layer 0 only
+    cap.pull(hidden, torch.ones(1, *hidden.shape), is_grads_batched=True, unreached="zeros")
+    assert cap._calls["0"][0].grads[0].shape == (1, 4, 6)
+    assert cap._calls["2"][0].grads[0].shape == (1, 4, 3)
+    assert not cap._calls["2"][0].grads[0].any()
+
+
 def test_expand_carries_the_batched_axis():
     model = _model()
     X = torch.randn(4, 2, 5)

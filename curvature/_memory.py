@@ -10,7 +10,6 @@ Anywhere else it is ``torch.empty``.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import sys
 import weakref
 from typing import Optional, Sequence
@@ -118,28 +117,11 @@ class ResultPool:
         except IndexError:  # emptied by another thread meanwhile
             block = None
         if block is None:
-            block = _anonymous_block(nbytes)
+            # the memory and a memoryview of it (which holds it) for the block's lifetime
+            block = memoryview(empty_large((nbytes,), torch.uint8, torch.device("cpu")).numpy())
         proxy = block[:]  # a new view object: only the result's storage will hold it
         _proxies[id(proxy)] = weakref.ref(proxy, _returner(self, nbytes, block, id(proxy)))
         return torch.frombuffer(proxy, dtype=dtype, count=numel).view(shape)
-
-
-def _anonymous_block(nbytes: int) -> memoryview:
-    """``nbytes`` of fresh memory mapped straight from the OS, outside the malloc heap.
-
-    Blocks that outlive a call would otherwise sit in the middle of the heap that the
-    next forward and backward allocate from, fragmenting it so that it keeps growing and
-    faulting in new pages. Huge pages are requested where available (Linux).
-    """
-    block = mmap.mmap(-1, nbytes)
-    view = memoryview(block)
-    if _libc is not None and nbytes >= 2 * _HUGE:
-        ptr = ctypes.addressof(ctypes.c_char.from_buffer(block))
-        start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
-        end = (ptr + nbytes) & ~(_HUGE - 1)
-        if end > start:
-            _libc.madvise(start, end - start, _MADV_HUGEPAGE)
-    return view
 
 
 def _returner(pool: ResultPool, nbytes: int, block: memoryview, key: int):

@@ -1055,9 +1055,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "opacus": common.package_version("opacus"),
         "backpack-for-pytorch": common.package_version("backpack-for-pytorch"),
     }
-    command = "python benchmarks/per_sample.py" + (" " + " ".join(argv) if argv else "")
-    if argv is None:
-        command = "python benchmarks/per_sample.py " + " ".join(sys.argv[1:])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shown = [  # paths inside the repository relative to it, as a reader would type them
+        os.path.relpath(a, root) if os.path.isabs(a) and a.startswith(root + os.sep) else a
+        for a in (sys.argv[1:] if argv is None else argv)
+    ]
+    command = " ".join(["python benchmarks/per_sample.py", *shown])
     print(f"{common.machine_line(info)}; memory method: {common.memory_method()}")
 
     results: Dict[str, Any] = {

@@ -141,6 +141,54 @@ def test_nan_batch_with_mc_fisher_does_not_crash(cls):
     assert all(torch.equal(p, q) for p, q in zip(params(model), before))
 
 
+def test_one_non_finite_block_is_skipped_alone():
+    # the finiteness of a pull's contributions is checked in one batched reduction: each
+    # contribution must still be judged on its own values
+    model = mlp()
+    opt = KFAC(model, lr=0.1, fisher="type-2", loss_func=CE)
+    opt._context = (10, "mean", 1.0, False)
+    good, bad = torch.ones(2, 2), torch.tensor([[1.0, float("inf")], [0.0, 1.0]])
+    opt._add_step_stat(("0", ""), [good, good, None], ("A", "G", "G"), rows=10)
+    opt._add_step_stat(("2", ""), [good, bad, None], ("A", "G", "G"), rows=10)
+    opt._add_step_stat(("2", ""), [good, good, None], ("A", "G", "G"), rows=10)
+    assert opt.skipped_statistics == 0  # nothing is judged before the flush
+    opt._flush_step_stats()
+    assert opt.skipped_statistics == 1
+    first, second = opt._step_stats[("0", "", 0)], opt._step_stats[("2", "", 0)]
+    assert (first.rows, first.samples, second.rows, second.samples) == (10, 10, 10, 10)
+    assert torch.equal(second.values[1], good) and second.values[2] is None
+
+
+@pytest.mark.parametrize("cls,kwargs", [(KFAC, {}), (KFAC, {"kl_clip": 1e-3}), (EKFAC, {})])
+def test_a_step_synchronizes_the_host_a_fixed_number_of_times(cls, kwargs, monkeypatch):
+    # on a GPU every bool() / float() / tolist() of a tensor waits for the device: the
+    # number per step (between refreshes) must not grow with the number of layers
+    def syncs_per_step(depth):
+        model = mlp((4,) + (6,) * depth + (3,))
+        opt = cls(model, lr=0.01, fisher="mc", loss_func=CE, inverse_every=1000, **kwargs)
+        for seed in range(2):
+            train_step(opt, model, *batch(seed=seed))
+        count = [0]
+        for name in ("__bool__", "__float__", "__int__", "item", "tolist"):
+            orig = getattr(torch.Tensor, name)
+
+            def counting(self, *args, _orig=orig):
+                count[0] += 1
+                return _orig(self, *args)
+
+            monkeypatch.setattr(torch.Tensor, name, counting)
+        for seed in range(2, 5):
+            X, y = batch(seed=seed)
+            opt.zero_grad()
+            CE(model(X), y).backward()  # the loss is not converted: only the optimizer counts
+            opt.step()
+        monkeypatch.undo()
+        return count[0] / 3
+
+    shallow, deep = syncs_per_step(1), syncs_per_step(6)
+    assert shallow == deep <= 6
+
+
 # -- degenerate layers and batches -----------------------------------------------------------------
 @pytest.mark.parametrize("damping_mode", ["exact", "pi"])
 @pytest.mark.parametrize("cls", [KFAC, EKFAC])

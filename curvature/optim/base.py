@@ -298,6 +298,7 @@ class CurvatureOptimizer(Optimizer):
             WeakHook(self, "_root_forward_start", self.model)
         )
         self._step_stats: Dict[Tuple[str, str, int], list] = {}
+        self._stat_queue: list = []  # contributions awaiting one batched finiteness check
         self._layers: Dict[str, Tuple[nn.Module, LayerRule]] = {
             n: (m, r) for n, m, r in self._capture.layers
         }
@@ -493,6 +494,13 @@ class CurvatureOptimizer(Optimizer):
 
     def _consume(self, calls, with_g: bool = True, scale_by_reduction: bool = False) -> None:
         """Fold calls (with ``grads`` set) into this step's statistics, then release them."""
+        try:
+            self._consume_calls(calls, with_g, scale_by_reduction)
+            self._flush_step_stats()
+        finally:
+            self._stat_queue = []
+
+    def _consume_calls(self, calls, with_g: bool, scale_by_reduction: bool) -> None:
         with self._capture._computing():
             for name, module, rule, cs in calls:
                 if scale_by_reduction:  # user backward: c grad l_n (times the AMP scale)
@@ -543,18 +551,42 @@ class CurvatureOptimizer(Optimizer):
                 empirical=empirical,
                 shapes=[None if v is None else tuple(v.shape) for v in values],
             )
-        # a sum is finite iff every entry is (barring float overflow): one reduction
-        if any(v is not None and not torch.isfinite(v.sum()) for v in values):
-            self.skipped_statistics += 1  # the slot stays (with zero counts) for the layout
-            return
         if g_scale != 1.0:
             values = [v if (v is None or k == "A") else v * g_scale for v, k in zip(values, kinds)]
-        slot.values = [
-            a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, values)
-        ]
-        slot.shapes = [s if v is None else tuple(v.shape) for s, v in zip(slot.shapes, values)]
-        slot.rows += rows
-        slot.samples += N
+        # folded by _flush_step_stats once the finiteness of all is known (one sync)
+        self._stat_queue.append((slot, list(values), rows, N))
+
+    def _flush_step_stats(self) -> None:
+        """Fold the queued contributions into their slots, skipping non-finite ones.
+
+        A sum is finite iff every entry is (barring float overflow): the sums of all
+        queued values are checked in one reduction per device, so that a step costs one
+        host synchronization on a GPU instead of one per block. A skipped contribution
+        is counted in ``skipped_statistics``; its slot stays (with zero counts) for the
+        layout.
+        """
+        queue, self._stat_queue = self._stat_queue, []
+        sums: Dict[torch.device, List[Tensor]] = {}
+        where = []  # per entry: (device, first, count) of its sums
+        for _, values, _, _ in queue:
+            present = [v for v in values if v is not None]
+            dev = present[0].device if present else torch.device("cpu")
+            lst = sums.setdefault(dev, [])
+            where.append((dev, len(lst), len(present)))
+            lst.extend(v.sum().to(dev, torch.float64) for v in present)
+        finite = {
+            dev: torch.stack(lst).isfinite().tolist() if lst else [] for dev, lst in sums.items()
+        }
+        for (slot, values, rows, N), (dev, first, count) in zip(queue, where):
+            if not all(finite[dev][first : first + count]):
+                self.skipped_statistics += 1
+                continue
+            slot.values = [
+                a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, values)
+            ]
+            slot.shapes = [s if v is None else tuple(v.shape) for s, v in zip(slot.shapes, values)]
+            slot.rows += rows
+            slot.samples += N
 
     def _finalize_statistics(self) -> Dict[Tuple[str, str, int], List[Optional[Tensor]]]:
         """The statistics of this step, reduced over the ranks and normalized.
@@ -854,18 +886,24 @@ class CurvatureOptimizer(Optimizer):
         """Momentum, decoupled weight decay, KL clipping; ``p -= lr * update``."""
         groups = self._group_of()
         nu = 1.0
+        # one host synchronization: the finiteness of the directions (one reduction when
+        # all is well) and, for KL clipping, sum_p lr_p^2 d_p . g_p
+        checks = [directions.sum()]
         if self.kl_clip is not None:
-            vg = 0.0
-            for n, p in self.model.named_parameters():
-                if p in groups and n in self._offsets:
-                    o = self._offsets[n]
-                    lr = groups[p]["lr"]
-                    vg += lr**2 * float(
-                        (directions[o : o + p.numel()] * grads[o : o + p.numel()]).sum()
-                    )
+            dots = [
+                groups[p]["lr"] ** 2
+                * torch.dot(directions[o : o + p.numel()], grads[o : o + p.numel()])
+                for n, p in self.model.named_parameters()
+                if p in groups and n in self._offsets
+                for o in (self._offsets[n],)
+            ]
+            checks.append(torch.stack(dots).sum() if dots else directions.new_zeros(()))
+        total, *kl = torch.stack(checks).tolist()
+        if kl:
+            vg = kl[0]
             nu = min(1.0, math.sqrt(self.kl_clip / vg)) if vg > 0 else 1.0
         self.last_kl_scale = nu
-        all_finite = bool(torch.isfinite(directions.sum()))  # one reduction when all is well
+        all_finite = math.isfinite(total)
         for n, p in self.model.named_parameters():
             if p not in groups or n not in self._offsets or p.grad is None:
                 continue

@@ -8,7 +8,7 @@ matrix and the suggestion to raise the damping.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -55,6 +55,48 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
     ) from last
 
 
+def eighs(mats: Sequence[Tensor], names: Sequence[str]) -> List[Any]:
+    """:func:`eigh` of several matrices, with two host synchronizations for all of them.
+
+    Every matrix's finiteness is read at once, and so is every first attempt's result;
+    only a matrix whose first attempt fails pays for its retries (float64, jitter) one
+    by one.
+
+    Returns:
+        Per matrix ``(evals, evecs)`` as from :func:`eigh`, or the ``RuntimeError`` that
+        :func:`eigh` would have raised for it (non-finite entries, repeated failure).
+
+    """
+    out: List[Any] = [None] * len(mats)
+    first: Dict[int, Tuple[Tensor, Tensor, torch.dtype]] = {}
+    for i, (M, ok, name) in enumerate(zip(mats, finite_flags(mats), names)):
+        if not ok:
+            out[i] = RuntimeError(
+                f"eigh({name}): the matrix has non-finite entries (NaN/inf in the "
+                "statistics); check the data and the loss, or lower the learning rate."
+            )
+            continue
+        dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
+        try:
+            evals, evecs = torch.linalg.eigh(symmetrize(M.to(dtype)))
+        except RuntimeError:  # e.g. convergence failure: the retries below
+            continue
+        first[i] = (evals, evecs, dtype)
+    done = list(first)
+    flags = finite_flags([t for i in done for t in first[i][:2]])
+    for j, i in enumerate(done):
+        evals, evecs, dtype = first[i]
+        if flags[2 * j] and flags[2 * j + 1]:
+            out[i] = (evals.clamp_min(0).to(dtype), evecs.to(dtype))
+    for i, M in enumerate(mats):
+        if out[i] is None:  # the first attempt failed: eigh's own retries
+            try:
+                out[i] = eigh(M, name=names[i])
+            except RuntimeError as err:
+                out[i] = err
+    return out
+
+
 def require_finite(M: Tensor, what: str) -> None:
     """Raise a ``RuntimeError`` naming ``what`` if ``M`` has a NaN or an infinity."""
     if not torch.isfinite(M).all():
@@ -64,29 +106,87 @@ def require_finite(M: Tensor, what: str) -> None:
         )
 
 
+def host_values(scalars: Sequence[Tensor]) -> list:
+    """The Python values of 0-d tensors, one host synchronization per device.
+
+    On a GPU each ``bool(t)`` or ``float(t)`` would wait for the device. Values on one
+    device are promoted to a common dtype (``True`` next to floats reads as ``1.0``).
+    """
+    per_device: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(scalars):
+        per_device.setdefault(t.device, []).append(i)
+    out: list = [None] * len(scalars)
+    for idx in per_device.values():
+        for i, v in zip(idx, torch.stack([scalars[i] for i in idx]).tolist()):
+            out[i] = v
+    return out
+
+
+def finite_flags(tensors: Sequence[Tensor]) -> List[bool]:
+    """Whether each tensor is free of NaN and infinity (one synchronization per device).
+
+    A tensor's sum is finite iff every entry is (barring overflow of the float64 sum).
+    """
+    return host_values([t.sum().to(torch.float64).isfinite() for t in tensors])
+
+
 def damped_inverse(M: Tensor, shift, *, name: str = "matrix") -> Tensor:
-    """``(M + shift I)^{-1}`` of a symmetric PSD ``M [..., D, D]``, ``shift`` > 0 (a number or
-    ``[...]``, one per matrix).
+    """``(M + shift I)^{-1}`` of a symmetric PSD ``M [..., D, D]`` (see :func:`damped_inverses`).
+
+    ``shift`` > 0 is a number or ``[...]``, one per matrix.
+    """
+    return damped_inverses([M], [shift], names=[name])[0]
+
+
+def damped_inverses(
+    mats: Sequence[Tensor],
+    shifts: Sequence,
+    *,
+    names: Optional[Sequence[str]] = None,
+    check_finite: bool = True,
+) -> List[Tensor]:
+    """``(M + shift I)^{-1}`` for several symmetric PSD ``M [..., D, D]`` and shifts > 0.
 
     A Cholesky factorization and its inverse: about five times cheaper than an
     eigendecomposition at ``D`` of several hundred. Where the shifted matrix is not
     numerically positive definite (a ``shift`` far below the rounding error of ``M``),
     the inverse is taken from :func:`eigh`, whose eigenvalues are clamped at 0, so
-    the result is the same as ``Q diag(1 / (max(l, 0) + shift)) Q^T``.
+    the result is the same as ``Q diag(1 / (max(l, 0) + shift)) Q^T``. The matrices'
+    finiteness (unless ``check_finite=False``: the caller checked) and the outcomes
+    of their factorizations are read in one synchronization each.
 
     Returns:
-        The inverse in ``M``'s dtype, at least float32.
+        The inverses, each in its ``M``'s dtype, at least float32.
+
+    Raises:
+        RuntimeError: Naming the first matrix with non-finite entries.
 
     """
-    dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
-    require_finite(M, f"damped_inverse({name})")
-    shift = torch.as_tensor(shift, dtype=dtype, device=M.device)
-    eye = torch.eye(M.shape[-1], dtype=dtype, device=M.device)
-    L, info = torch.linalg.cholesky_ex(symmetrize(M.to(dtype)) + shift[..., None, None] * eye)
-    if not bool((info == 0).all()):
-        evals, evecs = eigh(M, name=name)
-        return (evecs / (evals + shift.to(evals.dtype)[..., None])[..., None, :]) @ evecs.mT
-    return symmetrize(torch.cholesky_inverse(L))
+    names = list(names) if names is not None else ["matrix"] * len(mats)
+    if check_finite:
+        for ok, name in zip(finite_flags(mats), names):
+            if not ok:
+                raise RuntimeError(
+                    f"damped_inverse({name}): the matrix has non-finite entries (NaN/inf in "
+                    "the statistics); check the data and the loss, or lower the learning rate."
+                )
+    factors, infos = [], []
+    for M, shift in zip(mats, shifts):
+        dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
+        shift = torch.as_tensor(shift, dtype=dtype, device=M.device)
+        eye = torch.eye(M.shape[-1], dtype=dtype, device=M.device)
+        L, info = torch.linalg.cholesky_ex(symmetrize(M.to(dtype)) + shift[..., None, None] * eye)
+        factors.append((L, shift))
+        infos.append(info.ne(0).any())
+    out = []
+    for M, (L, shift), bad, name in zip(mats, factors, host_values(infos), names):
+        if bad:
+            evals, evecs = eigh(M, name=name)
+            shifted = evals + shift.to(evals.dtype)[..., None]
+            out.append((evecs / shifted[..., None, :]) @ evecs.mT)
+        else:
+            out.append(symmetrize(torch.cholesky_inverse(L)))
+    return out
 
 
 def pi_factor(mean_a: Tensor, mean_g: Tensor) -> Tensor:

@@ -215,7 +215,10 @@ def run_failure(rank: int, out_dir: str, mode: str) -> Dict[str, object]:
         def failing_eigh(M, name="matrix"):
             raise RuntimeError(f"eigh({name}) failed (injected on rank 1)")
 
-        kfac_module.eigh = failing_eigh
+        def failing_eighs(mats, names):
+            return [RuntimeError(f"eigh({n}) failed (injected on rank 1)") for n in names]
+
+        kfac_module.eigh, kfac_module.eighs = failing_eigh, failing_eighs
     model = make_model()
     kw = dict(fisher="empirical", comm_timeout=3.0)
     if mode == "decompose":  # eigendecompositions, split over the ranks (pi: Cholesky)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curvature.linalg import damped_inverse, eigh
+from curvature.linalg import (
+    damped_inverse,
+    damped_inverses,
+    eigh,
+    eighs,
+    finite_flags,
+    host_values,
+)
 
 
 def _psd(*batch: int, D: int = 12, rank: int = 5, dtype=torch.float64) -> torch.Tensor:
@@ -55,3 +62,56 @@ def test_non_finite_entries_raise_with_the_name():
     M[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="damped_inverse\\(A of 'fc'\\).*non-finite"):
         damped_inverse(M, 0.1, name="A of 'fc'")
+
+
+def test_several_inverses_in_one_pass_fall_back_one_by_one(monkeypatch):
+    # the middle matrix is not positive definite after its shift: only it takes the
+    # eigendecomposition route, and the outcomes are read in one synchronization
+    good, other = _psd(D=6, rank=3), _psd(D=4, rank=4)
+    bad = good - 1e-3 * torch.eye(6, dtype=good.dtype)
+    shifts = [0.5, 1e-6, torch.tensor(0.1, dtype=torch.float64)]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    got = damped_inverses([good, bad, other], shifts, check_finite=False)
+    assert len(reads) == 1
+    for g, M, s in zip(got, [good, bad, other], shifts):
+        torch.testing.assert_close(g, damped_inverse(M, s))
+
+
+def test_several_inverses_name_the_non_finite_matrix():
+    M = _psd()
+    bad = M.clone()
+    bad[1, 2] = float("inf")
+    with pytest.raises(RuntimeError, match="damped_inverse\\(G of 'b'\\).*non-finite"):
+        damped_inverses([M, bad], [0.1, 0.1], names=["A of 'a'", "G of 'b'"])
+
+
+def test_finite_flags_and_host_values():
+    t = torch.ones(3)
+    assert finite_flags([t, t * float("nan"), torch.tensor([1.0, -float("inf")])]) == [
+        True,
+        False,
+        False,
+    ]
+    assert finite_flags([]) == [] and host_values([]) == []
+    assert host_values([torch.tensor(2.5), torch.tensor(True)]) == [2.5, 1.0]
+
+
+def test_eighs_equal_eigh_with_two_synchronizations_and_errors_per_matrix(monkeypatch):
+    mats = [_psd(D=5, rank=2), _psd(2, D=4, rank=4), _psd(D=3, rank=1, dtype=torch.float32)]
+    bad = _psd(D=3)
+    bad[0, 1] = float("nan")
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    got = eighs([*mats, bad], ["a", "b", "c", "bad"])
+    monkeypatch.undo()
+    assert len(reads) == 2
+    for (evals, evecs), M in zip(got, mats):
+        ref_evals, ref_evecs = eigh(M)
+        assert evals.dtype == M.dtype and evecs.dtype == M.dtype
+        torch.testing.assert_close(evals, ref_evals)  # the same computation as eigh
+        torch.testing.assert_close(evecs, ref_evecs)
+    assert isinstance(got[3], RuntimeError) and "eigh(bad)" in str(got[3])
+    assert "non-finite" in str(got[3])

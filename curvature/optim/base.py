@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 
 from ..capture import Capture, WeakHook, _unwrap
 from ..layers import LayerRule
+from ..linalg import finite_flags
 from ..losses import (
     FISHER_TYPES,
     SUPPORTED_LOSSES,
@@ -566,19 +567,11 @@ class CurvatureOptimizer(Optimizer):
         layout.
         """
         queue, self._stat_queue = self._stat_queue, []
-        sums: Dict[torch.device, List[Tensor]] = {}
-        where = []  # per entry: (device, first, count) of its sums
-        for _, values, _, _ in queue:
-            present = [v for v in values if v is not None]
-            dev = present[0].device if present else torch.device("cpu")
-            lst = sums.setdefault(dev, [])
-            where.append((dev, len(lst), len(present)))
-            lst.extend(v.sum().to(dev, torch.float64) for v in present)
-        finite = {
-            dev: torch.stack(lst).isfinite().tolist() if lst else [] for dev, lst in sums.items()
-        }
-        for (slot, values, rows, N), (dev, first, count) in zip(queue, where):
-            if not all(finite[dev][first : first + count]):
+        present = [[v for v in values if v is not None] for _, values, _, _ in queue]
+        flags = iter(finite_flags([v for vs in present for v in vs]))
+        finite = [all([next(flags) for _ in vs]) for vs in present]  # consumes every flag
+        for (slot, values, rows, N), ok in zip(queue, finite):
+            if not ok:
                 self.skipped_statistics += 1
                 continue
             slot.values = [

@@ -37,7 +37,14 @@ from ..kfac import (
     eigenvalue_corrections,
 )
 from ..layers.base import expanded_kfac
-from ..linalg import damped_inverse, eigh, generalized_eigh, pi_factor, require_finite
+from ..linalg import (
+    damped_inverses,
+    eigh,
+    eighs,
+    finite_flags,
+    generalized_eigh,
+    pi_factor,
+)
 from .base import CurvatureOptimizer, _put, _take
 
 Key = Tuple[str, str]
@@ -376,31 +383,73 @@ class KFAC(CurvatureOptimizer):
         keys = sorted(self.factors_, key=repr)
         local = [k for k in keys if self._by_cholesky() and len(self.factors_[k]) == 1]
         shared = [k for k in keys if k not in local]
-        results = {k: self._decompose(k) for k in shared if self._mine(k)}
+        results = self._decompose([k for k in shared if self._mine(k)])
         if self._comm is not None and self.decompose == "split" and shared:
             results = self._share(shared, results)
-        for k in local:
-            results[k] = self._decompose(k) if self._uses(k) else ("ok", None)
+        results.update(self._keep_for_cholesky(local))
         for key in keys:
             self._install(key, *results[key])
+        # the damped inverses of the Cholesky blocks at the damping of the moment, in one
+        # batched pass (recomputed one by one only if the damping changes before a refresh)
+        chol = [k for k in local if self._uses(k) and self._eig.get(k, ("",))[0] == "chol"]
+        self._invert([(k, self._block_damping(k)) for k in chol])
 
-    def _decompose(self, key: Key) -> Tuple[str, Any]:
-        """``("ok", eig)``, or ``("kept" | "failed", message)`` when eigh failed."""
-        terms = self.factors_[key]
-        name = _block_name(key) or "<model>"
-        try:
-            if len(terms) > 1:
-                return "ok", self._decompose_two(key, terms)
-            A, G = next(iter(terms.values()))
-            if not self._by_cholesky():
-                return "ok", self._eigendecompose(key, A, G)
-            # pi damping needs only the damped inverses: keep the factors of this refresh
-            # and invert them (Cholesky) for the damping of the moment
-            require_finite(A, f"A of '{name}'")
-            require_finite(G, f"G of '{name}'")
-            return "ok", ("chol", A.clone(), G.clone())
-        except RuntimeError as err:
-            return ("kept" if key in self._eig else "failed"), str(err)
+    def _keep_for_cholesky(self, keys: List[Key]) -> Dict[Key, Tuple[str, Any]]:
+        """Install payloads ``("chol", A, G)`` of single-term blocks inverted by Cholesky.
+
+        Pi damping needs only the damped inverses: keep the factors of this refresh (their
+        finiteness checked in one synchronization for all blocks) and invert them for the
+        damping of the moment. A block with non-finite factors keeps its previous payload
+        (``"kept"``) or fails. Blocks this rank does not precondition get ``None``.
+        """
+        used = [k for k in keys if self._uses(k)]
+        pairs = [next(iter(self.factors_[k].values())) for k in used]
+        flags = finite_flags([m for A, G in pairs for m in (A, G)])
+        res: Dict[Key, Tuple[str, Any]] = {k: ("ok", None) for k in keys}
+        for i, (key, (A, G)) in enumerate(zip(used, pairs)):
+            bad = [f for f, ok in zip(("A", "G"), flags[2 * i : 2 * i + 2]) if not ok]
+            if bad:
+                res[key] = (
+                    "kept" if key in self._eig else "failed",
+                    f"{bad[0]} of '{_block_name(key) or '<model>'}': the matrix has non-finite "
+                    "entries (NaN/inf in the statistics); check the data and the loss, or "
+                    "lower the learning rate.",
+                )
+            else:
+                res[key] = ("ok", ("chol", A.clone(), G.clone()))
+        return res
+
+    def _decompose(self, keys: List[Key]) -> Dict[Key, Tuple[str, Any]]:
+        """Per block ``("ok", eig)``, or ``("kept" | "failed", message)`` when eigh failed.
+
+        The eigendecompositions of single-term blocks run through :func:`eighs`: their
+        checks cost two synchronizations for all blocks, not a few per factor.
+        """
+        res: Dict[Key, Tuple[str, Any]] = {}
+        single = []
+        for key in keys:
+            if len(self.factors_[key]) == 1:
+                single.append(key)
+                continue
+            try:
+                res[key] = ("ok", self._decompose_two(key, self.factors_[key]))
+            except RuntimeError as err:
+                res[key] = ("kept" if key in self._eig else "failed", str(err))
+        mats, names = [], []
+        for key in single:
+            A, G = next(iter(self.factors_[key].values()))
+            name = _block_name(key) or "<model>"
+            mats += [A, G]
+            names += [f"A of '{name}'", f"G of '{name}'"]
+        outs = eighs(mats, names)
+        for i, key in enumerate(single):
+            a, g = outs[2 * i], outs[2 * i + 1]
+            err = next((e for e in (a, g) if isinstance(e, Exception)), None)
+            if err is None:
+                res[key] = ("ok", ("one", *a, *g))
+            else:
+                res[key] = ("kept" if key in self._eig else "failed", str(err))
+        return res
 
     def _by_cholesky(self) -> bool:
         """Whether single-term blocks are inverted with Cholesky instead of decomposed.
@@ -582,23 +631,38 @@ class KFAC(CurvatureOptimizer):
         eig = self._eig[key]
         if cached is not None and cached[2] == lam and cached[3] is eig:
             return cached[0], cached[1]
-        root = lam**0.5
         if eig[0] == "chol":
-            _, A, G = eig
-            trA = A.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
-            trG = G.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
-            pi = pi_factor(trA, trG)
-            name = _block_name(key) or "<model>"
-            Ainv = damped_inverse(A, pi * root, name=f"A of '{name}'")
-            Ginv = damped_inverse(G, root / pi, name=f"G of '{name}'")
-        else:
-            _, lA, QA, lG, QG = eig
-            dA, dG = lA.shape[-1], lG.shape[-1]
-            pi = pi_factor(lA.sum(-1) / dA, lG.sum(-1) / dG)
-            Ainv = (QA / (lA + (pi * root)[..., None])[..., None, :]) @ QA.mT
-            Ginv = (QG / (lG + (root / pi)[..., None])[..., None, :]) @ QG.mT
+            self._invert([(key, lam)])
+            return self._inv[key][0], self._inv[key][1]
+        root = lam**0.5
+        _, lA, QA, lG, QG = eig
+        dA, dG = lA.shape[-1], lG.shape[-1]
+        pi = pi_factor(lA.sum(-1) / dA, lG.sum(-1) / dG)
+        Ainv = (QA / (lA + (pi * root)[..., None])[..., None, :]) @ QA.mT
+        Ginv = (QG / (lG + (root / pi)[..., None])[..., None, :]) @ QG.mT
         self._inv[key] = (Ainv, Ginv, lam, eig)
         return Ainv, Ginv
+
+    def _invert(self, jobs: List[Tuple[Key, float]]) -> None:
+        """Cache the pi-damped inverses of Cholesky blocks ``(key, damping)`` (one pass).
+
+        ``(A + pi sqrt(lam) I)^{-1}`` and ``(G + sqrt(lam) / pi I)^{-1}`` with the pi of
+        the factors' mean eigenvalues (their mean diagonals); the factorizations' outcomes
+        are read in one synchronization for all blocks.
+        """
+        mats, shifts, names = [], [], []
+        for key, lam in jobs:
+            _, A, G = self._eig[key]
+            trA = A.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
+            trG = G.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
+            pi, root = pi_factor(trA, trG), lam**0.5
+            name = _block_name(key) or "<model>"
+            mats += [A, G]
+            shifts += [pi * root, root / pi]
+            names += [f"A of '{name}'", f"G of '{name}'"]
+        invs = damped_inverses(mats, shifts, names=names, check_finite=False)  # checked
+        for i, (key, lam) in enumerate(jobs):
+            self._inv[key] = (invs[2 * i], invs[2 * i + 1], lam, self._eig[key])
 
     def _eigendecompose(self, key: Key, A: Tensor, G: Tensor) -> tuple:
         """``("one", lA, QA, lG, QG)``: the eigendecompositions of a block's factors."""

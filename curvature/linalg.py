@@ -71,10 +71,7 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str]) -> List[Any]:
     first: Dict[int, Tuple[Tensor, Tensor, torch.dtype]] = {}
     for i, (M, ok, name) in enumerate(zip(mats, finite_flags(mats), names)):
         if not ok:
-            out[i] = RuntimeError(
-                f"eigh({name}): the matrix has non-finite entries (NaN/inf in the "
-                "statistics); check the data and the loss, or lower the learning rate."
-            )
+            out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
             continue
         dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
         try:
@@ -100,10 +97,15 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str]) -> List[Any]:
 def require_finite(M: Tensor, what: str) -> None:
     """Raise a ``RuntimeError`` naming ``what`` if ``M`` has a NaN or an infinity."""
     if not torch.isfinite(M).all():
-        raise RuntimeError(
-            f"{what}: the matrix has non-finite entries (NaN/inf in the statistics); "
-            "check the data and the loss, or lower the learning rate."
-        )
+        raise RuntimeError(non_finite_message(what))
+
+
+def non_finite_message(what: str) -> str:
+    """The error message for a matrix ``what`` with NaN or infinite entries."""
+    return (
+        f"{what}: the matrix has non-finite entries (NaN/inf in the statistics); "
+        "check the data and the loss, or lower the learning rate."
+    )
 
 
 def host_values(scalars: Sequence[Tensor]) -> list:
@@ -166,10 +168,7 @@ def damped_inverses(
     if check_finite:
         for ok, name in zip(finite_flags(mats), names):
             if not ok:
-                raise RuntimeError(
-                    f"damped_inverse({name}): the matrix has non-finite entries (NaN/inf in "
-                    "the statistics); check the data and the loss, or lower the learning rate."
-                )
+                raise RuntimeError(non_finite_message(f"damped_inverse({name})"))
     factors, infos = [], []
     for M, shift in zip(mats, shifts):
         dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32

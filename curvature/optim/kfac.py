@@ -43,6 +43,7 @@ from ..linalg import (
     eighs,
     finite_flags,
     generalized_eigh,
+    non_finite_message,
     pi_factor,
 )
 from .base import CurvatureOptimizer, _put, _take
@@ -409,12 +410,8 @@ class KFAC(CurvatureOptimizer):
         for i, (key, (A, G)) in enumerate(zip(used, pairs)):
             bad = [f for f, ok in zip(("A", "G"), flags[2 * i : 2 * i + 2]) if not ok]
             if bad:
-                res[key] = (
-                    "kept" if key in self._eig else "failed",
-                    f"{bad[0]} of '{_block_name(key) or '<model>'}': the matrix has non-finite "
-                    "entries (NaN/inf in the statistics); check the data and the loss, or "
-                    "lower the learning rate.",
-                )
+                what = f"{bad[0]} of '{_block_name(key) or '<model>'}'"
+                res[key] = ("kept" if key in self._eig else "failed", non_finite_message(what))
             else:
                 res[key] = ("ok", ("chol", A.clone(), G.clone()))
         return res

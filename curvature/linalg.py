@@ -127,9 +127,13 @@ def host_values(scalars: Sequence[Tensor]) -> list:
 def finite_flags(tensors: Sequence[Tensor]) -> List[bool]:
     """Whether each tensor is free of NaN and infinity (one synchronization per device).
 
-    A tensor's sum is finite iff every entry is (barring overflow of the float64 sum).
+    A tensor's sum is finite iff every entry is (barring overflow of the sum, which runs
+    in float32 for half-precision tensors and in the tensor's dtype otherwise: no float64,
+    which some devices lack).
     """
-    return host_values([t.sum().to(torch.float64).isfinite() for t in tensors])
+    low = (torch.float16, torch.bfloat16)
+    sums = [t.sum(dtype=torch.float32) if t.dtype in low else t.sum() for t in tensors]
+    return host_values([s.isfinite() for s in sums])
 
 
 def damped_inverse(M: Tensor, shift, *, name: str = "matrix") -> Tensor:

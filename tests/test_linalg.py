@@ -95,6 +95,8 @@ def test_finite_flags_and_host_values():
         False,
     ]
     assert finite_flags([]) == [] and host_values([]) == []
+    # a float16 sum of 1000 x 100 would overflow (max 65504): the sum runs in float32
+    assert finite_flags([torch.full((1000,), 100.0, dtype=torch.float16)]) == [True]
     assert host_values([torch.tensor(2.5), torch.tensor(True)]) == [2.5, 1.0]
 
 

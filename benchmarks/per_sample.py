@@ -1029,6 +1029,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         help="glibc malloc never returns freed memory to the OS (no page faults, all methods)",
     )
     args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)  # as given, for the children
     args.repeats = args.repeats or (2 if args.quick else 7)
     args.min_time = 0.01 if args.quick else 0.03
     args.mem_repeats = 2
@@ -1058,7 +1059,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shown = [  # paths inside the repository relative to it, as a reader would type them
         os.path.relpath(a, root) if os.path.isabs(a) and a.startswith(root + os.sep) else a
-        for a in (sys.argv[1:] if argv is None else argv)
+        for a in argv
     ]
     command = " ".join(["python benchmarks/per_sample.py", *shown])
     print(f"{common.machine_line(info)}; memory method: {common.memory_method()}")
@@ -1078,7 +1079,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     gates = []  # quiet-gate summaries: the children's, then this process's
     if len(workloads) > 1 and not (args.in_process or args.child):
         for name in workloads:
-            child = run_child(name, argv if argv is not None else sys.argv[1:])
+            child = run_child(name, argv)
             results["workloads"][name] = child["workloads"][name]
             gates.append(child["quiet_gate"])
     else:
@@ -1089,7 +1090,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             gc.collect()
     if wants_fault_free_check(args, workloads, methods):
         extra = ["--keep-freed-memory", "--methods", ",".join(FAULT_FREE_METHODS)]
-        child = run_child("transformer", (argv if argv is not None else sys.argv[1:]) + extra)
+        child = run_child("transformer", argv + extra)
         results["without_page_faults"] = {"transformer": child["workloads"]["transformer"]}
         gates.append(child["quiet_gate"])
     gates.append(args.gate.summary())

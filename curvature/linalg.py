@@ -30,16 +30,70 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
         ``(evals [..., D], evecs [..., D, D])`` in ``M``'s dtype (at least float32).
 
     Raises:
-        RuntimeError: When the decomposition fails in float64 even with jitter.
+        RuntimeError: For non-finite entries, or when the decomposition fails in float64
+            even with jitter.
 
     """
-    dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
     require_finite(M, f"eigh({name})")
+    S, dtype, res = _first_eigh(M)
+    if res is not None and torch.isfinite(res[0]).all() and torch.isfinite(res[1]).all():
+        return res[0].clamp_min(0).to(dtype), res[1].to(dtype)
+    res = _eigh_retries(S, dtype, name)
+    if isinstance(res, Exception):
+        raise res
+    return res
+
+
+def eighs(mats: Sequence[Tensor], names: Sequence[str]) -> List[Any]:
+    """:func:`eigh` of several matrices, with two host synchronizations for all of them.
+
+    Every matrix's finiteness is read at once, and so is every first attempt's result
+    (in the matrix's dtype); only a matrix whose first attempt fails pays for its
+    retries (float64, then with jitter) one by one.
+
+    Returns:
+        Per matrix ``(evals, evecs)`` as from :func:`eigh`, or the ``RuntimeError`` that
+        :func:`eigh` raises for it (non-finite entries, repeated failure).
+
+    """
+    out: List[Any] = [None] * len(mats)
+    first: Dict[int, Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]] = {}
+    for i, (M, ok, name) in enumerate(zip(mats, finite_flags(mats), names)):
+        if not ok:
+            out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
+            continue
+        first[i] = _first_eigh(M)
+    tried = [i for i, (_, _, res) in first.items() if res is not None]
+    flags = finite_flags([t for i in tried for t in first[i][2]])
+    for j, i in enumerate(tried):
+        evals, evecs = first[i][2]
+        if flags[2 * j] and flags[2 * j + 1]:
+            out[i] = (evals.clamp_min(0).to(first[i][1]), evecs.to(first[i][1]))
+    for i, (S, dtype, _) in first.items():
+        if out[i] is None:
+            out[i] = _eigh_retries(S, dtype, names[i])
+    return out
+
+
+def _first_eigh(M: Tensor) -> Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]:
+    """``(S, dtype, (evals, evecs) or None)``: the first attempt of :func:`eigh`, unchecked.
+
+    ``S`` is the symmetrized ``M`` in ``dtype`` (``M``'s, at least float32); ``None``
+    when ``torch.linalg.eigh`` raised (e.g. no convergence).
+    """
+    dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
     S = symmetrize(M.to(dtype))
-    attempts = [(dtype, 0.0), (torch.float64, 0.0), (torch.float64, 1e-10)]
-    last: Exception = RuntimeError("unreachable")
-    for attempt_dtype, jitter in attempts:
-        A = S.to(attempt_dtype)
+    try:
+        return S, dtype, torch.linalg.eigh(S)
+    except RuntimeError:
+        return S, dtype, None
+
+
+def _eigh_retries(S: Tensor, dtype: torch.dtype, name: str) -> Any:
+    """The retries after a failed first attempt: float64, then with a jitter (or the error)."""
+    last: Exception = RuntimeError("the first attempt failed")
+    for jitter in (0.0, 1e-10):
+        A = S.to(torch.float64)
         if jitter:
             scale = A.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(1.0)
             A = A + jitter * scale * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
@@ -50,48 +104,9 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
             continue
         if torch.isfinite(evals).all() and torch.isfinite(evecs).all():
             return evals.clamp_min(0).to(dtype), evecs.to(dtype)
-    raise RuntimeError(
-        f"eigh({name}) failed in float64 even with jitter; increase the damping."
-    ) from last
-
-
-def eighs(mats: Sequence[Tensor], names: Sequence[str]) -> List[Any]:
-    """:func:`eigh` of several matrices, with two host synchronizations for all of them.
-
-    Every matrix's finiteness is read at once, and so is every first attempt's result;
-    only a matrix whose first attempt fails pays for its retries (float64, jitter) one
-    by one.
-
-    Returns:
-        Per matrix ``(evals, evecs)`` as from :func:`eigh`, or the ``RuntimeError`` that
-        :func:`eigh` would have raised for it (non-finite entries, repeated failure).
-
-    """
-    out: List[Any] = [None] * len(mats)
-    first: Dict[int, Tuple[Tensor, Tensor, torch.dtype]] = {}
-    for i, (M, ok, name) in enumerate(zip(mats, finite_flags(mats), names)):
-        if not ok:
-            out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
-            continue
-        dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
-        try:
-            evals, evecs = torch.linalg.eigh(symmetrize(M.to(dtype)))
-        except RuntimeError:  # e.g. convergence failure: the retries below
-            continue
-        first[i] = (evals, evecs, dtype)
-    done = list(first)
-    flags = finite_flags([t for i in done for t in first[i][:2]])
-    for j, i in enumerate(done):
-        evals, evecs, dtype = first[i]
-        if flags[2 * j] and flags[2 * j + 1]:
-            out[i] = (evals.clamp_min(0).to(dtype), evecs.to(dtype))
-    for i, M in enumerate(mats):
-        if out[i] is None:  # the first attempt failed: eigh's own retries
-            try:
-                out[i] = eigh(M, name=names[i])
-            except RuntimeError as err:
-                out[i] = err
-    return out
+    err = RuntimeError(f"eigh({name}) failed in float64 even with jitter; increase the damping.")
+    err.__cause__ = last
+    return err
 
 
 def require_finite(M: Tensor, what: str) -> None:

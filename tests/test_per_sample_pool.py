@@ -125,6 +125,27 @@ def test_grid_through_the_pool(pool_everything, case):
 
 
 # -- nn.MultiheadAttention: per-sample gradients written straight from the graph ----------
+@pytest.fixture
+def graph_only(monkeypatch):
+    """Attention must take its projections from the recorded graph: a replay fails."""
+    from curvature.layers.attention import MultiheadAttentionRule
+
+    def no_replay(self, module, call):
+        raise AssertionError("the graph path should cover this model")
+
+    monkeypatch.setattr(MultiheadAttentionRule, "_replay", no_replay)
+
+
+def _assert_captured_grads_match(model, loss, X, y):
+    """One captured forward of ``model(*X)``: per-sample gradients equal torch.func's."""
+    from cases import torch_func_per_sample_grads
+
+    with curvature.capture(model) as cap:
+        out = model(*X)
+    grads = cap.per_sample_grads(curvature.per_sample_losses(loss, out, y))
+    assert_grads_match(grads, torch_func_per_sample_grads(model, loss, X, y))
+
+
 class _AttentionTwice(nn.Module):
     """One attention module called twice on independent queries (self- or cross-attention)."""
 
@@ -156,15 +177,9 @@ class _AttentionTwice(nn.Module):
     ],
     ids=["self", "cross-packed", "cross-kdim", "self-no-bias", "stacked"],
 )
-def test_attention_called_twice_from_the_graph(float64_seeded, cross, kdim, kwargs, monkeypatch):
+def test_attention_called_twice_from_the_graph(float64_seeded, graph_only, cross, kdim, kwargs):
     from cases import torch_func_per_sample_grads
 
-    from curvature.layers.attention import MultiheadAttentionRule
-
-    def no_replay(self, module, call):
-        raise AssertionError("the graph path should cover this model")
-
-    monkeypatch.setattr(MultiheadAttentionRule, "_replay", no_replay)
     model = _AttentionTwice(cross, kdim, **kwargs)
     X = (torch.randn(4, 5, 6), torch.randn(4, 5, 6), torch.randn(4, 3, kdim or 6))
     y = torch.randint(0, 3, (4,))
@@ -193,28 +208,18 @@ class _AttentionOnce(nn.Module):
         return self.att(x, x, x, need_weights=self.need_weights)[0].mean(1)
 
 
-def test_attention_graph_routes_are_reused_and_revalidated(float64_seeded, monkeypatch):
-    from cases import torch_func_per_sample_grads
-
+def test_attention_graph_routes_are_reused_and_revalidated(float64_seeded, graph_only, monkeypatch):
     from curvature.layers import attention
 
     walks = []
     walk = attention._find_projections
     monkeypatch.setattr(attention, "_find_projections", lambda *a: walks.append(1) or walk(*a))
-    monkeypatch.setattr(
-        attention.MultiheadAttentionRule,
-        "_replay",
-        lambda *a: pytest.fail("the graph path should cover this model"),
-    )
     model = _AttentionOnce()
-    loss = nn.MSELoss()
     for need_weights, expected_walks in [(False, 1), (False, 1), (True, 2), (True, 2)]:
         model.need_weights = need_weights  # another graph: the stored route must not match
-        X, y = torch.randn(3, 4, 6), torch.randn(3, 6)
-        with curvature.capture(model) as cap:
-            out = model(X)
-        grads = cap.per_sample_grads(curvature.per_sample_losses(loss, out, y))
-        assert_grads_match(grads, torch_func_per_sample_grads(model, loss, X, y))
+        _assert_captured_grads_match(
+            model, nn.MSELoss(), (torch.randn(3, 4, 6),), torch.randn(3, 6)
+        )
         assert len(walks) == expected_walks
 
 
@@ -231,38 +236,22 @@ class _AttentionSwitching(nn.Module):
         return self.att(q, k, v, need_weights=False)[0].mean(1)
 
 
-def test_attention_routes_survive_changing_call_patterns(float64_seeded, monkeypatch):
+def test_attention_routes_survive_changing_call_patterns(float64_seeded, graph_only):
     # self-attention projects q, k, v with one matmul, k-is-v with two, else three: a
     # stored route may then lead to some of them only; the walk must take over
-    from cases import torch_func_per_sample_grads
-
-    from curvature.layers import attention
-
-    monkeypatch.setattr(
-        attention.MultiheadAttentionRule,
-        "_replay",
-        lambda *a: pytest.fail("the graph path should cover this model"),
-    )
     model = _AttentionSwitching()
     loss = nn.MSELoss()
     for mode in ("self", "kv", "qkv", "kv", "self", "qkv", "self", "qkv"):
         model.mode = mode
         X = (torch.randn(3, 4, 6), torch.randn(3, 5, 6), torch.randn(3, 5, 6))
-        y = torch.randn(3, 6)
-        with curvature.capture(model) as cap:
-            out = model(*X)
-        grads = cap.per_sample_grads(curvature.per_sample_losses(loss, out, y))
-        assert_grads_match(grads, torch_func_per_sample_grads(model, loss, X, y))
+        _assert_captured_grads_match(model, loss, X, torch.randn(3, 6))
     # a stored route that still fits but reaches only some projections (q and out of
     # three separate q, k, v matmuls): the graph is walked again
     rule = registered_rule(model.att)
     partial = [r for r in rule._routes[model.att] if r[1][1] == 0]
     assert 0 < len(partial) < len(rule._routes[model.att])
     rule._routes[model.att] = partial
-    with curvature.capture(model) as cap:
-        out = model(*X)
-    grads = cap.per_sample_grads(curvature.per_sample_losses(loss, out, y))
-    assert_grads_match(grads, torch_func_per_sample_grads(model, loss, X, y))
+    _assert_captured_grads_match(model, loss, X, torch.randn(3, 6))
     assert len(rule._routes[model.att]) == 4  # q, k, v and out again
 
 

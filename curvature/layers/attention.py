@@ -96,7 +96,7 @@ def _find_projections(
     params = {id(p): n for n, p in module.named_parameters()}
     weights = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"}
     found_in, found_out, routes = [], None, []
-    seen = {t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
+    seen = _input_nodes(inputs)
     stack = [(out.grad_fn, ())]
     while stack:
         node, path = stack.pop()
@@ -118,9 +118,7 @@ def _find_projections(
         for j, (f, _) in enumerate(nexts):
             if f is not None and type(f).__name__ != "AccumulateGrad":
                 stack.append((f, path + (j,)))
-    if found_out is None or not found_in:
-        return None
-    return {"in": found_in, "out": found_out, "routes": routes}
+    return _projections(found_in, found_out, routes)
 
 
 def _follow_routes(
@@ -133,7 +131,7 @@ def _follow_routes(
     the graph changed and the caller walks it again.
     """
     params = {id(p): n for n, p in module.named_parameters()}
-    stops = {t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
+    stops = _input_nodes(inputs)
     found_in, found_out = [], None
     for path, expected in routes:
         node = out.grad_fn
@@ -154,6 +152,16 @@ def _follow_routes(
             found_out = node
         else:
             found_in.append((node, expected[0], expected[1]))
+    return _projections(found_in, found_out, routes)
+
+
+def _input_nodes(inputs: Sequence[Tensor]) -> set:
+    """The autograd nodes that produced the call's inputs: where a walk must stop."""
+    return {t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
+
+
+def _projections(found_in: list, found_out, routes: list) -> Optional[dict]:
+    """The result of a search, ``None`` without the out-projection or any in-projection."""
     if found_out is None or not found_in:
         return None
     return {"in": found_in, "out": found_out, "routes": routes}

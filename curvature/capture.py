@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ _FALLBACKS = ("functorch", "error")
 _FUNCTIONAL = FunctionalRule()
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's model inside a DDP / DataParallel wrapper."""
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
@@ -99,7 +99,7 @@ class Capture:
     """
 
     def __init__(self, model: nn.Module, *, fallback: str = "functorch"):
-        self.model = _unwrap(model)
+        self.model = unwrap_model(model)
         self.layers = select_layers(self.model, fallback)
         if not self.layers:
             raise ValueError(
@@ -114,7 +114,12 @@ class Capture:
         self._pushing = True  # off while our own pulls run
 
     # -- hooks -------------------------------------------------------------------------
-    def __enter__(self) -> Capture:
+    def attach(self) -> Capture:
+        """Register the layer hooks and start recording (what ``with`` does on entry).
+
+        For a capture that lives longer than one ``with`` block (an optimizer's): the
+        hooks stay until :meth:`remove_hooks`.
+        """
         if self._handles:
             raise RuntimeError("This capture is already active (nested `with`).")
         for calls in self._calls.values():
@@ -125,8 +130,46 @@ class Capture:
         self._recording = True
         return self
 
+    def __enter__(self) -> Capture:
+        return self.attach()
+
     def __exit__(self, *exc: Any) -> None:
         self.remove_hooks()
+
+    def on_forward(
+        self,
+        start: Optional[Callable[..., Any]] = None,
+        end: Optional[Callable[..., Any]] = None,
+    ) -> None:
+        """Call ``start(module, args)`` / ``end(module, args, output)`` around each forward.
+
+        Root-module hooks owned by this capture (removed by :meth:`remove_hooks`), held
+        weakly: ``start`` and ``end`` are bound methods of an owner (an optimizer) that
+        may be garbage-collected while the model lives. ``end`` runs after every layer
+        hook of the forward has recorded its call.
+        """
+        for method, register in (
+            (start, self.model.register_forward_pre_hook),
+            (end, self.model.register_forward_hook),
+        ):
+            if method is None:
+                continue
+            hook = WeakHook(method.__self__, method.__func__.__name__, self.model)
+            self._handles.append(register(hook))
+
+    @property
+    def recording(self) -> bool:
+        """Whether the layer hooks record calls now (``False`` while paused)."""
+        return self._recording
+
+    @recording.setter
+    def recording(self, value: bool) -> None:
+        self._recording = bool(value) and bool(self._handles)
+
+    @property
+    def calls(self) -> Dict[str, List[Call]]:
+        """Layer name to its recorded calls of the current forward(s), in call order."""
+        return {name: list(calls) for name, calls in self._calls.items()}
 
     def remove_hooks(self) -> None:
         """Remove every hook this capture registered (idempotent)."""
@@ -232,8 +275,26 @@ class Capture:
             )
         return sizes.pop()
 
-    def _active(self) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
-        return [(n, m, r, self._calls[n]) for n, m, r in self.layers if self._calls[n]]
+    def active(self) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
+        """``(name, module, rule, calls)`` of every layer with recorded calls."""
+        return [(n, m, r, list(self._calls[n])) for n, m, r in self.layers if self._calls[n]]
+
+    def reached(self, *, take: bool = False) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
+        """Like :meth:`active`, with only the calls whose ``grads`` a pull set.
+
+        Args:
+            take: Also remove those calls from the capture (the caller owns them now);
+                calls the pull did not reach stay for a later pull.
+
+        """
+        out = []
+        for name, module, rule in self.layers:
+            done = [c for c in self._calls[name] if c.grads is not None]
+            if done:
+                out.append((name, module, rule, done))
+                if take:
+                    self._calls[name] = [c for c in self._calls[name] if c.grads is None]
+        return out
 
     def pull(
         self,
@@ -261,7 +322,7 @@ class Capture:
                 (``"zeros"``) or keep ``grads=None`` (``"skip"``).
 
         """
-        active = self._active()
+        active = self.active()
         if not active:
             _ = self.batch_size  # raises the "no forward was recorded" error
         calls = [c for _, _, _, cs in active for c in cs]
@@ -325,8 +386,12 @@ class Capture:
             _assign_grads(c, gs, lead)
 
     @contextmanager
-    def _computing(self) -> Iterator[None]:
-        """Compute from pulled ``g`` without building a graph; release ``g`` after."""
+    def computing(self) -> Iterator[None]:
+        """Compute from pulled ``g`` without building a graph; release every ``g`` after.
+
+        Recording pauses inside (the ``torch.func`` replays of layer rules must not be
+        recorded as calls).
+        """
         recording, self._recording = self._recording, False  # replays must not record
         try:
             with torch.no_grad():
@@ -351,7 +416,7 @@ class Capture:
                 "with gradients enabled."
             )
         self.pull(losses.sum(), retain_graph=retain_graph)
-        for name, _, _, calls in self._active():
+        for name, _, _, calls in self.active():
             for c in calls:
                 c.check_inputs_unchanged(name)
 
@@ -385,8 +450,8 @@ class Capture:
         N = self.batch_size
         _memory.POOL.new_call()
         res: Dict[str, Tensor] = {}
-        with self._computing():
-            for name, module, rule, calls in self._active():
+        with self.computing():
+            for name, module, rule, calls in self.active():
                 prefix = f"{name}." if name else ""
                 local_out = None
                 if out is not None:
@@ -411,17 +476,17 @@ class Capture:
         sharing: the Gram trick over positions) never materialize ``[N, *p.shape]``.
         """
         self._pull_losses(losses, retain_graph)
-        with self._computing():
+        with self.computing():
             sq = sum(
-                rule.per_sample_sq_norms(module, calls) for _, module, rule, calls in self._active()
+                rule.per_sample_sq_norms(module, calls) for _, module, rule, calls in self.active()
             )
         return sq.sqrt()
 
     def gram(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
         """Gram matrix ``K[n, m] = <grad l_n, grad l_m>`` ``[N, N]`` of per-sample grads."""
         self._pull_losses(losses, retain_graph)
-        with self._computing():
-            return sum(rule.gram(module, calls) for _, module, rule, calls in self._active())
+        with self.computing():
+            return sum(rule.gram(module, calls) for _, module, rule, calls in self.active())
 
 
 _SCALARS = (type(None), bool, int, float, str)

@@ -22,116 +22,50 @@ eigenvalues by the second moments of the per-sample (per-vector) gradients in it
 
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from .blocks import EigenCorrectedBlock, KroneckerBlock
 from .capture import capture
 from .dense import Data, batch_weights, batches
-from .layers import LayerRule
-from .linalg import eigh, pi_factor
+from .layer_stats import (
+    MAX_EXACT_BLOCK,
+    block_name,
+    eigenvalue_corrections,
+    exact_factors,
+    fisher_diagonal,
+)
+from .layout import ParamLayout
 from .losses import backprop_sources, check_fisher, check_loss
+from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice
 
-KFAC_APPROX = ("expand", "reduce")
-_MAX_EXACT_BLOCK = 4096
-
-
-@dataclass
-class KroneckerBlock:
-    """One layer's block: ``blockdiag_c kron(G[c], A[c])`` on ``index``.
-
-    Attributes:
-        name: Module name.
-        A: ``[C, D, D]`` input factor.
-        G: ``[C, D_out, D_out]`` output-gradient factor.
-        index: ``[C, D_out, D]`` positions of the entries in the flat parameter vector.
-        evals: For EKFAC, the corrected eigenvalues ``[C, D_out, D]`` in the basis
-            ``(QG, QA)``; ``None`` for KFAC.
-
-    """
-
-    name: str
-    A: Tensor
-    G: Tensor
-    index: Tensor
-    evals: Optional[Tensor] = None
-    _eig: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None
-
-    def eig(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(lA, QA, lG, QG)``: eigendecompositions of the factors (cached)."""
-        if self._eig is None:
-            lA, QA = eigh(self.A, name=f"A of '{self.name}'")
-            lG, QG = eigh(self.G, name=f"G of '{self.name}'")
-            self._eig = (lA, QA, lG, QG)
-        return self._eig
-
-    def gather(self, flat: Tensor) -> Tensor:
-        """The block's entries of a flat vector as matrices ``[C, D_out, D]``."""
-        return flat[self.index]
-
-    def matvec(self, M: Tensor) -> Tensor:
-        """Block times ``M [C, D_out, D]``."""
-        if self.evals is None:
-            return self.G @ M @ self.A  # A, G symmetric
-        _, QA, _, QG = self.eig()
-        return QG @ ((QG.mT @ M @ QA) * self.evals) @ QA.mT
-
-    def inverse_matvec(self, M: Tensor, damping: float, mode: str) -> Tensor:
-        """``(block + damping I)^{-1} M`` (``mode="exact"``) or with the pi heuristic."""
-        lA, QA, lG, QG = self.eig()
-        if self.evals is not None or mode == "exact":
-            denom = self.evals if self.evals is not None else lG[..., :, None] * lA[..., None, :]
-            return QG @ ((QG.mT @ M @ QA) / (denom + damping)) @ QA.mT
-        # Tikhonov on the factors: (G + damping^0.5 / pi) x (A + pi damping^0.5)
-        dA, dG = lA.shape[-1], lG.shape[-1]
-        pi = pi_factor(lA.sum(-1) / dA, lG.sum(-1) / dG)
-        root = damping**0.5
-        iA = 1.0 / (lA + (pi * root)[..., None])
-        iG = 1.0 / (lG + (root / pi)[..., None])
-        return QG @ ((QG.mT @ M @ QA) * iG[..., :, None] * iA[..., None, :]) @ QA.mT
-
-    def diagonal_in_eigenbasis(self) -> Tensor:
-        """``[C, D_out, D]``: the block's eigenvalues."""
-        if self.evals is not None:
-            return self.evals
-        lA, _, lG, _ = self.eig()
-        return lG[..., :, None] * lA[..., None, :]
-
-    def dense(self) -> Tensor:
-        """``[C, D_out D, D_out D]`` dense per-group blocks (row-major in ``(o, i)``)."""
-        if self.evals is None:
-            return torch.stack([torch.kron(g, a) for g, a in zip(self.G, self.A)])
-        _, QA, _, QG = self.eig()
-        Q = torch.stack([torch.kron(qg, qa) for qg, qa in zip(QG, QA)])
-        return Q @ torch.diag_embed(self.evals.flatten(1)) @ Q.mT
+KFAC_APPROX = tuple(m.value for m in KFACApproxType)
 
 
 class KFACApprox:
     """Block-diagonal Kronecker-factored curvature of a model.
 
     Attributes:
-        blocks: The layers' :class:`KroneckerBlock`.
+        blocks: The layers' :class:`~curvature.blocks.KroneckerBlock` (for :func:`ekfac`
+            :class:`~curvature.blocks.EigenCorrectedBlock`).
         param_names: Trainable parameter names in ``model.parameters()`` order.
         uncovered: Names of trainable parameters no block covers (zero rows and
             columns in :meth:`to_dense`).
+        layout: The :class:`~curvature.layout.ParamLayout` of the flat vectors.
 
     """
 
-    def __init__(
-        self,
-        blocks: List[KroneckerBlock],
-        params: Dict[str, Tensor],
-        uncovered: List[str],
-    ):
+    def __init__(self, blocks: List[KroneckerBlock], layout: ParamLayout, uncovered: List[str]):
         self.blocks = blocks
-        self.param_names = list(params)
-        self._shapes = [p.shape for p in params.values()]
-        self.num_params = sum(p.numel() for p in params.values())
+        self.layout = layout
+        self.param_names = list(layout.names)
+        self.num_params = layout.numel
         self.uncovered = uncovered
-        ref = next(iter(params.values()))
+        ref = layout.params[0]
         self._dtype, self._device = ref.dtype, ref.device
 
     @property
@@ -143,40 +77,20 @@ class KFACApprox:
             out[b.name] = (A, G)
         return out
 
-    # -- vectors -------------------------------------------------------------------------
-    def _flatten(self, v: Sequence[Tensor]) -> Tensor:
-        v = list(v)
-        if len(v) != len(self._shapes) or any(a.shape != s for a, s in zip(v, self._shapes)):
-            raise ValueError(
-                f"v must be a list of {len(self._shapes)} tensors shaped like the trainable "
-                f"parameters {[tuple(s) for s in self._shapes]}."
-            )
-        return torch.cat([a.reshape(-1) for a in v])
-
-    def _unflatten(self, flat: Tensor) -> List[Tensor]:
-        out, i = [], 0
-        for s in self._shapes:
-            n = s.numel()
-            out.append(flat[i : i + n].view(s))
-            i += n
-        return out
-
-    def _uncovered_mask(self) -> Tensor:
-        mask = torch.ones(self.num_params, dtype=torch.bool, device=self._device)
-        for b in self.blocks:
-            mask[b.index.reshape(-1)] = False
-        return mask
+    def _uncovered_count(self) -> int:
+        covered = sum(b.index.numel() for b in self.blocks)
+        return self.num_params - covered
 
     def matvec(self, v: Sequence[Tensor]) -> List[Tensor]:
         """The approximation times ``v`` (a list shaped like the parameters)."""
-        flat = self._flatten(v)
+        flat = self.layout.flatten(v)
         out = torch.zeros_like(flat)
         for b in self.blocks:
-            out[b.index] = b.matvec(b.gather(flat))
-        return self._unflatten(out)
+            out[b.index] = b.matvec(flat[b.index])
+        return self.layout.unflatten(out)
 
     def inverse_matvec(
-        self, v: Sequence[Tensor], damping: float, *, mode: str = "exact"
+        self, v: Sequence[Tensor], damping: float, *, mode: Union[str, DampingMode] = "exact"
     ) -> List[Tensor]:
         """``(approx + damping I)^{-1} v``.
 
@@ -191,13 +105,12 @@ class KFACApprox:
         """
         if damping <= 0:
             raise ValueError(f"damping={damping} must be > 0.")
-        if mode not in ("exact", "pi"):
-            raise ValueError(f"mode={mode!r} must be 'exact' or 'pi'.")
-        flat = self._flatten(v)
+        mode = choice(DampingMode, mode, "inverse_matvec(mode")
+        flat = self.layout.flatten(v)
         out = flat / damping  # uncovered parameters: (0 + lambda)^{-1}
         for b in self.blocks:
-            out[b.index] = b.inverse_matvec(b.gather(flat), damping, mode)
-        return self._unflatten(out)
+            out[b.index] = b.inverse_matvec(flat[b.index], damping, mode.value)
+        return self.layout.unflatten(out)
 
     def to_dense(self) -> Tensor:
         """The block-diagonal ``[P, P]`` matrix (zero for uncovered parameters)."""
@@ -214,101 +127,48 @@ class KFACApprox:
         """``tr`` of the approximation."""
         total = torch.zeros((), dtype=self._dtype, device=self._device)
         for b in self.blocks:
-            if b.evals is None:
-                total = (
-                    total
-                    + (
-                        b.G.diagonal(dim1=-2, dim2=-1).sum(-1)
-                        * b.A.diagonal(dim1=-2, dim2=-1).sum(-1)
-                    ).sum()
-                )
-            else:
-                total = total + b.evals.sum()
+            total = total + b.trace().to(self._dtype)
         return total
 
     def logdet(self, damping: float) -> Tensor:
         """``log det(approx + damping I)`` over all trainable parameters."""
         if damping <= 0:
             raise ValueError(f"damping={damping} must be > 0.")
-        n_unc = int(self._uncovered_mask().sum())
-        total = torch.tensor(n_unc * torch.log(torch.tensor(float(damping))).item())
-        total = total.to(self._dtype)
+        total = torch.tensor(self._uncovered_count() * math.log(damping), dtype=self._dtype)
+        total = total.to(self._device)
         for b in self.blocks:
-            total = total + torch.log(b.diagonal_in_eigenbasis() + damping).sum()
+            total = total + b.logdet(damping)
         return total
 
 
 # -- collecting statistics ---------------------------------------------------------------
-def _per_vector_grads(rule: LayerRule, module: nn.Module, calls) -> Tensor:
-    """``[K, N, P_l]``: gradients per pulled vector and sample, for exact blocks."""
-    full = [c.grads for c in calls]
-    K = full[0][0].shape[0]
-    rows = []
-    try:
-        for k in range(K):
-            for c, gs in zip(calls, full):
-                c.grads = [g[k] for g in gs]
-            grads = rule.per_sample_grads(module, calls)
-            rows.append(torch.cat([g.flatten(1) for g in grads.values()], 1))
-    finally:
-        for c, gs in zip(calls, full):
-            c.grads = gs
-    return torch.stack(rows)
-
-
-def _param_offsets(model: nn.Module) -> Tuple[Dict[str, Tensor], Dict[str, int]]:
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    offsets, i = {}, 0
-    for n, p in params.items():
-        offsets[n] = i
-        i += p.numel()
-    return params, offsets
-
-
-def _local_offsets(name: str, offsets: Dict[str, int]) -> Dict[str, int]:
-    prefix = f"{name}." if name else ""
-    return {n[len(prefix) :]: o for n, o in offsets.items() if n.startswith(prefix)}
-
-
-def _exact_index(module: nn.Module, name: str, offsets: Dict[str, int]) -> Tensor:
-    """Flat positions of the module's trainable parameters, ``[P_l]``."""
-    prefix = f"{name}." if name else ""
-    ix = [
-        torch.arange(offsets[prefix + n], offsets[prefix + n] + p.numel())
-        for n, p in module.named_parameters()
-        if p.requires_grad and prefix + n in offsets
-    ]
-    return torch.cat(ix)
-
-
-def _block_index(module, rule, name, suffix, offsets) -> Tensor:
-    index = rule.kfac_index(module, _local_offsets(name, offsets))
-    if index is None:  # exact block over the module's trainable parameters
-        return _exact_index(module, name, offsets).view(1, -1, 1)
-    return index[suffix]
-
-
-def _check_args(loss_func, fisher, kfac_approx, mc_samples, on_unsupported):
+def _check_args(
+    loss_func, fisher, kfac_approx, mc_samples, unsupported, caller="kfac", arg="unsupported"
+):
     check_loss(loss_func)
-    check_fisher(fisher)
-    if kfac_approx not in KFAC_APPROX:
-        raise ValueError(f"kfac_approx={kfac_approx!r} must be one of {KFAC_APPROX}.")
+    fisher = check_fisher(fisher)
+    kfac_approx = choice(KFACApproxType, kfac_approx, f"{caller}(kfac_approx")
     if not isinstance(mc_samples, int) or mc_samples < 1:
         raise ValueError(f"mc_samples={mc_samples!r} must be a positive integer.")
-    if on_unsupported not in ("warn", "error"):
-        raise ValueError(f"on_unsupported={on_unsupported!r} must be 'warn' or 'error'.")
+    unsupported = choice(
+        Unsupported,
+        unsupported,
+        f"{caller}({arg}",
+        allowed=(Unsupported.WARN, Unsupported.ERROR),
+    )
+    return fisher, kfac_approx, unsupported
 
 
-def _exact_block_factors(rule: LayerRule, module: nn.Module, calls) -> Dict[str, tuple]:
-    """A layer without a Kronecker rule as one exact block: ``A = [[1]]``, ``G = U^T U``.
-
-    ``U`` ``[K N, P_l]`` stacks the per-vector gradients of all the layer's parameters;
-    the result has the ``{suffix: (A_sum, G_sum, count)}`` form of
-    :meth:`~curvature.layers.LayerRule.kfac_factors`.
-    """
-    U = _per_vector_grads(rule, module, calls).flatten(0, 1)
-    one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
-    return {"": (one, (U.T @ U)[None], 1)}
+def _unsupported_alias(unsupported, on_unsupported, caller: str):
+    """``(value, argument name)``: the deprecated ``on_unsupported=`` as ``unsupported=``."""
+    if on_unsupported is None:
+        return unsupported, "unsupported"
+    warnings.warn(
+        f"{caller}(on_unsupported=...) is deprecated; use unsupported=... (the same values).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return on_unsupported, "on_unsupported"
 
 
 def _passes(model, loss_func, data, fisher, mc_samples, seed):
@@ -318,9 +178,9 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed):
     for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
         with capture(model) as cap:
             out = model(X)
-        if fisher != "forward-only":
+        if fisher != FisherType.FORWARD_ONLY:
             V = backprop_sources(
-                loss_func, out, y, fisher, mc_samples=mc_samples, generator=generator
+                loss_func, out, y, fisher.value, mc_samples=mc_samples, generator=generator
             )
             cap.pull(out, V, is_grads_batched=True, retain_graph=False)
         yield w, cap
@@ -335,7 +195,8 @@ def kfac(
     mc_samples: int = 1,
     kfac_approx: str = "expand",
     seed: int = 0,
-    on_unsupported: str = "warn",
+    unsupported: Union[str, Unsupported] = "warn",
+    on_unsupported: Union[str, None] = None,
 ) -> KFACApprox:
     """KFAC of ``model`` on ``data`` (see the module docstring for the maths).
 
@@ -348,33 +209,42 @@ def kfac(
         mc_samples: Samples per datum for ``"mc"`` and ``"rademacher"``.
         kfac_approx: ``"expand"`` or ``"reduce"`` for weight-sharing layers.
         seed: Seed of the generator for ``"mc"`` and ``"rademacher"``.
-        on_unsupported: ``"warn"`` or ``"error"`` for trainable parameters no block
+        unsupported: ``"warn"`` or ``"error"`` for trainable parameters no block
             covers (they stay in :meth:`KFACApprox.to_dense`'s order with zero blocks).
+        on_unsupported: Deprecated name of ``unsupported``.
 
     Returns:
         A :class:`KFACApprox`.
 
     """
-    _check_args(loss_func, fisher, kfac_approx, mc_samples, on_unsupported)
-    params, offsets = _param_offsets(model)
+    unsupported, arg = _unsupported_alias(unsupported, on_unsupported, "kfac")
+    fisher, kfac_approx, unsupported = _check_args(
+        loss_func, fisher, kfac_approx, mc_samples, unsupported, arg=arg
+    )
+    return _kfac(model, loss_func, data, fisher, mc_samples, kfac_approx, seed, unsupported)
+
+
+def _kfac(model, loss_func, data, fisher, mc_samples, kfac_approx, seed, unsupported, cls=None):
+    layout = ParamLayout.of(model)
     stats: Dict[Tuple[str, str], list] = {}
-    layers: Dict[str, Tuple[nn.Module, LayerRule]] = {}
+    layers: Dict[str, Tuple[nn.Module, object]] = {}
     skipped: Dict[str, str] = {}
+    forward_only = fisher == FisherType.FORWARD_ONLY
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
-        with cap._computing():
-            for name, module, rule, calls in cap._active():
+        with cap.computing():
+            for name, module, rule, calls in cap.active():
                 layers[name] = (module, rule)
-                res = rule.kfac_factors(module, calls, kfac_approx, fisher != "forward-only")
+                res = rule.kfac_factors(module, calls, kfac_approx.value, not forward_only)
                 if res is None:
                     n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-                    if fisher == "forward-only" or n_params > _MAX_EXACT_BLOCK:
+                    if forward_only or n_params > MAX_EXACT_BLOCK:
                         skipped[name] = (
                             "no Kronecker rule"
-                            + (" (forward-only)" if fisher == "forward-only" else "")
+                            + (" (forward-only)" if forward_only else "")
                             + f", {n_params} parameters"
                         )
                         continue
-                    res = _exact_block_factors(rule, module, calls)
+                    res = exact_factors(rule, module, calls)
                 for suffix, (A_sum, G_sum, count) in res.items():
                     s = stats.setdefault((name, suffix), [0, None, 0])
                     s[0] = s[0] + A_sum
@@ -385,29 +255,39 @@ def kfac(
     blocks = []
     for (name, suffix), (A_sum, G_sum, count) in stats.items():
         module, rule = layers[name]
-        index = _block_index(module, rule, name, suffix, offsets)
+        index = _block_index(module, rule, name, suffix, layout).to(A_sum.device)
         A = A_sum / count
         if G_sum is None:
             G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device)
             G = G.expand(index.shape[0], -1, -1).clone()
         else:
             G = G_sum
-        full = ".".join(x for x in (name, suffix) if x)
-        blocks.append(KroneckerBlock(full, A, G, index.to(A.device)))
+        blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
     covered = set()
     for b in blocks:
         covered.update(b.index.reshape(-1).tolist())
-    uncovered = [n for n, p in params.items() if offsets[n] not in covered and p.numel() > 0]
+    uncovered = [
+        n
+        for n, p in zip(layout.names, layout.params)
+        if layout.offsets[n] not in covered and p.numel() > 0
+    ]
     if skipped or uncovered:
         msg = (
             "KFAC covers no block for "
             + ", ".join([f"'{n}' ({why})" for n, why in skipped.items()] + uncovered)
             + "; these parameters get zero blocks in to_dense()."
         )
-        if on_unsupported == "error":
+        if unsupported == Unsupported.ERROR:
             raise ValueError(msg)
-        warnings.warn(msg, stacklevel=2)
-    return KFACApprox(blocks, params, uncovered)
+        warnings.warn(msg, stacklevel=3)
+    return KFACApprox(blocks, layout, uncovered)
+
+
+def _block_index(module, rule, name, suffix, layout: ParamLayout) -> Tensor:
+    index = rule.kfac_index(module, layout.local_offsets(name))
+    if index is None:  # exact block over the module's trainable parameters
+        return layout.module_index(module, name).view(1, -1, 1)
+    return index[suffix]
 
 
 def ekfac(
@@ -415,121 +295,55 @@ def ekfac(
     loss_func: nn.Module,
     data: Data,
     *,
-    fisher: str = "type-2",
+    fisher: Union[str, FisherType] = "type-2",
     mc_samples: int = 1,
-    kfac_approx: str = "expand",
+    kfac_approx: Union[str, KFACApproxType] = "expand",
     seed: int = 0,
-    on_unsupported: str = "warn",
+    unsupported: Union[str, Unsupported] = "warn",
+    on_unsupported: Union[str, None] = None,
 ) -> KFACApprox:
     """EKFAC: KFAC's eigenbasis with eigenvalues from projected per-sample gradients.
 
     ``Lambda[c, o, i] = sum_{n,k} (QG_c^T grad_nk,c QA_c)[o, i]^2`` where ``grad_nk`` is the
     gradient of vector ``k`` for sample ``n`` (summed over shared positions). A second
-    pass over ``data`` (with the same seed) computes it once the basis is known.
+    pass over ``data`` (with the same seed) computes it once the basis is known. The
+    arguments are those of :func:`kfac`; the blocks are
+    :class:`~curvature.blocks.EigenCorrectedBlock`.
     """
-    if fisher == "forward-only":
+    if fisher == FisherType.FORWARD_ONLY:
         raise ValueError("ekfac(fisher='forward-only') is undefined: there are no gradients.")
-    approx = kfac(
+    unsupported, arg = _unsupported_alias(unsupported, on_unsupported, "ekfac")
+    fisher, kfac_approx, unsupported = _check_args(
+        loss_func, fisher, kfac_approx, mc_samples, unsupported, caller="ekfac", arg=arg
+    )
+    approx = _kfac(
         model,
         loss_func,
         data,
-        fisher=fisher,
-        mc_samples=mc_samples,
-        kfac_approx=kfac_approx,
-        seed=seed,
-        on_unsupported=on_unsupported,
+        fisher,
+        mc_samples,
+        kfac_approx,
+        seed,
+        unsupported,
+        cls=EigenCorrectedBlock,
     )
-    by_name = {b.name: b for b in approx.blocks}
+    bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in approx.blocks}
     evals: Dict[str, Tensor] = {}
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
-        with cap._computing():
-            for name, module, rule, calls in cap._active():
-                bases = {k: (b.eig()[1], b.eig()[3]) for k, b in by_name.items()}
+        with cap.computing():
+            for name, module, rule, calls in cap.active():
                 for full, lam in eigenvalue_corrections(name, module, rule, calls, bases).items():
                     evals[full] = evals.get(full, 0) + w * lam
     for b in approx.blocks:
-        b.evals = evals[b.name]
+        b.update_corrections(evals[b.name])
     return approx
-
-
-def eigenvalue_corrections(
-    name: str,
-    module: nn.Module,
-    rule: LayerRule,
-    calls,
-    bases: Dict[str, Tuple[Tensor, Tensor]],
-) -> Dict[str, Tensor]:
-    """EKFAC's ``sum_{k,n} (QG^T grad_nk QA)^2`` for each of the layer's blocks.
-
-    Args:
-        name: Module name; blocks are named ``name`` or ``name.suffix``.
-        module: The layer.
-        rule: Its rule.
-        calls: Its calls, with pulled ``grads [K, ...]``.
-        bases: Block name to ``(QA [C, D, D], QG [C, D_out, D_out])``; blocks without a
-            basis are skipped.
-
-    Returns:
-        Block name to ``[C, D_out, D]``.
-
-    """
-    out: Dict[str, Tensor] = {}
-    expanded = rule.expanded_blocks(module, calls)
-    if expanded is not None:
-        for suffix, (a, g) in expanded.items():
-            full = ".".join(x for x in (name, suffix) if x)
-            if full in bases:
-                QA, QG = bases[full]
-                out[full] = _rotated_second_moments(a, g, QA, QG)
-        return out
-    if name not in bases:
-        return out
-    QA, QG = bases[name]
-    U = _per_vector_grads(rule, module, calls)  # [K, N, P_l]
-    D, D_out = QA.shape[-1], QG.shape[-1]
-    if D != 1:  # Embedding: per-sample grads [V, D_out] are the layer matrix transposed
-        rot = QG[0].mT @ U.view(*U.shape[:2], D, D_out).mT @ QA[0]
-    else:
-        rot = (U @ QG[0]).unsqueeze(-1)
-    out[name] = rot.pow(2).sum((0, 1)).reshape(D_out, D)[None]
-    return out
-
-
-def _rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Tensor:
-    """``sum_{k,n} (QG^T grad_nk QA)^2`` ``[C, D_out, D]`` from expanded ``a`` and ``g``."""
-    ar = torch.einsum("nsci,cij->nscj", a.to(QA.dtype), QA)
-    gr = torch.einsum("knsco,cop->knscp", g.to(QG.dtype), QG)
-    if a.shape[1] == 1:  # no sharing: sum_{k,n} (gr^2)(ar^2)^T, one GEMM, no [N, D_out, D]
-        return torch.einsum("knco,nci->coi", gr[:, :, 0].pow(2), ar[:, 0].pow(2))
-    out = None
-    K, N = gr.shape[:2]
-    chunk = max(1, 2**22 // max(1, K * a.shape[2] * QA.shape[-1] * QG.shape[-1]))
-    for i in range(0, N, chunk):
-        grad = torch.einsum("knscp,nscj->kncpj", gr[:, i : i + chunk], ar[i : i + chunk])
-        part = grad.pow(2).sum((0, 1))
-        out = part if out is None else out + part
-    return out
-
-
-def _expanded_diag(a: Tensor, g: Tensor) -> Tensor:
-    """``sum_{k,n} (sum_s g a^T)^2`` ``[C, D_out, D]``; ``(g^2)^T (a^2)`` without sharing."""
-    if a.shape[1] == 1:
-        return torch.einsum("knco,nci->coi", g[:, :, 0].pow(2), a[:, 0].pow(2))
-    d = None
-    N = a.shape[0]
-    chunk = max(1, 2**22 // max(1, g.shape[0] * g[0, 0, 0].numel() * a.shape[-1]))
-    for i in range(0, N, chunk):
-        gr = torch.einsum("knsco,nsci->kncoi", g[:, i : i + chunk], a[i : i + chunk])
-        part = gr.pow(2).sum((0, 1))
-        d = part if d is None else d + part
-    return d
 
 
 def diag_ggn(
     model: nn.Module,
     loss_func: nn.Module,
     data: Data,
-    fisher: str = "type-2",
+    fisher: Union[str, FisherType] = "type-2",
     *,
     mc_samples: int = 1,
     seed: int = 0,
@@ -539,36 +353,26 @@ def diag_ggn(
     ``diag = sum_{k,n} grad_nk^2`` with ``grad_nk`` the gradient of pulled vector ``k`` for
     sample ``n``; for ``"type-2"`` it is exactly the diagonal of :func:`curvature.ggn`,
     computed without forming any matrix. Linear-family layers without weight sharing use
-    ``(g^2)^T (a^2)``; others form the per-vector gradients a chunk at a time.
+    ``(g^2)^T (a^2)``; others form the per-vector gradients a chunk at a time
+    (:func:`curvature.layer_stats.fisher_diagonal`).
 
     Returns:
         Trainable parameter name to a tensor of the parameter's shape.
 
     """
     check_loss(loss_func)
-    check_fisher(fisher)
-    if fisher == "forward-only":
+    fisher = check_fisher(fisher)
+    if fisher == FisherType.FORWARD_ONLY:
         raise ValueError("diag_ggn(fisher='forward-only') is undefined: there is no backward.")
-    params, offsets = _param_offsets(model)
-    P = sum(p.numel() for p in params.values())
-    ref = next(iter(params.values()))
-    flat = torch.zeros(P, dtype=ref.dtype, device=ref.device)
+    layout = ParamLayout.of(model)
+    ref = layout.params[0]
+    flat = torch.zeros(layout.numel, dtype=ref.dtype, device=ref.device)
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
-        with cap._computing():
-            for name, module, rule, calls in cap._active():
-                expanded = rule.expanded_blocks(module, calls)
-                if expanded is None:
-                    U = _per_vector_grads(rule, module, calls)  # [K, N, P_l]
-                    ix = _exact_index(module, name, offsets).to(flat.device)
-                    flat.index_add_(0, ix, w * U.pow(2).sum((0, 1)).to(flat))
-                    continue
-                index = rule.kfac_index(module, _local_offsets(name, offsets))
-                for suffix, (a, g) in expanded.items():
-                    d = _expanded_diag(a, g)
-                    ix = index[suffix].reshape(-1).to(flat.device)
-                    flat.index_add_(0, ix, w * d.reshape(-1).to(flat))
-    out, i = {}, 0
-    for n, p in params.items():
-        out[n] = flat[i : i + p.numel()].view_as(p)
-        i += p.numel()
-    return out
+        with cap.computing():
+            for name, module, rule, calls in cap.active():
+                kron, parts = fisher_diagonal(rule, module, calls)
+                index = rule.kfac_index(module, layout.local_offsets(name)) if kron else None
+                for suffix, d in parts.items():
+                    ix = index[suffix] if kron else layout.module_index(module, name)
+                    flat.index_add_(0, ix.reshape(-1).to(flat.device), w * d.reshape(-1).to(flat))
+    return layout.unflatten_dict(flat)

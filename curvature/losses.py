@@ -9,11 +9,13 @@ is ``L = R * sum_n l_n`` with ``R = 1/N`` for ``reduction="mean"`` and ``R = 1``
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .options import FisherType
 
 SUPPORTED_LOSSES = (nn.CrossEntropyLoss, nn.MSELoss, nn.BCEWithLogitsLoss)
 _NAMES = "nn.CrossEntropyLoss, nn.MSELoss, nn.BCEWithLogitsLoss"
@@ -109,17 +111,20 @@ def per_sample_losses(loss_func: nn.Module, output: Tensor, target: Tensor) -> T
     return flat.mean(1) if loss_func.reduction == "mean" else flat.sum(1)
 
 
-FISHER_TYPES = ("type-2", "mc", "empirical", "rademacher", "forward-only")
+FISHER_TYPES = tuple(m.value for m in FisherType)
+FISHER_HINT = (
+    "'type-2' (exact GGN), 'mc' (sampled labels), 'empirical' (true labels), 'rademacher' "
+    "(random GGN estimate, one backward) or 'forward-only' (G = I)."
+)
 
 
-def check_fisher(fisher: str, where: str = "fisher") -> None:
-    """Raise a ``ValueError`` for an unknown Fisher type."""
-    if fisher not in FISHER_TYPES:
+def check_fisher(fisher: Union[str, FisherType], where: str = "fisher") -> FisherType:
+    """The Fisher type as a :class:`~curvature.options.FisherType`, or a ``ValueError``."""
+    if not any(fisher == m for m in FisherType):
         raise ValueError(
-            f"{where}={fisher!r} is not a Fisher type; use one of {FISHER_TYPES}: 'type-2' "
-            "(exact GGN), 'mc' (sampled labels), 'empirical' (true labels), 'rademacher' "
-            "(random GGN estimate, one backward) or 'forward-only' (G = I)."
+            f"{where}={fisher!r} is not a Fisher type; use one of {FISHER_TYPES}: {FISHER_HINT}"
         )
+    return FisherType(fisher)
 
 
 def _element_scale(loss_func: nn.Module, output: Tensor, target: Tensor) -> float:

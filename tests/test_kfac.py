@@ -282,7 +282,7 @@ def _perturb(K: KFACApprox, layer: str, how: str) -> KFACApprox:
         b.A, b.G = b.G, b.A
     elif how == "A/N instead of A":
         b.A = b.A / 7
-    b._eig = None
+    b.record = None
     return K
 
 
@@ -640,13 +640,13 @@ def test_uncovered_parameters_warn_and_get_zero_blocks():
 def test_uncovered_parameters_are_refused_on_request():
     model, X, y = _big_model(), torch.randn(5, 3), torch.randint(0, 2, (5,))
     with pytest.raises(ValueError, match="'1'"):
-        curvature.kfac(model, _ce("mean"), (X, y), on_unsupported="error")
+        curvature.kfac(model, _ce("mean"), (X, y), unsupported="error")
 
 
 def test_small_modules_without_a_rule_get_their_exact_block():
     model = nn.Sequential(nn.Linear(3, 4), Big(size=7), nn.Tanh(), nn.Linear(4, 2))
     X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
-    E = curvature.ekfac(model, _ce("sum"), (X, y), on_unsupported="error")
+    E = curvature.ekfac(model, _ce("sum"), (X, y), unsupported="error")
     G = curvature.ggn(model, _ce("sum"), (X, y))
     ix = slice(16, 23)  # Big's 7 parameters
     _assert_matches(E.to_dense()[ix, ix], G[ix, ix])
@@ -661,6 +661,7 @@ def test_small_modules_without_a_rule_get_their_exact_block():
         ({"fisher": "mc", "mc_samples": 0}, "mc_samples"),
         ({"fisher": "mc", "mc_samples": 1.5}, "mc_samples"),
         ({"on_unsupported": "ignore"}, "on_unsupported"),
+        ({"unsupported": "ignore"}, "unsupported"),
     ],
     ids=str,
 )

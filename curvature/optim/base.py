@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..capture import Capture, WeakHook, _unwrap
+from ..capture import Capture, WeakHook, unwrap_model as _unwrap
 from ..layers import LayerRule
 from ..linalg import finite_flags
 from ..losses import (
@@ -390,7 +390,7 @@ class CurvatureOptimizer(Optimizer):
             # the grad scaler backed off: it found inf gradients and skipped step(), so the
             # gradients of the forwards since the last step are discarded; so are their
             # statistics (they count with the gradient they belong to)
-            with self._capture._computing():
+            with self._capture.computing():
                 self._capture.take_pushed()
             self._discard_statistics()
         # empirical: fold the calls whose backward already ran (bounded memory under
@@ -406,7 +406,7 @@ class CurvatureOptimizer(Optimizer):
         if not (self._due and self.model.training and torch.is_grad_enabled()):
             return
         if self.fisher == "forward-only":
-            calls = [(n, m, r, cs) for n, m, r, cs in self._capture._active()]
+            calls = [(n, m, r, cs) for n, m, r, cs in self._capture.active()]
             self._consume(calls, with_g=False)
             self._capture.clear()
             return
@@ -485,7 +485,7 @@ class CurvatureOptimizer(Optimizer):
         # G-like sums are kept as raw per-sample sums: the sources carry sqrt(R(N)).
         self._context = (N, reduction, 1.0 / reduction_scale(loss_func, N), False)
         reached = []
-        for name, module, rule, cs in self._capture._active():
+        for name, module, rule, cs in self._capture.active():
             done = [c for c in cs if c.grads is not None]
             if done:
                 reached.append((name, module, rule, done))
@@ -502,7 +502,7 @@ class CurvatureOptimizer(Optimizer):
             self._stat_queue = []
 
     def _consume_calls(self, calls, with_g: bool, scale_by_reduction: bool) -> None:
-        with self._capture._computing():
+        with self._capture.computing():
             for name, module, rule, cs in calls:
                 if scale_by_reduction:  # user backward: c grad l_n (times the AMP scale)
                     inv = 1.0 / self._forward_scale

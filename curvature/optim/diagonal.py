@@ -16,7 +16,9 @@ from typing import Any, Dict, List
 import torch
 from torch import Tensor
 
-from ..kfac import _exact_index, _expanded_diag, _local_offsets, _per_vector_grads
+from ..layer_stats import expanded_diagonal as _expanded_diag
+from ..layer_stats import per_vector_grads as _per_vector_grads
+from ..layout import ParamLayout
 from .base import CurvatureOptimizer, _put, _take
 
 
@@ -99,3 +101,18 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
         self.diagonal_ = {k: v.clone() for k, v in state["diagonal"].items()}
         self._ix = {k: v.clone() for k, v in state["index"].items()}
+
+
+def _local_offsets(name, offsets):
+    prefix = f"{name}." if name else ""
+    return {n[len(prefix) :]: o for n, o in offsets.items() if n.startswith(prefix)}
+
+
+def _exact_index(module, name, offsets):
+    prefix = f"{name}." if name else ""
+    ix = [
+        torch.arange(offsets[prefix + n], offsets[prefix + n] + p.numel())
+        for n, p in module.named_parameters()
+        if p.requires_grad and prefix + n in offsets
+    ]
+    return torch.cat(ix)

@@ -27,15 +27,12 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import Tensor
 
-from ..kfac import (
-    _MAX_EXACT_BLOCK,
-    _exact_block_factors,
-    _exact_index,
-    _expanded_diag,
-    _local_offsets,
-    _per_vector_grads,
-    eigenvalue_corrections,
-)
+from ..layer_stats import MAX_EXACT_BLOCK as _MAX_EXACT_BLOCK
+from ..layer_stats import exact_factors as _exact_block_factors
+from ..layer_stats import expanded_diagonal as _expanded_diag
+from ..layer_stats import per_vector_grads as _per_vector_grads
+from ..layer_stats import eigenvalue_corrections
+from ..layout import ParamLayout
 from ..layers.base import expanded_kfac
 from ..linalg import (
     damped_inverses,
@@ -738,3 +735,18 @@ class EKFAC(KFAC):
     """
 
     _ekfac = True
+
+
+def _local_offsets(name, offsets):
+    prefix = f"{name}." if name else ""
+    return {n[len(prefix) :]: o for n, o in offsets.items() if n.startswith(prefix)}
+
+
+def _exact_index(module, name, offsets):
+    prefix = f"{name}." if name else ""
+    ix = [
+        torch.arange(offsets[prefix + n], offsets[prefix + n] + p.numel())
+        for n, p in module.named_parameters()
+        if p.requires_grad and prefix + n in offsets
+    ]
+    return torch.cat(ix)

@@ -1,0 +1,50 @@
+"""Curvature blocks: one type per structure, shared by the functions and the optimizers.
+
+Each block covers a set of flat parameter positions and owns its maths: ``update``
+(fold statistics into running estimates), a refresh record (:mod:`.records`),
+``matvec``, ``inverse_matvec``, ``trace``, ``state_dict``. :func:`curvature.kfac`,
+:func:`curvature.ekfac` and the optimizers build blocks; :mod:`.refresh` decomposes many
+at once.
+
+========================  ==========================================================
+:class:`KroneckerBlock`   KFAC ``kron(G, A)``, pi or exact damping; exact small blocks
+                          (:func:`exact_block`, ``A = [[1]]``)
+:class:`EigenCorrectedBlock`  EKFAC: the Kronecker eigenbasis with corrected eigenvalues
+:class:`KroneckerSumBlock`    a sum of Kronecker products (terms), inverted exactly
+:class:`DiagonalBlock`    a Fisher diagonal
+========================  ==========================================================
+"""
+
+from .diagonal import DiagonalBlock
+from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, exact_block, mean_diagonal
+from .records import (
+    DampedInverses,
+    Eigen,
+    FactorSnapshot,
+    GeneralizedEigen,
+    Outcome,
+    Record,
+    RefreshStatus,
+)
+from .refresh import eigendecompositions, invert, snapshots
+from .sum import KroneckerSumBlock
+
+__all__ = [
+    "DampedInverses",
+    "DiagonalBlock",
+    "Eigen",
+    "EigenCorrectedBlock",
+    "FactorSnapshot",
+    "GeneralizedEigen",
+    "KroneckerBlock",
+    "KroneckerSumBlock",
+    "Outcome",
+    "Record",
+    "RefreshStatus",
+    "eigendecompositions",
+    "ema",
+    "exact_block",
+    "invert",
+    "mean_diagonal",
+    "snapshots",
+]

@@ -1,0 +1,273 @@
+"""Kronecker-factored blocks: KFAC's ``kron(G, A)`` and EKFAC's eigenvalue correction.
+
+A block covers the entries of one layer's ``[W | b]`` (bias as the last input column) at
+the flat positions ``index [C, D_out, D]`` (``C`` groups of a grouped convolution, else
+1). With ``M [C, D_out, D]`` the block's entries of a vector arranged as matrices, and
+``A [C, D, D]``, ``G [C, D_out, D_out]`` its factors (see :mod:`curvature.kfac`):
+
+    matvec:                     G M A
+    inverse, pi damping:        (G + sqrt(lambda)/pi I)^{-1} M (A + pi sqrt(lambda) I)^{-1}
+    inverse, exact damping:     QG [ (QG^T M QA) / (lG lA^T + lambda) ] QA^T
+    EKFAC (both):               the same with Lambda in place of lG lA^T
+
+with ``pi = sqrt(mean eig(A) / mean eig(G))`` (Martens & Grosse, 2015) and ``Lambda`` the
+second moments of the per-sample gradients in the Kronecker eigenbasis (George et al.,
+2018). A layer without Kronecker structure is an exact block: ``A = [[1]]``, ``D = 1``
+and ``G`` its dense curvature (:func:`exact_block`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from ..linalg import damped_inverses, eigh, pi_factor
+from .records import DampedInverses, Eigen, FactorSnapshot, Record
+
+
+def ema(old: Optional[Tensor], new: Tensor, decay: float) -> Tensor:
+    """``decay old + (1 - decay) new`` in place of ``old``; ``new`` itself if no ``old``."""
+    if old is None:
+        return new
+    return old.mul_(decay).add_(new, alpha=1 - decay)
+
+
+def mean_diagonal(M: Tensor) -> Tensor:
+    """``[C]``: the mean diagonal entry of ``M [C, D, D]`` (its mean eigenvalue), >= 0."""
+    return M.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
+
+
+class KroneckerBlock:
+    """KFAC's ``blockdiag_c kron(G[c], A[c])`` on ``index``.
+
+    Attributes:
+        name: The block's name (module name, ``.suffix`` for a layer with several).
+        index: ``[C, D_out, D]`` flat positions of the entries.
+        A: ``[C, D, D]`` input factor (running estimate in an optimizer), or ``None``.
+        G: ``[C, D_out, D_out]`` output-gradient factor, or ``None``.
+        record: The last refresh's :class:`Eigen` or :class:`FactorSnapshot`, or ``None``.
+        inverses: Cached :class:`DampedInverses` for pi damping, or ``None``.
+
+    """
+
+    def __init__(
+        self, name: str, index: Tensor, A: Optional[Tensor] = None, G: Optional[Tensor] = None
+    ):
+        self.name = name
+        self.index = index
+        self.A = A
+        self.G = G
+        self.record: Optional[Record] = None
+        self.inverses: Optional[DampedInverses] = None
+
+    @property
+    def label(self) -> str:
+        """The name shown in messages (``<model>`` for the root module)."""
+        return self.name or "<model>"
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[C, D_out, D]``."""
+        return self.index.shape
+
+    # -- statistics -------------------------------------------------------------------
+    def update(self, A: Tensor, G: Tensor, decay: float = 0.0) -> None:
+        """Fold new factors into the running ones: ``X <- decay X + (1 - decay) X_new``.
+
+        The first update takes the new factors as they are (``G`` copied).
+        """
+        self.A = ema(self.A, A, decay)
+        self.G = ema(self.G, G if self.G is not None else G.clone(), decay)
+
+    # -- refresh ----------------------------------------------------------------------
+    def eigen(self) -> Eigen:
+        """The record as an :class:`Eigen` (decomposing the current factors if needed)."""
+        if not isinstance(self.record, Eigen):
+            self.install(self.decompose())
+        return self.record  # type: ignore[return-value]
+
+    def decompose(self, A: Optional[Tensor] = None, G: Optional[Tensor] = None) -> Eigen:
+        """Eigendecompositions of the factors (of the snapshot's, after a Cholesky refresh)."""
+        if A is None:
+            src = self.record if isinstance(self.record, FactorSnapshot) else self
+            A, G = src.A, src.G
+        lA, QA = eigh(A, name=f"A of '{self.label}'")
+        lG, QG = eigh(G, name=f"G of '{self.label}'")
+        return Eigen(lA, QA, lG, QG)
+
+    def install(self, record: Record) -> None:
+        """Use ``record`` from now on (cached inverses are recomputed when needed)."""
+        self.record = record
+        self.inverses = None
+
+    def pi_shifts(self, damping: float) -> tuple:
+        """``(pi sqrt(lambda), sqrt(lambda) / pi)``, ``[C]`` each, from the refresh record."""
+        root = damping**0.5
+        if isinstance(self.record, Eigen):
+            r = self.record
+            pi = pi_factor(r.lA.sum(-1) / r.lA.shape[-1], r.lG.sum(-1) / r.lG.shape[-1])
+        else:
+            src = self.record if isinstance(self.record, FactorSnapshot) else self
+            pi = pi_factor(mean_diagonal(src.A), mean_diagonal(src.G))
+        return pi * root, root / pi
+
+    def pi_inverses(self, damping: float) -> DampedInverses:
+        """``(A + pi sqrt(lambda) I)^{-1}`` and ``(G + sqrt(lambda)/pi I)^{-1}`` (cached).
+
+        From the eigendecompositions when the record has them, else by Cholesky of the
+        snapshot's factors (:func:`~curvature.linalg.damped_inverses`).
+        """
+        cached = self.inverses
+        if cached is not None and cached.damping == damping and cached.source is self.record:
+            return cached
+        sA, sG = self.pi_shifts(damping)
+        if isinstance(self.record, Eigen):
+            r = self.record
+            Ainv = (r.QA / (r.lA + sA[..., None])[..., None, :]) @ r.QA.mT
+            Ginv = (r.QG / (r.lG + sG[..., None])[..., None, :]) @ r.QG.mT
+        else:
+            if self.record is None:
+                self.install(FactorSnapshot(self.A, self.G))
+            snap = self.record
+            Ainv, Ginv = damped_inverses(
+                [snap.A, snap.G], [sA, sG], names=[f"A of '{self.label}'", f"G of '{self.label}'"]
+            )
+        self.inverses = DampedInverses(Ainv, Ginv, damping, self.record)
+        return self.inverses
+
+    # -- products ---------------------------------------------------------------------
+    def eigenvalues(self) -> Tensor:
+        """``[C, D_out, D]``: the block's eigenvalues ``lG lA^T`` in the Kronecker basis."""
+        r = self.eigen()
+        return r.lG[..., :, None] * r.lA[..., None, :]
+
+    def matvec(self, M: Tensor) -> Tensor:
+        """Block times ``M [C, D_out, D]``: ``G M A``."""
+        return self.G.to(M.dtype) @ M @ self.A.to(M.dtype)
+
+    def inverse_matvec(self, M: Tensor, damping: float, mode: str = "exact") -> Tensor:
+        """``(block + damping)^{-1} M``, damped ``"exact"``-ly or by the ``"pi"`` heuristic."""
+        if mode == "pi":
+            inv = self.pi_inverses(damping)
+            return inv.Ginv.to(M.dtype) @ M @ inv.Ainv.to(M.dtype)
+        return self.in_eigenbasis(M, lambda rot: rot / (self.eigenvalues().to(M.dtype) + damping))
+
+    def in_eigenbasis(self, M: Tensor, scale) -> Tensor:
+        """``QG scale(QG^T M QA) QA^T``: apply ``scale`` in the Kronecker eigenbasis."""
+        r = self.eigen()
+        QA, QG = r.QA.to(M.dtype), r.QG.to(M.dtype)
+        return QG @ scale(QG.mT @ M @ QA) @ QA.mT
+
+    def trace(self) -> Tensor:
+        """``sum_c tr(G_c) tr(A_c)``."""
+        trA = self.A.diagonal(dim1=-2, dim2=-1).sum(-1)
+        trG = self.G.diagonal(dim1=-2, dim2=-1).sum(-1)
+        return (trG * trA).sum()
+
+    def logdet(self, damping: float) -> Tensor:
+        """``log det(block + damping I)``."""
+        return torch.log(self.eigenvalues() + damping).sum()
+
+    def dense(self) -> Tensor:
+        """``[C, D_out D, D_out D]`` dense per-group blocks (row-major in ``(o, i)``)."""
+        return torch.stack([torch.kron(g, a) for g, a in zip(self.G, self.A)])
+
+    # -- state ------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Factors and record (cloned); the cached inverses are derived, not saved."""
+        return {
+            "A": None if self.A is None else self.A.clone(),
+            "G": None if self.G is None else self.G.clone(),
+            "record": None if self.record is None else self.record.state(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.A = None if state["A"] is None else state["A"].clone()
+        self.G = None if state["G"] is None else state["G"].clone()
+        rec = state.get("record")
+        self.install(None if rec is None else Record.from_state(rec))
+
+
+class EigenCorrectedBlock(KroneckerBlock):
+    """EKFAC: KFAC's eigenbasis with corrected eigenvalues ``Lambda [C, D_out, D]``.
+
+    ``Lambda = E[(QG^T grad QA)^2]`` over the per-sample (per-vector) gradient matrices;
+    damping is always exact: ``QG [(QG^T M QA) / (Lambda + lambda)] QA^T``. Until the
+    first corrections arrive, the block behaves as KFAC with exact damping.
+    """
+
+    def __init__(
+        self, name: str, index: Tensor, A: Optional[Tensor] = None, G: Optional[Tensor] = None
+    ):
+        super().__init__(name, index, A, G)
+        self.corrections: Optional[Tensor] = None
+
+    def update_corrections(self, corrections: Tensor, decay: float = 0.0) -> None:
+        """Fold new second moments into the running ``Lambda``."""
+        self.corrections = ema(self.corrections, corrections, decay)
+
+    def basis(self) -> Optional[Eigen]:
+        """The refreshed eigenbasis, or ``None`` before the first eigendecomposition."""
+        return self.record if isinstance(self.record, Eigen) else None
+
+    def install(self, record: Record) -> None:
+        """Install a new basis and carry ``Lambda`` over into it.
+
+        The new ``Lambda`` is the diagonal of the previous EKFAC matrix in the new basis:
+        ``(RG Lambda RA^T)`` with ``R = (Q_new^T Q_old)^2`` elementwise.
+        """
+        old = self.basis()
+        if self.corrections is not None and old is not None and isinstance(record, Eigen):
+            RA = (record.QA.mT @ old.QA).pow(2)
+            RG = (record.QG.mT @ old.QG).pow(2)
+            self.corrections = RG @ self.corrections @ RA.mT
+        super().install(record)
+
+    def eigenvalues(self) -> Tensor:  # noqa: D102
+        if self.corrections is not None and self.basis() is not None:
+            return self.corrections
+        return super().eigenvalues()
+
+    def matvec(self, M: Tensor) -> Tensor:  # noqa: D102
+        if self.corrections is None or self.basis() is None:
+            return super().matvec(M)
+        return self.in_eigenbasis(M, lambda rot: rot * self.corrections.to(M.dtype))
+
+    def inverse_matvec(self, M: Tensor, damping: float, mode: str = "exact") -> Tensor:  # noqa: D102
+        return super().inverse_matvec(M, damping, "exact")
+
+    def trace(self) -> Tensor:  # noqa: D102
+        if self.corrections is None:
+            return super().trace()
+        return self.corrections.sum()
+
+    def dense(self) -> Tensor:  # noqa: D102
+        if self.corrections is None:
+            return super().dense()
+        r = self.eigen()
+        Q = torch.stack([torch.kron(qg, qa) for qg, qa in zip(r.QG, r.QA)])
+        return Q @ torch.diag_embed(self.corrections.flatten(1)) @ Q.mT
+
+    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
+        state = super().state_dict()
+        state["corrections"] = None if self.corrections is None else self.corrections.clone()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
+        self.corrections = None
+        super().load_state_dict(state)
+        c = state.get("corrections")
+        self.corrections = None if c is None else c.clone()
+
+
+def exact_block(name: str, index: Tensor, G: Tensor, cls: type = KroneckerBlock) -> KroneckerBlock:
+    """A layer without Kronecker structure as one exact block ``G [1, P_l, P_l]``, ``A = [[1]]``.
+
+    ``index`` is ``[1, P_l, 1]``; every product of :class:`KroneckerBlock` then acts with
+    the dense curvature ``G`` of the layer's ``P_l`` parameters.
+    """
+    one = torch.ones(1, 1, 1, dtype=G.dtype, device=G.device)
+    return cls(name, index, one, G)

@@ -1,0 +1,91 @@
+"""Refreshing many blocks at once: batched decompositions, few host synchronizations.
+
+A refresh decomposes (or snapshots) every block's factors. On a GPU each check of a
+result's finiteness is a host synchronization, so the checks of all blocks are read
+together: :func:`snapshots` costs one synchronization, :func:`eigendecompositions` two
+(via :func:`~curvature.linalg.eighs`), :func:`invert` one. A block whose decomposition
+fails keeps its previous record (:attr:`RefreshStatus.KEPT`) or, without one, fails
+(:attr:`RefreshStatus.FAILED`); the caller decides what to say.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Sequence
+
+from ..linalg import damped_inverses, eighs, finite_flags, non_finite_message
+from .kronecker import KroneckerBlock
+from .records import DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
+from .sum import KroneckerSumBlock
+
+
+def failure(block, cause: str) -> Outcome:
+    """``KEPT`` (the block has a previous record) or ``FAILED``, with the cause."""
+    status = RefreshStatus.KEPT if block.record is not None else RefreshStatus.FAILED
+    return Outcome(status, None, cause)
+
+
+def snapshots(blocks: Sequence[KroneckerBlock]) -> Dict[KroneckerBlock, Outcome]:
+    """:class:`FactorSnapshot` records of the blocks' factors (one synchronization).
+
+    Pi damping needs only ``(A + pi sqrt(lambda) I)^{-1}`` and ``(G + sqrt(lambda)/pi
+    I)^{-1}``, which :func:`invert` takes by Cholesky at the damping of the moment.
+    """
+    flags = finite_flags([m for b in blocks for m in (b.A, b.G)])
+    out = {}
+    for i, b in enumerate(blocks):
+        bad = [f for f, ok in zip(("A", "G"), flags[2 * i : 2 * i + 2]) if not ok]
+        if bad:
+            out[b] = failure(b, non_finite_message(f"{bad[0]} of '{b.label}'"))
+        else:
+            out[b] = Outcome(RefreshStatus.OK, FactorSnapshot(b.A.clone(), b.G.clone()))
+    return out
+
+
+def eigendecompositions(
+    blocks: Sequence, damping_of: Callable[[object], float]
+) -> Dict[object, Outcome]:
+    """:class:`Eigen` records (Kronecker blocks) and generalized ones (sum blocks).
+
+    The eigendecompositions of all Kronecker blocks' factors run through
+    :func:`~curvature.linalg.eighs` (two synchronizations for all of them).
+    """
+    out: Dict[object, Outcome] = {}
+    single = []
+    for b in blocks:
+        if isinstance(b, KroneckerSumBlock):
+            try:
+                out[b] = Outcome(RefreshStatus.OK, b.decompose(damping_of(b)))
+            except RuntimeError as err:
+                out[b] = failure(b, str(err))
+        else:
+            single.append(b)
+    mats, names = [], []
+    for b in single:
+        mats += [b.A, b.G]
+        names += [f"A of '{b.label}'", f"G of '{b.label}'"]
+    results = eighs(mats, names)
+    for i, b in enumerate(single):
+        a, g = results[2 * i], results[2 * i + 1]
+        err = next((e for e in (a, g) if isinstance(e, Exception)), None)
+        out[b] = (
+            failure(b, str(err)) if err is not None else Outcome(RefreshStatus.OK, Eigen(*a, *g))
+        )
+    return out
+
+
+def invert(blocks: Sequence[KroneckerBlock], damping_of: Callable[[object], float]) -> None:
+    """Cache the pi-damped inverses of blocks with a :class:`FactorSnapshot` (one pass).
+
+    The Cholesky factorizations' outcomes are read in one synchronization for all
+    blocks (the snapshots' finiteness was checked when they were taken).
+    """
+    jobs = [b for b in blocks if isinstance(b.record, FactorSnapshot)]
+    mats, shifts, names = [], [], []
+    for b in jobs:
+        sA, sG = b.pi_shifts(damping_of(b))
+        mats += [b.record.A, b.record.G]
+        shifts += [sA, sG]
+        names += [f"A of '{b.label}'", f"G of '{b.label}'"]
+    invs = damped_inverses(mats, shifts, names=names, check_finite=False)
+    for i, b in enumerate(jobs):
+        b.inverses = DampedInverses(invs[2 * i], invs[2 * i + 1], damping_of(b), b.record)

@@ -446,24 +446,6 @@ BUILDERS = {
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def release_result_cache() -> None:
-    """Empty curvature's cache of result memory (versions that have one)."""
-    module = sys.modules.get("curvature.per_sample")
-    release = getattr(module, "release_result_cache", None)
-    if release is not None:
-        release()
-
-
-def cold_peak_memory(fn: Callable[[], Any], repeats: int) -> int:
-    """Peak memory of one call (minimum over ``repeats``), each with curvature's result
-    cache emptied first: the results' own memory counts, as for a first call."""
-    peaks = []
-    for _ in range(max(1, repeats)):
-        release_result_cache()
-        peaks.append(common.peak_memory_of(fn)[0])
-    return min(peaks)
-
-
 def reason(err: BaseException) -> str:
     msg = str(err).strip().splitlines()
     first = msg[0] if msg else ""
@@ -536,7 +518,6 @@ def run_workload(
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     if args.quick:  # a smoke run: memory and calibration from this call
-                        release_result_cache()
                         mem_first, out, first = common.peak_memory_of(fn)
                     else:
                         out = fn()
@@ -595,7 +576,7 @@ def run_workload(
                     if args.quick:
                         mem = mem_first
                     else:
-                        mem = cold_peak_memory(fn, args.mem_repeats)
+                        mem = common.peak_memory(fn, args.mem_repeats)
             except Exception as err:  # noqa: BLE001
                 result["skipped"][key] = reason(err)
                 log(f"  skip {method} {q}: {reason(err)}")
@@ -932,10 +913,8 @@ def doc_body(results: Dict[str, Any], table: str, target_lines: List[str]) -> st
         "",
         "`curvature out=` passes `out=` buffers (allocated and touched once, outside the "
         "timed call and its peak) to `per_sample_grads`; the targets use the plain call. "
-        "The plain `curvature` call returns new tensors each time; large results reuse the "
-        "memory of the previous call's results once the caller has dropped them (as each "
-        "timed repeat does; see docs/per_sample.md, 'Costs and memory'). Its peak is "
-        "measured with that cache emptied first, so the results' memory counts. "
+        "The plain `curvature` call returns new tensors each time (ordinary allocations, "
+        "freed when dropped), so its peak counts the results' memory. "
         "Peers: torch.func = `vmap(grad(loss))` with `functional_call` (norms and Gram from "
         "its gradients); opacus = `GradSampleModule` (`p.grad_sample`); opacus ghost = "
         "`GradSampleModuleFastGradientClipping(use_ghost_clipping=True)`, norms only; opacus "

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
-from . import _memory
 from .laplacian import current_slots
 from .layers import Call, FunctionalRule, LayerRule, registered_rule
 from .layers.norm import batchnorm_train_error
@@ -448,7 +447,6 @@ class Capture:
         """
         self._pull_losses(losses, retain_graph)
         N = self.batch_size
-        _memory.POOL.new_call()
         res: Dict[str, Tensor] = {}
         with self.computing():
             for name, module, rule, calls in self.active():

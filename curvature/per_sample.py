@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
@@ -101,17 +102,22 @@ def jacobian(
 
 
 def release_result_cache() -> None:
-    """Free the memory that :meth:`curvature.Capture.per_sample_grads` keeps for reuse.
+    """Deprecated no-op, kept so that existing code keeps running.
 
-    Results of at least 1 MiB on CPU are allocated from a cache: once every tensor using
-    a result's memory has been dropped, the memory is handed out again for the results of
-    the next call instead of being returned to the operating system (fresh memory costs a
-    page fault per 4 KiB on first write, often more than computing the result). A result
-    that is still referenced, even through a view, is never reused. Memory that one call
-    did not reuse is released by the next call, so the cache holds at most one call's
-    results (and at most 1 GiB); this function releases it at once. Set
-    ``curvature._memory.POOL.enabled = False`` to allocate every result afresh.
+    :meth:`curvature.Capture.per_sample_grads` used to hand out large CPU results from
+    a process-wide cache of reused memory, which this function emptied. Results are now
+    ordinary tensors, freed as soon as you drop them, so there is nothing to release. To
+    avoid allocating on every step, pass buffers you keep across steps:
+    ``per_sample_grads(losses, out=buffers)``.
+
+    Warns:
+        DeprecationWarning: Always; the function will be removed in a later release.
+
     """
-    from . import _memory
-
-    _memory.POOL.release()
+    warnings.warn(
+        "curvature.per_sample.release_result_cache() does nothing and will be removed: "
+        "per-sample results are ordinary tensors now, freed when you drop them (no cache). "
+        "Pass out= buffers to per_sample_grads to reuse memory across steps.",
+        DeprecationWarning,
+        stacklevel=2,
+    )

@@ -13,7 +13,8 @@ gradients ``g`` come from, in order of preference:
    the projection matmuls (the nodes whose weight operand is ``in_proj_weight`` (or a
    chunk of it), ``q/k/v_proj_weight`` or ``out_proj.weight``), keeps their saved inputs
    and adds their output edges to the pull, so the one backward of the capture delivers
-   every projection's ``g``; no replay, and dropout masks are the recorded ones;
+   every projection's ``g``; no replay, and dropout masks are the recorded ones (the
+   search is :mod:`curvature.layers.attention_graph`);
 2. a batched replay of the module from its recorded inputs, with PyTorch's own attention
    code and identity projections (``bias_k``/``bias_v`` or an unexpected graph), checked
    against the recorded output;
@@ -24,14 +25,13 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge
 
-from .._memory import result_empty
+from .attention_graph import SUBLAYERS, find_projections, follow_routes, projection_edges
 from .base import expanded_gram, expanded_sq_norms
 from .functional import FunctionalRule
 from .registry import register
@@ -46,7 +46,6 @@ _ARG_NAMES = (
     "average_attn_weights",
     "is_causal",
 )
-_SUB = ("q_proj", "k_proj", "v_proj", "out_proj")
 _GRAPH_KEYS = (  # the parameters the recorded projection matmuls give gradients of
     "in_proj_weight",
     "in_proj_bias",
@@ -58,10 +57,19 @@ _GRAPH_KEYS = (  # the parameters the recorded projection matmuls give gradients
 )
 
 
+def _packed(module: nn.MultiheadAttention) -> bool:
+    """Whether q, k, v share one packed ``in_proj_weight [3E, E]`` (``kdim = vdim = E``).
+
+    Otherwise the module has ``q_proj_weight [E, E]``, ``k_proj_weight [E, kdim]`` and
+    ``v_proj_weight [E, vdim]`` and registers ``in_proj_weight`` as ``None``.
+    """
+    return module.in_proj_weight is not None
+
+
 def _projection_params(module: nn.MultiheadAttention) -> Dict[str, Tuple[Tensor, Optional[Tensor]]]:
     """``{sub-layer: (weight, bias)}`` as used by ``F.multi_head_attention_forward``."""
     E = module.embed_dim
-    if module._qkv_same_embed_dim:
+    if _packed(module):
         Wq, Wk, Wv = module.in_proj_weight.chunk(3)
     else:
         Wq, Wk, Wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
@@ -73,136 +81,6 @@ def _projection_params(module: nn.MultiheadAttention) -> Dict[str, Tuple[Tensor,
         "v_proj": (Wv, bv),
         "out_proj": (module.out_proj.weight, module.out_proj.bias),
     }
-
-
-_PASS_THROUGH = ("TBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
-_SPLITS = ("SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0")
-
-
-def _find_projections(
-    module: nn.MultiheadAttention, out: Tensor, inputs: Sequence[Tensor] = ()
-) -> Optional[dict]:
-    """Internal matmul nodes of the projections, found by walking the autograd graph.
-
-    The walk starts at the output and stops at the nodes that produced ``inputs`` (the
-    call's query, key and value), so it covers this call's graph only: neither the rest
-    of the model below the layer nor an earlier call of the same module.
-
-    Returns ``{"in": [(node, weight name, split index)], "out": node, "routes": ...}`` or
-    ``None`` when the graph does not have the expected structure (the rule then replays
-    the module). ``routes`` lists, per found node, its path from the output node
-    (``next_functions`` positions), for :func:`_follow_routes` on later calls.
-    """
-    params = {id(p): n for n, p in module.named_parameters()}
-    weights = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"}
-    found_in, found_out, routes = [], None, []
-    seen = _input_nodes(inputs)
-    stack = [(out.grad_fn, ())]
-    while stack:
-        node, path = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        nexts = node.next_functions
-        if type(node).__name__ in ("MmBackward0", "AddmmBackward0"):
-            for f, i in nexts:
-                hit = _resolve(f, i, params)
-                if hit is None:
-                    continue
-                if hit[0] == "out_proj.weight":
-                    found_out = node
-                    routes.append((path, hit))
-                elif hit[0] in weights:
-                    found_in.append((node, hit[0], hit[1]))
-                    routes.append((path, hit))
-        for j, (f, _) in enumerate(nexts):
-            if f is not None and type(f).__name__ != "AccumulateGrad":
-                stack.append((f, path + (j,)))
-    return _projections(found_in, found_out, routes)
-
-
-def _follow_routes(
-    module: nn.MultiheadAttention, out: Tensor, inputs: Sequence[Tensor], routes: list
-) -> Optional[dict]:
-    """:func:`_find_projections` along the routes found on an earlier call, or ``None``.
-
-    Every node on a route must be outside the inputs' graph, and every end node must be
-    a matmul whose weight operand is the same parameter (and split) as before; otherwise
-    the graph changed and the caller walks it again.
-    """
-    params = {id(p): n for n, p in module.named_parameters()}
-    stops = _input_nodes(inputs)
-    found_in, found_out = [], None
-    for path, expected in routes:
-        node = out.grad_fn
-        for j in path:
-            if node is None or node in stops:
-                return None
-            nexts = node.next_functions
-            if j >= len(nexts):
-                return None
-            node = nexts[j][0]
-        if node is None or node in stops:
-            return None
-        if type(node).__name__ not in ("MmBackward0", "AddmmBackward0"):
-            return None
-        if not any(_resolve(f, i, params) == expected for f, i in node.next_functions):
-            return None
-        if expected[0] == "out_proj.weight":
-            found_out = node
-        else:
-            found_in.append((node, expected[0], expected[1]))
-    return _projections(found_in, found_out, routes)
-
-
-def _input_nodes(inputs: Sequence[Tensor]) -> set:
-    """The autograd nodes that produced the call's inputs: where a walk must stop."""
-    return {t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
-
-
-def _projections(found_in: list, found_out, routes: list) -> Optional[dict]:
-    """The result of a search, ``None`` without the out-projection or any in-projection."""
-    if found_out is None or not found_in:
-        return None
-    return {"in": found_in, "out": found_out, "routes": routes}
-
-
-def _resolve(fn, output_nr: int, params: Dict[int, str]) -> Optional[Tuple[str, int]]:
-    """Follow single-input views/transposes/splits from ``fn`` to a parameter."""
-    split = 0
-    for _ in range(8):
-        if fn is None:
-            return None
-        name = type(fn).__name__
-        if name == "AccumulateGrad":
-            p = params.get(id(fn.variable))
-            return None if p is None else (p, split)
-        if name in _SPLITS:
-            split = output_nr
-        elif name not in _PASS_THROUGH:
-            return None
-        nexts = [(f, i) for f, i in fn.next_functions if f is not None]
-        if len(nexts) != 1:
-            return None
-        fn, output_nr = nexts[0]
-    return None
-
-
-def _output_width(node) -> Optional[int]:
-    """The last dimension of a node's (forward) output, from its input metadata."""
-    try:
-        return int(node._input_metadata[0].shape[-1])
-    except (AttributeError, IndexError, TypeError):
-        return None
-
-
-def _saved_input(node) -> Optional[Tensor]:
-    """The left operand ``a`` saved by a matmul node (``a @ W^T``)."""
-    for attr in ("_saved_mat1", "_saved_self"):
-        t = getattr(node, attr, None)
-        if isinstance(t, Tensor):
-            return t
-    return None
 
 
 @register(nn.MultiheadAttention)
@@ -270,48 +148,15 @@ class MultiheadAttentionRule(FunctionalRule):
         qkv = [named.get(k) for k in ("query", "key", "value")]
         inputs = [t for t in qkv if isinstance(t, Tensor)]
         routes = self._routes.get(module)
-        found = None if routes is None else _follow_routes(module, leaves[0], inputs, routes)
-        res = None if found is None else self._projection_edges(module, found)
+        found = None if routes is None else follow_routes(module, leaves[0], inputs, routes)
+        res = None if found is None else projection_edges(module, found)
         if res is None:  # no route yet, or it leads elsewhere or to only some projections
-            found = _find_projections(module, leaves[0], inputs)
+            found = find_projections(module, leaves[0], inputs)
             if found is None:
                 return None
-            self._routes[module] = found["routes"]
-            res = self._projection_edges(module, found)
+            self._routes[module] = found.routes
+            res = projection_edges(module, found)
         return res
-
-    @staticmethod
-    def _projection_edges(module, found: dict) -> Optional[tuple]:
-        """``(edges, info)`` of the ``found`` matmuls; ``None`` unless they cover q, k, v, out."""
-        E = module.embed_dim
-        edges, info = [], []
-        for node, weight, split in found["in"]:
-            a, width = _saved_input(node), _output_width(node)
-            if a is None or width is None:
-                return None
-            if weight != "in_proj_weight":
-                subs = [(weight[:-7], 0, E)]  # q_proj_weight -> q_proj
-            elif width == 3 * E:
-                subs = [("q_proj", 0, E), ("k_proj", E, 2 * E), ("v_proj", 2 * E, 3 * E)]
-            elif width == 2 * E:
-                subs = [("k_proj", 0, E), ("v_proj", E, 2 * E)]
-            elif width == E:
-                subs = [(("q_proj", "k_proj", "v_proj")[split], 0, E)]
-            else:
-                return None
-            edges.append((GradientEdge(node, 0), ((a.shape[0], width), a.dtype, a.device)))
-            info.append((a, subs))
-        a_out = _saved_input(found["out"])
-        if a_out is None:
-            return None
-        edges.append(
-            (GradientEdge(found["out"], 0), ((a_out.shape[0], E), a_out.dtype, a_out.device))
-        )
-        info.append((a_out, [("out_proj", 0, E)]))
-        names = [n for _, subs in info for n, _, _ in subs]
-        if sorted(names) != sorted(_SUB):
-            return None
-        return edges, info
 
     def _from_graph(self, module, call) -> Optional[Dict[str, Tuple[Tensor, Tensor]]]:
         """``{sub-layer: (a [N, L, D_in], g [..., N, L, D_out])}`` from the pulled extras."""
@@ -439,7 +284,7 @@ class MultiheadAttentionRule(FunctionalRule):
         }
         ins = {"q_proj": query, "k_proj": key, "v_proj": value, "out_proj": c.detach()}
         res: dict = {}
-        for s in _SUB:  # to batch-first [N, L, D]
+        for s in SUBLAYERS:  # to batch-first [N, L, D]
             res[s] = (ins[s].detach().transpose(0, 1), gs[s].transpose(-3, -2))
         for name, g in zip(extra, g_all[4:]):
             res[name] = g[..., 0, :, :] if g is not None else None
@@ -464,7 +309,7 @@ class MultiheadAttentionRule(FunctionalRule):
             per_call.append(r)
         params = _projection_params(module)
         out: Dict[str, Tuple[Tensor, Tensor]] = {}
-        for s in _SUB:
+        for s in SUBLAYERS:
             W, b = params[s]
             has_w, has_b = W.requires_grad, b is not None and b.requires_grad
             if not (has_w or has_b):
@@ -494,11 +339,11 @@ class MultiheadAttentionRule(FunctionalRule):
         E = module.embed_dim
         params = _projection_params(module)
         res = {}
-        for i, s in enumerate(_SUB):
+        for i, s in enumerate(SUBLAYERS):
             W, b = params[s]
             if s == "out_proj":
                 wk, bk, row = "out_proj.weight", "out_proj.bias", 0
-            elif module._qkv_same_embed_dim:
+            elif _packed(module):
                 wk, bk, row = "in_proj_weight", "in_proj_bias", i * E
             else:
                 wk, bk, row = f"{s}_weight", "in_proj_bias", 0
@@ -542,7 +387,7 @@ class MultiheadAttentionRule(FunctionalRule):
             if out is not None and key in out and out[key].dtype == dtype:
                 res[key] = out[key]
             else:
-                res[key] = result_empty((N, *p.shape), dtype, p.device)
+                res[key] = torch.empty((N, *p.shape), dtype=dtype, device=p.device)
             if accumulate:
                 res[key].zero_()
         for info, extras, _ in infos:
@@ -613,15 +458,15 @@ class MultiheadAttentionRule(FunctionalRule):
                 parts["bias"] = full[..., -1]
             grads[s] = parts
         res: Dict[str, Tensor] = {}
-        if module._qkv_same_embed_dim:
+        if _packed(module):
             if module.in_proj_weight.requires_grad:
-                res["in_proj_weight"] = torch.cat([grads[s]["weight"] for s in _SUB[:3]], 1)
+                res["in_proj_weight"] = torch.cat([grads[s]["weight"] for s in SUBLAYERS[:3]], 1)
         else:
-            for s in _SUB[:3]:
+            for s in SUBLAYERS[:3]:
                 if "weight" in grads.get(s, {}):
                     res[f"{s}_weight"] = grads[s]["weight"]
         if module.in_proj_bias is not None and module.in_proj_bias.requires_grad:
-            res["in_proj_bias"] = torch.cat([grads[s]["bias"] for s in _SUB[:3]], 1)
+            res["in_proj_bias"] = torch.cat([grads[s]["bias"] for s in SUBLAYERS[:3]], 1)
         for s in ("bias_k", "bias_v"):
             if s in subs:
                 res[s] = subs[s].unsqueeze(1)  # [N, 1, 1, E] like the parameter [1, 1, E]
@@ -666,14 +511,14 @@ class MultiheadAttentionRule(FunctionalRule):
         E = module.embed_dim
         params = _projection_params(module)
         index: Dict[str, Tensor] = {}
-        for i, s in enumerate(_SUB):
+        for i, s in enumerate(SUBLAYERS):
             W, b = params[s]
             cols = []
             if W.requires_grad:
                 D_in = W.shape[1]
                 if s == "out_proj":
                     base = offsets["out_proj.weight"]
-                elif module._qkv_same_embed_dim:
+                elif _packed(module):
                     base = offsets["in_proj_weight"] + i * E * D_in
                 else:
                     base = offsets[f"{s}_weight"]

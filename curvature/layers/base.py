@@ -17,8 +17,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .._memory import result_empty
-
 #: Upper bound (in elements) for temporaries created while computing norms and Gram
 #: matrices; work is chunked over the batch so that no temporary exceeds it.
 CHUNK_ELEMENTS = 2**24
@@ -185,10 +183,10 @@ def gram_of(grads: Dict[str, Tensor]) -> Tensor:
 def _buffer(
     out: Optional[Dict[str, Tensor]], key: str, shape: Tuple[int, ...], like: Tensor
 ) -> Tensor:
-    """``out[key]`` if given, else a new result buffer (see ``_memory.ResultPool``)."""
+    """``out[key]`` if given, else a new uninitialized tensor like ``like`` (dtype, device)."""
     if out is not None and key in out:
         return out[key]
-    return result_empty(shape, like.dtype, like.device)
+    return like.new_empty(shape)
 
 
 def _sum_into(t: Tensor, dim: int, target: Tensor) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._memory import result_empty
 from .base import LayerRule
 from .registry import register
 
@@ -51,7 +50,7 @@ class EmbeddingRule(LayerRule):
         idx, g = self._flat(module, calls)
         N, S, D = g.shape
         V = module.num_embeddings
-        buf = out["weight"] if out else result_empty((N, V, D), g.dtype, g.device)
+        buf = out["weight"] if out else g.new_empty((N, V, D))
         flat = buf.view(N * V, D).zero_()
         rows = (idx + V * torch.arange(N, device=idx.device).unsqueeze(1)).reshape(-1)
         # index_put_ with accumulate: much faster than index_add_ on CPU for few rows

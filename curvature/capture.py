@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
-from .laplacian import current_slots
 from .layers import Call, FunctionalRule, LayerRule, registered_rule
+from .layers.base import current_shared_slots
 from .layers.norm import batchnorm_train_error
 
 _FALLBACKS = ("functorch", "error")
@@ -208,7 +208,7 @@ class Capture:
         call = Call(args, kwargs, versions, edges, meta, index)
         call.out_views = views
         call.extra_info = extra[1] if extra else None
-        call.slots = current_slots()
+        call.slots = current_shared_slots()
         if self._rules[name].needs_outputs:
             call.outputs = [leaves[i] for i in index]
             call.output_versions = [t._version for t in call.outputs]

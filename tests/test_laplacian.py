@@ -18,6 +18,8 @@ from curvature.laplacian import (
     laplacian,
     register_activation,
 )
+from curvature.layers.base import SHARED_SLOTS, current_shared_slots, shared_slots
+from curvature.options import LaplacianMethod, Unsupported
 
 DT = torch.float64
 D_IN, N = 4, 5
@@ -317,8 +319,8 @@ def test_traced_custom_module_forward_laplacian_is_exact():
     torch.manual_seed(3)
     model, x = ResidualPINN().to(DT), _x()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback
-        lap = laplacian(model, x, fallback="error")
+        warnings.simplefilter("error")  # no fallback to autograd
+        lap = laplacian(model, x, unsupported="error")
     torch.testing.assert_close(lap, _reference(model, x), rtol=1e-10, atol=1e-12)
     ps = list(model.parameters())
     for a, b in zip(
@@ -332,11 +334,11 @@ def test_custom_module_nested_in_a_sequential_is_traced():
     model = nn.Sequential(ResidualPINN(out=3), nn.Tanh(), nn.Linear(3, 1)).to(DT)
     x = _x()
     torch.testing.assert_close(
-        laplacian(model, x, fallback="error"), _reference(model, x), rtol=1e-10, atol=1e-12
+        laplacian(model, x, unsupported="error"), _reference(model, x), rtol=1e-10, atol=1e-12
     )
 
 
-# -- fallback and errors ---------------------------------------------------------------------
+# -- unsupported layers and errors -------------------------------------------------------------
 def _with_layernorm() -> nn.Module:
     torch.manual_seed(5)
     return nn.Sequential(nn.Linear(D_IN, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 1)).to(DT)
@@ -349,12 +351,12 @@ def test_unsupported_layer_falls_back_to_autograd_with_a_warning():
     torch.testing.assert_close(lap, _reference(model, x), rtol=1e-10, atol=1e-12)
 
 
-def test_unsupported_layer_raises_with_fallback_error_before_any_layer_runs():
+def test_unsupported_layer_raises_with_unsupported_error_before_any_layer_runs():
     model, x = _with_layernorm(), _x()
     calls = []
     model[0].register_forward_hook(lambda *a: calls.append(1))
     with pytest.raises(ValueError, match=r"layer '1' \(LayerNorm\).*method='autograd'"):
-        laplacian(model, x, fallback="error")
+        laplacian(model, x, unsupported="error")
     assert not calls
 
 
@@ -369,7 +371,7 @@ def test_unsupported_operation_in_a_custom_module_is_named():
 
     model = Cat().to(DT)
     with pytest.raises(ValueError, match="cat"):
-        laplacian(model, _x(), fallback="error")
+        laplacian(model, _x(), unsupported="error")
     with pytest.warns(UserWarning):
         torch.testing.assert_close(laplacian(model, _x()), _reference(model, _x()))
 
@@ -387,7 +389,7 @@ def test_untraceable_custom_module_falls_back():
 
     model, x = Branching().to(DT), _x()
     with pytest.raises(ValueError, match="could not be traced"):
-        laplacian(model, x, fallback="error")
+        laplacian(model, x, unsupported="error")
     with pytest.warns(UserWarning, match="could not be traced"):
         torch.testing.assert_close(laplacian(model, x), _reference(model, x))
 
@@ -424,7 +426,7 @@ def test_register_activation_teaches_the_forward_laplacian_a_new_module():
 
         register_activation(Sine, (torch.sin, torch.cos, d2sin))
         register_activation(Cube, cube)
-        lap = laplacian(model, x, fallback="error")
+        lap = laplacian(model, x, unsupported="error")
         assert used == ["sine", "cube"]  # the registered rules, not tracing
         torch.testing.assert_close(lap, _reference(model, x), rtol=1e-10, atol=1e-12)
     finally:
@@ -442,7 +444,7 @@ def test_registered_rule_may_return_numbers():
     x = _x()
     try:
         register_activation(Square, (lambda z: z * z, lambda z: 2 * z, lambda z: 2.0))
-        lap = laplacian(model, x, fallback="error")
+        lap = laplacian(model, x, unsupported="error")
     finally:
         ACTIVATIONS.pop(Square, None)
     torch.testing.assert_close(lap, _reference(model, x), rtol=1e-10, atol=1e-12)
@@ -494,6 +496,26 @@ def test_the_slots_context_is_reset_when_a_layer_raises():
     assert current_slots() is None
 
 
+def test_the_slots_context_is_the_engines_shared_slots():
+    assert FORWARD_LAPLACIAN_SLOTS is SHARED_SLOTS and current_slots is current_shared_slots
+    seen = []
+    layer = nn.Linear(3, 2)
+    layer.register_forward_hook(lambda m, i, o: seen.append(current_shared_slots()))
+    with shared_slots(4):
+        layer(torch.randn(2, 4, 3))
+        with shared_slots(6):  # nests: the innermost holds
+            layer(torch.randn(2, 6, 3))
+        layer(torch.randn(2, 4, 3))
+    layer(torch.randn(2, 3))
+    assert seen == [4, 6, 4, None]
+    with pytest.raises(RuntimeError, match="boom"), shared_slots(5):
+        raise RuntimeError("boom")
+    assert current_shared_slots() is None
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="n must be a positive integer"), shared_slots(bad):
+            pass
+
+
 def test_value_slot_of_the_forward_laplacian_is_the_model_output():
     model, x = _mlp("gelu", 3), _x()
     outputs = []
@@ -506,8 +528,9 @@ def test_value_slot_of_the_forward_laplacian_is_the_model_output():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"method": "exact"}, "method"),
-        ({"fallback": "functorch"}, "fallback"),
+        ({"method": "exact"}, r"method='exact'.*'forward', 'autograd', 'hutchinson'"),
+        ({"unsupported": "functorch"}, r"unsupported='functorch'.*'autograd', 'error'"),
+        ({"unsupported": "warn"}, r"unsupported='warn'.*'autograd', 'error'"),
         ({"method": "hutchinson"}, "num_samples"),
         ({"method": "hutchinson", "num_samples": 0}, "num_samples"),
         ({"method": "hutchinson", "num_samples": 1.5}, "num_samples"),
@@ -518,6 +541,34 @@ def test_value_slot_of_the_forward_laplacian_is_the_model_output():
 def test_bad_arguments_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         laplacian(_mlp("tanh", 1), _x(), **kwargs)
+
+
+def test_method_and_unsupported_accept_the_enum_members():
+    model, x = _mlp("tanh", 1), _x()
+    for method in LaplacianMethod:
+        kwargs = {"num_samples": 3} if method is LaplacianMethod.HUTCHINSON else {}
+        torch.manual_seed(0)
+        a = laplacian(model, x, method=method, unsupported=Unsupported.ERROR, **kwargs)
+        torch.manual_seed(0)
+        b = laplacian(model, x, method=method.value, unsupported="error", **kwargs)
+        torch.testing.assert_close(a, b)
+
+
+def test_fallback_is_a_deprecated_alias_of_unsupported():
+    model, x = _with_layernorm(), _x()
+    with pytest.warns(DeprecationWarning, match="use unsupported='error'"):
+        with pytest.raises(ValueError, match=r"layer '1' \(LayerNorm\)"):
+            laplacian(model, x, fallback="error")
+    with pytest.warns(DeprecationWarning, match="fallback is deprecated"):
+        with pytest.warns(UserWarning, match="LayerNorm"):
+            res = forward_laplacian(model, x, fallback="autograd")
+    torch.testing.assert_close(res.laplacian, _reference(model, x), rtol=1e-10, atol=1e-12)
+    with pytest.warns(DeprecationWarning):
+        with pytest.raises(ValueError, match=r"fallback='functorch'.*'autograd', 'error'"):
+            laplacian(model, x, fallback="functorch")
+    with pytest.warns(DeprecationWarning):
+        with pytest.raises(ValueError, match="give only unsupported"):
+            laplacian(model, x, unsupported="error", fallback="autograd")
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,10 @@ layer output), ``N`` (batch), ``S`` (shared positions), ``G`` (groups).
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +22,55 @@ from torch import Tensor, nn
 #: Upper bound (in elements) for temporaries created while computing norms and Gram
 #: matrices; work is chunked over the batch so that no temporary exceeds it.
 CHUNK_ELEMENTS = 2**24
+
+#: The number ``n`` of stacked slots of the layer calls in progress (see
+#: :func:`shared_slots`), ``None`` outside such a call. Read it with
+#: :func:`current_shared_slots`.
+SHARED_SLOTS: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
+    "SHARED_SLOTS", default=None
+)
+
+
+@contextmanager
+def shared_slots(n: int) -> Iterator[None]:
+    """Mark the layer calls inside as weight sharing over ``n`` stacked slots on axis 1.
+
+    A caller that pushes a stack of ``n`` related inputs ``[N, n, *F_in]`` through a
+    layer at once (the same weights on every slot) says so with this context; the
+    capture engine records ``n`` as :attr:`Call.slots` of every call made inside, and the
+    linear-family rules treat the slots as shared positions ``S`` of which only slot 0
+    carries the bias: the bias coordinate of the expanded input is 1 on slot 0 and 0 on
+    slots ``1..n-1`` (the caller removes the bias from those slots itself). The forward
+    Laplacian is one user: its state stacks the value, the ``d`` first derivatives and
+    the Laplacian (``n = d + 2``).
+
+    The context nests (the innermost ``n`` holds) and is reset on exit, also when a
+    layer raises; it is a ``contextvars.ContextVar``, so threads and tasks do not see
+    each other's.
+
+    Example:
+        >>> with shared_slots(state.shape[1]):
+        ...     out = linear(state)  # hooks see current_shared_slots() == state.shape[1]
+
+    Args:
+        n: The number of slots (a positive integer).
+
+    Raises:
+        ValueError: If ``n`` is not a positive integer.
+
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"shared_slots(n={n!r}): n must be a positive integer (slots).")
+    token = SHARED_SLOTS.set(n)
+    try:
+        yield
+    finally:
+        SHARED_SLOTS.reset(token)
+
+
+def current_shared_slots() -> Optional[int]:
+    """The ``n`` of the innermost :func:`shared_slots` in progress, else ``None``."""
+    return SHARED_SLOTS.get()
 
 
 @dataclass(eq=False)
@@ -40,8 +91,8 @@ class Call:
             (with a leading ``[K]`` axis for batched pulls), else ``None``.
         outputs: The recorded outputs themselves, kept only for rules that set
             ``needs_outputs`` (to verify a replay), else ``None``.
-        slots: In a forward Laplacian, the number ``d + 2`` of stacked slots (value,
-            ``d`` derivatives, Laplacian) on the axis before the features, else ``None``.
+        slots: The number ``n`` of stacked slots on axis 1 (weight sharing, the bias on
+            slot 0 only) when the call ran inside :func:`shared_slots`, else ``None``.
 
     """
 
@@ -230,8 +281,9 @@ class LinearFamilyRule(LayerRule):
     def bias_column(call: Call, a: Tensor) -> Tensor:
         """The bias coordinate ``[N, S, C, 1]`` of the expanded input.
 
-        1 everywhere, except in a forward Laplacian (``call.slots`` set), where the bias
-        acts on the value slot only: 1 on slot 0 and 0 on the derivative slots.
+        1 everywhere, except for a call made inside :func:`shared_slots` (``call.slots``
+        set), where the bias acts on slot 0 only: 1 on slot 0 and 0 on the other slots
+        (in a forward Laplacian: the value slot, not the derivative slots).
         """
         col = a.new_ones(*a.shape[:-1], 1)
         if call.slots is not None:

@@ -1,0 +1,227 @@
+r"""The forward Laplacian's state and how each operation propagates it.
+
+Following Li et al. (2023) and Dangel, Muller & Zeinhofer (2024), every hidden tensor
+``z [N, *F]`` of a model applied to ``x [N, d]`` is carried as a *state* ``[N, d + 2, *F]``
+stacked on axis 1: slot 0 the value ``z``, slots ``1..d`` the first derivatives
+``dz / dx_j``, slot ``d + 1`` the weighted Laplacian ``sum_j c_j d^2 z / dx_j^2``. The
+input's state is ``[x, I, 0]``; each operation maps states to states:
+
+- a Linear layer: ``W state`` on every slot, the bias on slot 0 only (:func:`linear`);
+- an elementwise ``sigma``: ``(sigma(z), sigma'(z) dz_j, sigma'(z) lap + sigma''(z)
+  sum_j c_j dz_j^2)`` (:func:`elementwise`);
+- a product of two states: the product rule (:func:`product`);
+- a sum with a constant: the value slot only (:func:`add_constant`).
+
+A :data:`Plan` (built by :mod:`curvature.laplacian.compiler`) chains these steps;
+:func:`propagate` runs one on ``[x, I, 0]`` and reads the three parts.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
+
+from ..layers.base import shared_slots
+from .activations import Derivatives
+
+__all__ = [
+    "ForwardLaplacian",
+    "Plan",
+    "add_constant",
+    "broadcast_constant",
+    "elementwise",
+    "linear",
+    "product",
+    "propagate",
+    "squeeze_scalar",
+]
+
+#: A compiled module: the stacked state ``[N, d + 2, *F_in]`` to ``[N, d + 2, *F_out]``.
+Plan = Callable[[Tensor], Tensor]
+
+# The coefficients ``c [d]`` of the weighted Laplacian during a forward Laplacian run.
+_COEFFICIENTS: contextvars.ContextVar[Optional[Tensor]] = contextvars.ContextVar(
+    "_COEFFICIENTS", default=None
+)
+
+
+class ForwardLaplacian(NamedTuple):
+    """The result of :func:`forward_laplacian`; ``[N]``-shaped parts for a scalar output.
+
+    Attributes:
+        value: ``f(x)``: ``[N]`` or ``[N, *out]``.
+        jacobian: ``d f / d x``: ``[N, d]`` or ``[N, *out, d]``.
+        laplacian: ``sum_i c_i d^2 f / d x_i^2``: ``[N]`` or ``[N, *out]``.
+
+    """
+
+    value: Tensor
+    jacobian: Tensor
+    laplacian: Tensor
+
+
+def propagate(plan: Plan, x: Tensor, c: Optional[Tensor]) -> ForwardLaplacian:
+    """Run ``plan`` on the initial state ``[x, I, 0]`` and read the three parts.
+
+    Args:
+        plan: The compiled model.
+        x: Inputs ``[N, d]``.
+        c: The coefficients ``[d]`` of the weighted Laplacian, ``None`` for all ones.
+
+    Returns:
+        Value ``[N, *out]``, Jacobian ``[N, *out, d]`` and Laplacian ``[N, *out]``, with
+        ``*out`` dropped for a scalar output (see :func:`squeeze_scalar`).
+
+    """
+    N, d = x.shape
+    eye = torch.eye(d, dtype=x.dtype, device=x.device).expand(N, d, d)
+    state = torch.cat([x.unsqueeze(1), eye, x.new_zeros(N, 1, d)], dim=1)
+    token = _COEFFICIENTS.set(c)
+    try:
+        out = plan(state)
+    finally:
+        _COEFFICIENTS.reset(token)
+    out_shape = torch.Size([N, *out.shape[2:]])
+    jacobian = out[:, 1 : d + 1].movedim(1, -1)  # [N, *out, d]
+    return ForwardLaplacian(
+        squeeze_scalar(out[:, 0], out_shape),
+        squeeze_scalar(jacobian, out_shape, trailing=1),
+        squeeze_scalar(out[:, d + 1], out_shape),
+    )
+
+
+def squeeze_scalar(t: Tensor, out_shape: torch.Size, trailing: int = 0) -> Tensor:
+    """``[N, *out, *trailing]`` to ``[N, *trailing]`` for a scalar output (``[N]``/``[N, 1]``).
+
+    Args:
+        t: A part of the result, ``[N, *out]`` followed by ``trailing`` axes (or any
+            tensor with as many elements).
+        out_shape: The model's output shape ``[N, *out]``.
+        trailing: The number of axes after ``*out`` (1 for the Jacobian's ``d``).
+
+    """
+    rest = tuple(t.shape[t.ndim - trailing :]) if trailing else ()
+    if len(out_shape) == 1 or tuple(out_shape[1:]) == (1,):
+        return t.reshape(out_shape[0], *rest)
+    return t.reshape(*out_shape, *rest)
+
+
+def linear(module: nn.Linear, state: Tensor) -> Tensor:
+    """``module(state)`` on all slots (weight sharing), the bias on slot 0 only.
+
+    A module that nobody observes is applied as ``W state`` plus the bias on the value
+    slot. Otherwise the module itself is called inside
+    :func:`curvature.layers.base.shared_slots` ``(d + 2)``, so that forward hooks (the
+    capture engine) see a Linear layer applied to ``[N, d + 2, F_in]`` with weight
+    sharing over the slots, of which only slot 0 carries the bias; the bias is then
+    removed from slots ``1..`` out of place (hooks may hold the module's output).
+
+    Args:
+        module: The Linear layer.
+        state: ``[N, d + 2, *S, F_in]``.
+
+    Returns:
+        ``[N, d + 2, *S, F_out]``.
+
+    """
+    if module.bias is not None and not _observed(module):
+        # nobody else sees this call: the bias goes into the value slot only (exact zeros
+        # for the derivative slots, and no full-size correction)
+        rows = F.pad(module.bias.unsqueeze(0), (0, 0, 0, state.shape[1] - 1))  # [b, 0, ..]
+        return F.linear(state, module.weight) + rows.view(
+            state.shape[1], *([1] * (state.ndim - 3)), -1
+        )
+    with shared_slots(state.shape[1]):
+        out = module(state)
+    if module.bias is not None:  # out + [0, -b, ..., -b]: an add (its backward is a view)
+        sign = torch.full((state.shape[1],), -1.0, dtype=out.dtype, device=out.device)
+        sign[0] = 0
+        out = out + sign.view(-1, *([1] * (out.ndim - 2))) * module.bias
+    return out
+
+
+def _observed(module: nn.Module) -> bool:
+    """Whether calling ``module`` could be seen by anyone: forward hooks (the capture
+    engine's among them), global module hooks, or a subclass with its own ``forward``.
+    """
+    # torch internals: torch has no public way to ask whether a module (or every module)
+    # has forward hooks; the attributes exist since torch 1.x
+    return bool(
+        type(module).forward is not nn.Linear.forward
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+    )
+
+
+def elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:
+    """``(z, dz, lap) -> (s(z), s'(z) dz, s'(z) lap + s''(z) sum_j c_j dz_j^2)``.
+
+    One full-size product ``s'(z) * state``, then slot 0 and the Laplacian slot are
+    written in place (into that fresh product, which no one else holds): no concatenation.
+
+    Args:
+        derivatives: ``z -> (s(z), s'(z), s''(z))`` (``s''`` may be ``None``: zero).
+        state: ``[N, d + 2, *F]``.
+
+    Returns:
+        ``[N, d + 2, *F]``.
+
+    """
+    value, d1, d2 = derivatives(state[:, 0])
+    out = d1.unsqueeze(1) * state
+    out[:, 0] = value
+    if d2 is not None:
+        dz = state[:, 1:-1]
+        out[:, -1].addcmul_(d2, _weighted_sum(dz * dz))
+    return out
+
+
+def _weighted_sum(t: Tensor) -> Tensor:
+    """``sum_j c_j t_j`` over the derivative slots ``t [N, d, *F]`` (``c = 1`` if unset)."""
+    c = _COEFFICIENTS.get()
+    if c is None:
+        return t.sum(1)
+    return (t * c.view(-1, *([1] * (t.ndim - 2)))).sum(1)
+
+
+def product(u: Tensor, v: Tensor) -> Tensor:
+    """Product rule: ``(uv)_j = u v_j + v u_j``, ``D(uv) = u Dv + v Du + 2 sum_j c_j u_j v_j``.
+
+    Args:
+        u: A state ``[N, d + 2, *F]``.
+        v: A state broadcastable against ``u``.
+
+    """
+    u0, v0 = u[:, :1], v[:, :1]
+    cross = _weighted_sum(u[:, 1:-1] * v[:, 1:-1]).unsqueeze(1)
+    lap = u0 * v[:, -1:] + v0 * u[:, -1:] + 2 * cross
+    return torch.cat([u0 * v0, u0 * v[:, 1:-1] + v0 * u[:, 1:-1], lap], dim=1)
+
+
+def broadcast_constant(c: Any, state: Tensor) -> Any:
+    """A constant broadcastable against one slot ``[N, *F]`` as ``[N, 1, *F]``-compatible.
+
+    Raises:
+        ValueError: If the constant has as many axes as the state or more.
+
+    """
+    if isinstance(c, Tensor) and c.ndim == state.ndim - 1:  # per-sample constant [N, *F]
+        return c.unsqueeze(1)
+    if isinstance(c, Tensor) and c.ndim >= state.ndim:
+        raise ValueError(
+            f"laplacian(method='forward'): cannot broadcast a constant of shape "
+            f"{tuple(c.shape)} against the activations {tuple(state[:, 0].shape)}."
+        )
+    return c
+
+
+def add_constant(state: Tensor, c: Any) -> Tensor:
+    """``state + c``: a constant shifts the value slot only."""
+    return torch.cat([state[:, :1] + broadcast_constant(c, state), state[:, 1:]], dim=1)

@@ -439,10 +439,8 @@ class Capture:
 
         Returns:
             Parameter name (as in ``model.named_parameters()``) to ``[N, *p.shape]``.
-            Without ``out``, large CPU results reuse the memory of earlier results that
-            are no longer referenced anywhere (not even through a view); a result you
-            keep is never overwritten. See
-            :func:`curvature.per_sample.release_result_cache`.
+            Without ``out``, new tensors on the parameters' device, freed when you
+            drop them.
 
         """
         self._pull_losses(losses, retain_graph)

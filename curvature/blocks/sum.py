@@ -42,11 +42,11 @@ class KroneckerSumBlock:
         self.record: Any = None
 
     @classmethod
-    def from_block(cls, block: KroneckerBlock) -> KroneckerSumBlock:
-        """A sum block whose term 0 is ``block``'s factors (its record is dropped)."""
+    def from_block(cls, block: KroneckerBlock, term: int = 0) -> KroneckerSumBlock:
+        """A sum block whose term ``term`` is ``block``'s factors (its record is dropped)."""
         out = cls(block.name, block.index)
         if block.A is not None:
-            out.terms[0] = [block.A, block.G]
+            out.terms[term] = [block.A, block.G]
         return out
 
     @property

@@ -5,21 +5,24 @@ large: the update direction is ``g / (d + lambda)`` with ``d`` the running diago
 the chosen Fisher, ``d = sum_{k,n} grad_nk^2`` from the per-sample (per-vector)
 gradients of the collected backward: the diagonal empirical Fisher (``"empirical"``),
 its Monte-Carlo estimate (``"mc"``), or the exact GGN diagonal (``"type-2"``). It is
-computed per layer without materializing per-sample gradients where the layer allows
-(``(g^2)^T (a^2)`` for Linear layers without weight sharing).
+computed per layer by :func:`curvature.layer_stats.fisher_diagonal`, without
+materializing per-sample gradients where the layer allows (``(g^2)^T (a^2)`` for Linear
+layers without weight sharing); each layer is one :class:`~curvature.blocks.DiagonalBlock`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..layer_stats import expanded_diagonal as _expanded_diag
-from ..layer_stats import per_vector_grads as _per_vector_grads
-from ..layout import ParamLayout
-from .base import CurvatureOptimizer, _put, _take
+from ..blocks import DiagonalBlock
+from ..layer_stats import fisher_diagonal
+from ..options import FisherType, KFACApproxType
+from .base import CurvatureOptimizer, stat_dtype
+from .config import CurvatureConfig
+from .kfac import put, take
 
 
 class DiagonalNaturalGradient(CurvatureOptimizer):
@@ -29,90 +32,135 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
     ``fisher="forward-only"`` is refused (it has no diagonal).
     """
 
-    def __init__(self, model, lr=1e-2, damping=1e-3, momentum=0.0, weight_decay=0.0, **kwargs):
-        if kwargs.get("fisher", "empirical") == "forward-only":
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-2,
+        damping: float = 1e-3,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        *,
+        fisher: Union[str, FisherType] = "empirical",
+        loss_func: Optional[nn.Module] = None,
+        mc_samples: int = 1,
+        kfac_approx: Union[str, KFACApproxType] = "expand",
+        factor_decay: float = 0.95,
+        factor_every: int = 1,
+        inverse_every: int = 10,
+        kl_clip: Optional[float] = None,
+        damping_mode: str = "pi",
+        unsupported: str = "warn",
+        auto_output: bool = True,
+        seed: int = 0,
+        param_groups: Optional[Sequence[Dict[str, Any]]] = None,
+        grad_scaler: Any = None,
+        adaptive_damping: bool = False,
+        damping_adaptation_interval: int = 5,
+        damping_adaptation_decay: float = 0.95,
+        line_search_grid: Optional[Sequence[float]] = None,
+        distributed: Optional[bool] = None,
+        process_group: Any = None,
+        sync_grads: Optional[bool] = None,
+        comm_timeout: float = 300.0,
+        bucket_mb: float = 25.0,
+    ):
+        if fisher == FisherType.FORWARD_ONLY:
             raise ValueError(
                 "DiagonalNaturalGradient(fisher='forward-only'): a forward-only Fisher has "
                 "no diagonal; use 'empirical', 'mc', 'type-2' or 'rademacher'."
             )
-        self.diagonal_: Dict[str, Tensor] = {}
-        self._ix: Dict[str, Tensor] = {}
-        super().__init__(model, lr, damping, momentum, weight_decay, **kwargs)
+        self._diagonals: Dict[str, DiagonalBlock] = {}
+        config = CurvatureConfig(
+            type(self).__name__,
+            fisher=fisher,
+            loss_func=loss_func,
+            mc_samples=mc_samples,
+            kfac_approx=kfac_approx,
+            factor_decay=factor_decay,
+            factor_every=factor_every,
+            inverse_every=inverse_every,
+            kl_clip=kl_clip,
+            damping_mode=damping_mode,
+            unsupported=unsupported,
+            auto_output=auto_output,
+            seed=seed,
+            grad_scaler=grad_scaler,
+            adaptive_damping=adaptive_damping,
+            damping_adaptation_interval=damping_adaptation_interval,
+            damping_adaptation_decay=damping_adaptation_decay,
+            line_search_grid=line_search_grid,
+            distributed=distributed,
+            process_group=process_group,
+            sync_grads=sync_grads,
+            comm_timeout=comm_timeout,
+            bucket_mb=bucket_mb,
+        )
+        super().__init__(model, lr, damping, momentum, weight_decay, config, param_groups)
+
+    @property
+    def diagonal_(self) -> Dict[str, Tensor]:
+        """Layer name to its running diagonal ``d`` (flat, the layer's positions)."""
+        return {k: b.d for k, b in self._diagonals.items()}
+
+    @property
+    def blocks(self) -> Dict[str, DiagonalBlock]:
+        """Layer name to its :class:`~curvature.blocks.DiagonalBlock`."""
+        return dict(self._diagonals)
 
     def _covered_names(self) -> List[str]:
-        covered = []
+        covered = set()
         for name, (module, _) in self._layers.items():
             prefix = f"{name}." if name else ""
-            covered += [prefix + n for n, p in module.named_parameters() if p.requires_grad]
-        return [n for n in self._offsets if n in set(covered)]
+            covered.update(prefix + n for n, p in module.named_parameters() if p.requires_grad)
+        return [n for n in self.layout.names if n in covered]
 
     def _reset_curvature(self) -> None:
-        self.diagonal_, self._ix = {}, {}
+        self._diagonals = {}
 
-    def _accumulate(self, name, module, rule, calls, with_g) -> None:
-        expanded = rule.expanded_blocks(module, calls)
-        if expanded is None:
-            d = _per_vector_grads(rule, module, calls).pow(2).sum((0, 1))
-            ix = _exact_index(module, name, self._offsets)  # named_parameters order
-        else:
-            d = torch.cat([_expanded_diag(a, g).reshape(-1) for a, g in expanded.values()])
-            index = rule.kfac_index(module, _local_offsets(name, self._offsets))
-            ix = torch.cat([index[s].reshape(-1) for s in expanded])
-        self._ix[name] = ix
-        dt = torch.float64 if d.dtype == torch.float64 else torch.float32
-        self._add_step_stat((name, "diag"), [d.to(dt)], ("g",))
+    def _accumulate(self, name, module, rule, calls, with_g, emit) -> None:
+        kron, parts = fisher_diagonal(rule, module, calls)
+        d = torch.cat([v.reshape(-1) for v in parts.values()])
+        if name not in self._diagonals:
+            if kron:
+                index = rule.kfac_index(module, self.layout.local_offsets(name))
+                ix = torch.cat([index[s].reshape(-1) for s in parts])
+            else:
+                ix = self.layout.module_index(module, name)  # named_parameters order
+            self._diagonals[name] = DiagonalBlock(name, ix)
+        emit((name, "diag"), [d.to(stat_dtype(d))], ("g",))
 
-    def _update_statistics(self, stats) -> None:
-        beta = self.factor_decay
+    def _update_curvature(self, stats) -> None:
         for (name, _, _), values in stats.items():
-            d = values[0]
-            prev = self.diagonal_.get(name)
-            self.diagonal_[name] = d if prev is None else prev.mul_(beta).add_(d, alpha=1 - beta)
+            self._diagonals[name].update(values[0], self.config.factor_decay)
 
     def _refresh(self) -> None:
         return None
 
     def _precondition(self, grads: Tensor) -> Tensor:
         out = grads.clone()
-        groups = self._group_of()
-        damping = torch.full_like(grads, self.param_groups[0]["damping"])
-        for n, p in self.model.named_parameters():
-            if n in self._offsets and p in groups:
-                o = self._offsets[n]
-                damping[o : o + p.numel()] = groups[p]["damping"]
-        for name, d in self.diagonal_.items():
-            ix = self._ix[name].to(grads.device)
-            _put(out, ix, _take(grads, ix) / (d.to(grads.dtype) + _take(damping, ix)))
+        damping = self._damping_vector(grads)
+        for block in self._diagonals.values():
+            if block.d is None:
+                continue
+            ix = block.index.to(grads.device)
+            put(out, ix, block.inverse_matvec(take(grads, ix), take(damping, ix)))
         return out
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
         out = torch.zeros_like(v)
-        for name, d in self.diagonal_.items():
-            ix = self._ix[name].to(v.device)
-            _put(out, ix, d.to(v.dtype) * _take(v, ix))
+        for block in self._diagonals.values():
+            if block.d is None:
+                continue
+            ix = block.index.to(v.device)
+            put(out, ix, block.matvec(take(v, ix)))
         return out
 
     def _curvature_state(self) -> Dict[str, Any]:
-        return {
-            "diagonal": {k: v.clone() for k, v in self.diagonal_.items()},
-            "index": {k: v.clone() for k, v in self._ix.items()},
-        }
+        return {"diagonals": {k: b.state_dict() for k, b in self._diagonals.items()}}
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
-        self.diagonal_ = {k: v.clone() for k, v in state["diagonal"].items()}
-        self._ix = {k: v.clone() for k, v in state["index"].items()}
-
-
-def _local_offsets(name, offsets):
-    prefix = f"{name}." if name else ""
-    return {n[len(prefix) :]: o for n, o in offsets.items() if n.startswith(prefix)}
-
-
-def _exact_index(module, name, offsets):
-    prefix = f"{name}." if name else ""
-    ix = [
-        torch.arange(offsets[prefix + n], offsets[prefix + n] + p.numel())
-        for n, p in module.named_parameters()
-        if p.requires_grad and prefix + n in offsets
-    ]
-    return torch.cat(ix)
+        self._diagonals = {}
+        for name, st in state["diagonals"].items():
+            block = DiagonalBlock(name, st["index"])
+            block.load_state_dict(st)
+            self._diagonals[name] = block

@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from ..blocks import Eigen, GeneralizedEigen, KroneckerSumBlock, Outcome, RefreshStatus
+from .statistics import StepStat
 
 try:  # pragma: no cover - torch builds without distributed support
     import torch.distributed as dist
@@ -293,3 +297,134 @@ def unpack(flat: Tensor, shape: Sequence[int], symmetric: bool) -> Tensor:
         out.index_copy_(1, mirror, rows)
         return out.view(*shape)
     return flat.view(*shape).clone()
+
+
+# -- the step's statistics -------------------------------------------------------------------
+@dataclass
+class PendingReduction:
+    """A statistics all-reduce in flight (see :func:`start_statistics_reduction`)."""
+
+    stats: Dict[Any, StepStat]
+    layout: List[Tuple[Hashable, Any]]
+    counts: Tensor
+    flats: List[Tensor]
+    plan: List[Tuple[StepStat, int, Any, bool, torch.device]]
+    handle: Any
+
+
+def start_statistics_reduction(
+    comm: Communicator, stats: Dict[Any, StepStat], default_dtype: torch.dtype
+) -> PendingReduction:
+    """Agree on the layout, pack, and launch the all-reduce of a step's statistics.
+
+    Keys that only some ranks have are reduced with zeros from the others; the
+    ``(rows, samples)`` counts travel in one small float64 tensor.
+    """
+    signature = [
+        (key, (st.kinds, st.reduction, st.empirical, *st.shapes)) for key, st in stats.items()
+    ]
+    layout = comm.agree(signature)
+    ref = next((v for st in stats.values() for v in st.values if v is not None), None)
+    dtype = ref.dtype if ref is not None else default_dtype
+    device = comm.device
+    counts_cpu = torch.zeros(len(layout), 2, dtype=torch.float64)  # one host copy
+    flats: List[Tensor] = []
+    plan = []
+    for i, (key, spec) in enumerate(layout):
+        kinds, reduction, empirical, *shapes = spec
+        st = stats.get(key)
+        if st is None:
+            st = stats[key] = StepStat(
+                [None] * len(kinds), kinds, reduction=reduction, empirical=empirical
+            )
+        st.shapes = list(shapes)
+        counts_cpu[i, 0], counts_cpu[i, 1] = st.rows, st.samples
+        for j, (shape, kind) in enumerate(zip(shapes, kinds)):
+            if shape is None:
+                continue
+            v = st.values[j]
+            sym = kind in ("A", "G")
+            if v is None:
+                v = torch.zeros(shape, dtype=dtype, device=device)
+            flats.append(pack(v.to(device), sym))
+            plan.append((st, j, shape, sym, v.device))
+    counts = counts_cpu.to(device)
+    handle = comm.start([counts] + flats, "statistics")
+    return PendingReduction(stats, layout, counts, flats, plan, handle)
+
+
+def finish_statistics_reduction(
+    comm: Communicator, pending: PendingReduction
+) -> Dict[Any, StepStat]:
+    """Wait for :func:`start_statistics_reduction` and unpack: the global statistics."""
+    comm.finish(pending.handle)
+    for (st, j, shape, sym, dev), flat in zip(pending.plan, pending.flats):
+        st.values[j] = unpack(flat, shape, sym).to(dev)
+    for (key, _), (rows, samples) in zip(pending.layout, pending.counts.tolist()):
+        pending.stats[key].rows, pending.stats[key].samples = rows, samples
+    return pending.stats
+
+
+# -- decompositions ---------------------------------------------------------------------------
+def share_outcomes(
+    comm: Communicator,
+    blocks: Dict[Hashable, Any],
+    outcomes: Dict[Hashable, Outcome],
+    owners: Dict[Hashable, int],
+    with_records: bool,
+    damping_of: Callable[[Hashable], float],
+) -> Dict[Hashable, Outcome]:
+    """Exchange the owners' refresh outcomes (one all-reduce of a zero-padded buffer).
+
+    Every block of ``blocks`` (in this order on every rank) was refreshed on its owner
+    only, and ``outcomes`` holds this rank's. Each rank writes the status code and, with
+    ``with_records``, the records' tensors of its own blocks into zeros; the sum over
+    ranks has each entry from exactly one rank. Without ``with_records``
+    (``precondition="owner"``) only the statuses travel, and blocks owned elsewhere get
+    an ``OK`` outcome without a record.
+    """
+    keys = list(blocks)
+    codes = [outcomes[k].status.code if k in outcomes else 0.0 for k in keys]
+    status = torch.tensor(codes, dtype=torch.float64).to(comm.device)
+    buffers: List[Tensor] = [status]
+    parts_of: Dict[Hashable, Tuple[List[Tensor], torch.device]] = {}
+    for key in keys:
+        if not with_records:
+            continue
+        A, G = _first_factors(blocks[key])
+        shapes = [A.shape[:-1], A.shape, G.shape[:-1], G.shape]
+        out = outcomes.get(key)
+        ok = out is not None and out.status is RefreshStatus.OK
+        tensors = out.record.tensors() if ok else [A.new_zeros(s) for s in shapes]
+        parts = [t.to(A.dtype).to(comm.device).contiguous() for t in tensors]
+        buffers += parts
+        parts_of[key] = (parts, A.device)
+    comm.all_reduce(buffers, "decompositions")
+    shared: Dict[Hashable, Outcome] = {}
+    for key, code in zip(keys, status.tolist()):
+        if code == 1:
+            if key in parts_of:
+                parts, dev = parts_of[key]
+                tensors = [p.to(dev) for p in parts]
+                block = blocks[key]
+                if isinstance(block, KroneckerSumBlock):
+                    record = GeneralizedEigen.from_tensors(tensors, damping_of(key))
+                else:
+                    record = Eigen.from_tensors(tensors)
+                shared[key] = Outcome(RefreshStatus.OK, record)
+            else:
+                shared[key] = outcomes.get(key, Outcome(RefreshStatus.OK))
+        elif key in outcomes:
+            shared[key] = outcomes[key]
+        else:
+            owner = owners.get(key, 0)
+            status_ = RefreshStatus.KEPT if code == 2 else RefreshStatus.FAILED
+            cause = f"the decomposition failed on rank {owner}, its owner"
+            shared[key] = Outcome(status_, None, cause)
+    return shared
+
+
+def _first_factors(block: Any) -> Tuple[Tensor, Tensor]:
+    if isinstance(block, KroneckerSumBlock):
+        return tuple(block.terms[min(block.terms)])  # type: ignore[return-value]
+    return block.A, block.G

@@ -1,0 +1,333 @@
+"""Statistics collection for the curvature optimizers: what is captured, when, from where.
+
+A :class:`StatisticsCollector` owns a :class:`~curvature.capture.Capture` on the model for
+the optimizer's whole life, with callbacks at the start and end of every forward of the
+model. What it collects depends on the Fisher type:
+
+- ``"empirical"``: layer inputs from the forward and, through node pre-hooks, the
+  gradients of the user's own ``loss.backward()`` w.r.t. each layer output. With
+  ``g = c grad l_n`` (``c = R`` for a mean loss on one process), the statistics are
+  ``c^2 sum g g^T`` (normalized in :mod:`.statistics`).
+- ``"mc"``, ``"type-2"``, ``"rademacher"``: at the end of each training forward of the
+  model (or at :meth:`register_output`), the vectors of
+  :func:`~curvature.losses.backprop_sources` are backpropagated on the existing graph in
+  one batched call; the user's backward is untouched.
+- ``"forward-only"``: inputs only, ``G = I``.
+
+Each layer's calls go to the optimizer's ``accumulate(name, module, rule, calls, with_g,
+emit)``, which calls ``emit((name, suffix), values, kinds, rows)`` for the sums it
+derives; the collector adds the term number and the :class:`BatchContext` of the
+forward and keeps them in :class:`StepStatistics`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..capture import Capture
+from ..losses import backprop_sources, check_loss, reduction_scale
+from ..options import FisherType
+from .distributed import (
+    Communicator,
+    PendingReduction,
+    finish_statistics_reduction,
+    start_statistics_reduction,
+)
+from .statistics import BatchContext, StepStatistics, normalize
+
+Accumulate = Callable[..., None]
+
+
+def promote(t: Tensor) -> Tensor:
+    """Statistics never accumulate in half precision."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+class StatisticsCollector:
+    """Captures the model's forwards and turns them into one step's statistics.
+
+    Args:
+        who: The optimizer's name, for messages.
+        model: The (unwrapped) model.
+        fisher: The Fisher type.
+        loss_func: The loss module (``None`` for ``"empirical"`` / ``"forward-only"``
+            without one: a mean loss is assumed).
+        mc_samples: Samples for ``"mc"`` / ``"rademacher"``.
+        auto_output: Pull from the model output at the end of each training forward.
+        accumulate: The optimizer's per-layer statistics function (module docstring).
+        generator: The sampling generator (MC labels, Rademacher signs).
+        comm: The communicator under ``torch.distributed`` (``None`` on one process).
+        ddp: The DDP wrapper of the model, if any (early reduction launch).
+        grad_scaler: A ``torch.amp.GradScaler`` whose scale is removed from empirical
+            statistics.
+
+    Attributes:
+        due: Whether this step collects statistics (``factor_every``); set by the optimizer.
+        evaluating: Loss evaluations of a line search / damping adaptation in progress:
+            their forwards are not recorded.
+        stats: This step's :class:`StepStatistics`.
+
+    """
+
+    def __init__(
+        self,
+        who: str,
+        model: nn.Module,
+        fisher: FisherType,
+        loss_func: Optional[nn.Module],
+        mc_samples: int,
+        auto_output: bool,
+        accumulate: Accumulate,
+        generator: torch.Generator,
+        comm: Optional[Communicator] = None,
+        ddp: Optional[nn.Module] = None,
+        grad_scaler: Any = None,
+    ):
+        self.who = who
+        self.model = model
+        self.fisher = fisher
+        self.loss_func = loss_func
+        self.mc_samples = mc_samples
+        self.auto_output = auto_output
+        # held weakly: the optimizer owns the collector, so a strong reference back would
+        # make a cycle that only the garbage collector frees (after the hooks' weak
+        # handles are cleared, so that they could not be removed)
+        self._accumulate = weakref.WeakMethod(accumulate)
+        self.generator = generator
+        self.comm = comm
+        self.ddp = ddp
+        self.grad_scaler = grad_scaler
+        self.due = True
+        self.evaluating = False
+        self.closed = False
+        self.stats = StepStatistics()
+        self.registered = False
+        self.term = 0
+        self.forward_scale = 1.0
+        self.pending: Optional[PendingReduction] = None
+        self.capture = Capture(model, fallback="functorch")
+        self.capture.attach()
+        if fisher == FisherType.EMPIRICAL:
+            self.capture.watch_backward(True)
+        self.capture.on_forward(start=self._forward_start, end=self._forward_end)
+
+    @property
+    def layers(self) -> Dict[str, Tuple[nn.Module, Any]]:
+        """Covered layer name to ``(module, rule)``."""
+        return {n: (m, r) for n, m, r in self.capture.layers}
+
+    def close(self) -> None:
+        """Remove every hook and forget recorded calls."""
+        self.closed = True
+        self.capture.remove_hooks()
+        self.capture.clear()
+
+    def resume_recording(self) -> None:
+        """Record the next forward iff this step is due and the collector is open."""
+        self.capture.recording = self.due and not self.closed
+
+    # -- forward callbacks -------------------------------------------------------------
+    def _forward_start(self, module: nn.Module, args: Any) -> None:
+        if self.closed:
+            return
+        if self.evaluating:
+            self.capture.recording = False
+            return
+        scale = self._loss_scale()
+        if scale < self.forward_scale:
+            # the grad scaler backed off: it found inf gradients and skipped step(), so the
+            # gradients of the forwards since the last step are discarded; so are their
+            # statistics (they count with the gradient they belong to)
+            with self.capture.computing():
+                self.capture.take_pushed()
+            self.discard()
+        # empirical: fold the calls whose backward already ran (bounded memory under
+        # gradient accumulation); calls still waiting for their backward stay.
+        if self.fisher == FisherType.EMPIRICAL:
+            self.consume_pushed()
+        self.forward_scale = scale
+        self.capture.recording = self.due and self.model.training
+
+    def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.closed or self.evaluating:
+            return
+        if not (self.due and self.model.training and torch.is_grad_enabled()):
+            return
+        if self.fisher == FisherType.FORWARD_ONLY:
+            self._consume(self.capture.active(), None)
+            self.capture.clear()
+            return
+        if self.fisher == FisherType.EMPIRICAL or not self.auto_output or self.registered:
+            return
+        if not isinstance(output, Tensor) or output.grad_fn is None:
+            raise ValueError(
+                f"{self.who}(fisher={self.fisher.value!r}): the model output is not a "
+                "tensor with a graph; name the curvature outputs with "
+                "optim.register_output(output, loss_func) and pass auto_output=False."
+            )
+        self.pull(output, self.loss_func, None, keep_calls=False)
+        self._launch_early()
+
+    def _loss_scale(self) -> float:
+        """The AMP loss scale of the current forward (1 without a grad scaler)."""
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            return float(scaler.get_scale())
+        return 1.0
+
+    # -- curvature backward --------------------------------------------------------------
+    def register_output(
+        self, output: Tensor, loss_func: Optional[nn.Module], target: Optional[Tensor]
+    ) -> None:
+        """See :meth:`curvature.optim.base.CurvatureOptimizer.register_output`."""
+        if self.fisher in (FisherType.EMPIRICAL, FisherType.FORWARD_ONLY):
+            raise ValueError(
+                f"register_output is for fisher in ('mc', 'type-2', 'rademacher'); this "
+                f"optimizer uses fisher={self.fisher.value!r}."
+            )
+        if self.evaluating:  # loss evaluations of a line search / damping adaptation
+            return
+        loss_func = loss_func if loss_func is not None else self.loss_func
+        if loss_func is None:
+            raise ValueError("register_output(output) needs a loss_func.")
+        check_loss(loss_func)
+        if not self.registered:
+            self.discard()
+            self.registered = True
+            self.term = 0
+        if self.due:
+            self.pull(output, loss_func, target, keep_calls=True)
+        self.term += 1
+
+    def pull(
+        self, output: Tensor, loss_func: nn.Module, target: Optional[Tensor], keep_calls: bool
+    ) -> None:
+        """Backpropagate the Fisher's vectors from ``output``; fold the reached calls.
+
+        ``keep_calls``: registered outputs may share layer calls (two heads of one
+        forward), so calls stay until ``step()``; the automatic output owns its forward.
+        A non-finite output is skipped (and counted).
+        """
+        if not torch.isfinite(output.detach().sum()):
+            self.stats.skipped += 1
+            return
+        V = backprop_sources(
+            loss_func,
+            output,
+            target,
+            self.fisher.value,
+            mc_samples=self.mc_samples,
+            generator=self.generator,
+        )
+        self.capture.pull(output, V, is_grads_batched=True, retain_graph=True, unreached="skip")
+        N = output.shape[0] if output.dim() else 1
+        reduction = getattr(loss_func, "reduction", "mean")
+        # G-like sums are kept as raw per-sample sums: the sources carry sqrt(R(N)).
+        context = BatchContext(N, reduction, 1.0 / reduction_scale(loss_func, N))
+        self._consume(self.capture.reached(take=not keep_calls), context)
+
+    def consume_pushed(self) -> None:
+        """Fold the calls whose user backward ran (``"empirical"``)."""
+        self._consume(self.capture.take_pushed(), "user")
+
+    def _consume(self, calls: Sequence[Tuple[str, nn.Module, Any, list]], context: Any) -> None:
+        """Fold calls (with ``grads`` set) into this step's statistics, then release them.
+
+        ``context``: a :class:`BatchContext` for pulled gradients, ``"user"`` for the
+        user's backward (``c grad l_n`` times the AMP scale), ``None`` for inputs only.
+        """
+        try:
+            with self.capture.computing():
+                for name, module, rule, cs in calls:
+                    ctx, with_g = self._prepare(module, rule, cs, context)
+
+                    def emit(key, values, kinds, rows=0, _ctx=ctx):
+                        term = self.term if self.registered else 0
+                        self.stats.add((*key, term), values, kinds, _ctx, rows)
+
+                    self._accumulate()(name, module, rule, cs, with_g, emit)
+            self.stats.flush()
+        finally:
+            self.stats.drop_queue()
+
+    def _prepare(self, module, rule, cs, context) -> Tuple[BatchContext, bool]:
+        if context == "user":
+            inv = 1.0 / self.forward_scale
+            for c in cs:
+                c.grads = [
+                    (promote(g) * inv if inv != 1.0 else promote(g)).unsqueeze(0) for g in c.grads
+                ]
+            reduction = getattr(self.loss_func, "reduction", "mean")
+            return BatchContext(rule.batch_size(module, cs[0]), reduction, 1.0, True), True
+        if context is None:
+            return BatchContext(rule.batch_size(module, cs[0])), False
+        for c in cs:
+            if c.grads is not None:
+                c.grads = [promote(g) for g in c.grads]
+        return context, True
+
+    # -- the step ------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """At ``step()``: fold the last backward's calls and forget the rest."""
+        if self.fisher == FisherType.EMPIRICAL:
+            self.consume_pushed()
+        self.capture.clear()  # calls whose backward never came (or kept for registration)
+
+    def finalize(self, default_dtype: torch.dtype) -> Dict[Any, list]:
+        """The step's statistics, reduced over the ranks and normalized (then reset).
+
+        Returns an empty dict when the step is not due or nothing was collected.
+        """
+        out: Dict[Any, list] = {}
+        if self.due and (self.stats or self.comm is not None):
+            stats = self.stats.take()
+            if self.comm is not None:
+                stats = finish_statistics_reduction(
+                    self.comm, start_statistics_reduction(self.comm, stats, default_dtype)
+                )
+                if self.pending is not None:  # launched early: add the two global parts
+                    early = finish_statistics_reduction(self.comm, self.pending)
+                    self.pending = None
+                    for key, st in stats.items():
+                        early[key] = early[key].merge(st) if key in early else st
+                    stats = early
+            world = 1 if self.comm is None else self.comm.world
+            out = normalize(stats, world, ordered=self.comm is not None)
+        self.stats.take()
+        self.registered = False
+        self.term = 0
+        return out
+
+    def _launch_early(self) -> None:
+        """Overlap the statistics all-reduce with the backward when they are final.
+
+        Under DDP, ``require_backward_grad_sync`` is ``False`` inside ``no_sync()``; a
+        training forward outside it is the step's last micro-batch, and for the Fisher
+        types whose backward the optimizer runs at the end of the forward its statistics
+        are complete there: their reduction is launched at once and runs during the
+        user's backward (statistics of any later forward are reduced at ``step()`` and
+        added).
+        """
+        if self.comm is None or self.ddp is None or self.pending is not None:
+            return
+        if not getattr(self.ddp, "require_backward_grad_sync", False):
+            return
+        self.pending = start_statistics_reduction(
+            self.comm, self.stats.take(), self.default_dtype()
+        )
+
+    def discard(self) -> None:
+        """Drop this step's statistics (and a reduction in flight, after it completes)."""
+        if self.pending is not None:
+            finish_statistics_reduction(self.comm, self.pending)
+            self.pending = None
+        self.stats.take()
+
+    def default_dtype(self) -> torch.dtype:
+        """float64 for float64 models, else float32."""
+        p = next((p for p in self.model.parameters() if p.requires_grad), None)
+        return torch.float64 if p is not None and p.dtype == torch.float64 else torch.float32

@@ -1,0 +1,171 @@
+"""The structure of a curvature optimizer, validated once: a frozen config.
+
+Per-group tunables (``lr``, ``damping``, ``momentum``, ``weight_decay``) live in the
+optimizer's ``param_groups`` as in ``torch.optim``; everything that fixes the algorithm's
+structure (Fisher type, update periods, damping form, distributed options) is checked
+here, in the constructor, with an error that names the argument, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+from torch import nn
+
+from ..losses import SUPPORTED_LOSSES, check_loss
+from ..options import DampingMode, FisherType, KFACApproxType, Unsupported, choice
+
+
+def check(who: str, arg: str, value: Any, ok: bool, allowed: str) -> None:
+    """``ValueError(f"{who}({arg}={value!r}): {arg} {allowed}.")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{who}({arg}={value!r}): {arg} {allowed}.")
+
+
+def check_hyperparameters(
+    who: str, lr: float, damping: float, momentum: float, weight_decay: float
+) -> None:
+    """The per-group tunables (defaults, or one param group's values)."""
+    check(who, "lr", lr, lr >= 0, "must be >= 0")
+    check(
+        who,
+        "damping",
+        damping,
+        damping > 0,
+        "must be > 0; it is added to the curvature before inversion, typical values 1e-4 ... 1e-1",
+    )
+    check(who, "momentum", momentum, 0 <= momentum < 1, "must be in [0, 1)")
+    check(who, "weight_decay", weight_decay, weight_decay >= 0, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class CurvatureConfig:
+    """The validated structure arguments of :class:`~curvature.KFAC` and its siblings.
+
+    See :class:`~curvature.KFAC` for the meaning of each field; ``who`` is the
+    optimizer's class name, used in messages.
+    """
+
+    who: str
+    fisher: FisherType = FisherType.EMPIRICAL
+    loss_func: Optional[nn.Module] = None
+    mc_samples: int = 1
+    kfac_approx: KFACApproxType = KFACApproxType.EXPAND
+    factor_decay: float = 0.95
+    factor_every: int = 1
+    inverse_every: int = 10
+    kl_clip: Optional[float] = None
+    damping_mode: DampingMode = DampingMode.PI
+    unsupported: Unsupported = Unsupported.WARN
+    auto_output: bool = True
+    seed: int = 0
+    grad_scaler: Any = None
+    adaptive_damping: bool = False
+    damping_adaptation_interval: int = 5
+    damping_adaptation_decay: float = 0.95
+    line_search_grid: Optional[Tuple[float, ...]] = None
+    distributed: Optional[bool] = None
+    process_group: Any = None
+    sync_grads: Optional[bool] = None
+    comm_timeout: float = 300.0
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        who = self.who
+        set_ = object.__setattr__
+        set_(
+            self,
+            "fisher",
+            choice(
+                FisherType,
+                self.fisher,
+                f"{who}(fisher",
+                hint="'empirical' (your own backward), 'mc', 'type-2', 'rademacher' or "
+                "'forward-only'.",
+            ),
+        )
+        needs_loss = (FisherType.MC, FisherType.TYPE2, FisherType.RADEMACHER)
+        if self.fisher in needs_loss and self.loss_func is None:
+            raise ValueError(
+                f"{who}(fisher={self.fisher.value!r}) needs loss_func=... (e.g. "
+                "nn.CrossEntropyLoss()): the model output and the loss define the curvature "
+                "backward."
+            )
+        if self.loss_func is not None:
+            if not isinstance(self.loss_func, SUPPORTED_LOSSES):
+                raise ValueError(
+                    f"{who}(loss_func={self.loss_func!r}): unsupported loss; use one of "
+                    "nn.CrossEntropyLoss, nn.MSELoss, nn.BCEWithLogitsLoss."
+                )
+            check_loss(self.loss_func)
+        check(
+            who,
+            "mc_samples",
+            self.mc_samples,
+            isinstance(self.mc_samples, int) and self.mc_samples >= 1,
+            "must be a positive int",
+        )
+        set_(self, "kfac_approx", choice(KFACApproxType, self.kfac_approx, f"{who}(kfac_approx"))
+        check(
+            who,
+            "factor_decay",
+            self.factor_decay,
+            0 <= self.factor_decay < 1,
+            "must be in [0, 1)",
+        )
+        for arg in ("factor_every", "inverse_every", "damping_adaptation_interval"):
+            val = getattr(self, arg)
+            check(who, arg, val, isinstance(val, int) and val >= 1, "must be a positive int")
+        check(
+            who,
+            "damping_adaptation_decay",
+            self.damping_adaptation_decay,
+            0 < self.damping_adaptation_decay < 1,
+            "must be in (0, 1)",
+        )
+        check(
+            who,
+            "kl_clip",
+            self.kl_clip,
+            self.kl_clip is None or self.kl_clip > 0,
+            "must be None or > 0",
+        )
+        set_(
+            self,
+            "damping_mode",
+            choice(
+                DampingMode,
+                self.damping_mode,
+                f"{who}(damping_mode",
+                hint="'exact' (eigenbasis) or 'pi' (Tikhonov with the pi heuristic).",
+            ),
+        )
+        set_(
+            self,
+            "unsupported",
+            choice(
+                Unsupported,
+                self.unsupported,
+                f"{who}(unsupported",
+                allowed=(Unsupported.WARN, Unsupported.ERROR, Unsupported.DIAGONAL),
+            ),
+        )
+        if self.line_search_grid is not None:
+            grid = _grid(self.line_search_grid)
+            if not grid or any(x <= 0 for x in grid):
+                raise ValueError(
+                    f"{who}(line_search_grid={self.line_search_grid!r}): a non-empty sequence "
+                    "of positive learning rates, e.g. [2.0 ** -k for k in range(10)]."
+                )
+            set_(self, "line_search_grid", tuple(grid))
+        check(who, "comm_timeout", self.comm_timeout, self.comm_timeout > 0, "must be > 0 seconds")
+        check(who, "bucket_mb", self.bucket_mb, self.bucket_mb > 0, "must be > 0")
+
+
+def _grid(values: Sequence[float]):
+    try:
+        return [float(x) for x in values]
+    except (TypeError, ValueError):
+        return []

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from .dense import Data, batches, empirical_fisher, ggn
 from .kfac import diag_ggn, ekfac, kfac
+from .layout import ParamLayout
 from .linalg import damped_solve, top_eigenvalues
 
 DEFAULT_APPROXIMATIONS = (
@@ -36,11 +37,12 @@ DEFAULT_APPROXIMATIONS = (
 )
 
 
-def _flat_diag(d: Dict[str, Tensor]) -> Tensor:
-    return torch.diag(torch.cat([v.reshape(-1) for v in d.values()]))
-
-
 def _builders(model, loss_func, data, seed) -> Dict[str, Callable[[], Tensor]]:
+    layout = ParamLayout.of(model)
+
+    def diag(d: Dict[str, Tensor]) -> Tensor:
+        return torch.diag(layout.flatten(d, what="diag_ggn"))
+
     def k(**kw):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -56,8 +58,8 @@ def _builders(model, loss_func, data, seed) -> Dict[str, Callable[[], Tensor]]:
         "kfac-reduce": lambda: k(kfac_approx="reduce"),
         "ekfac": lambda: ek(),
         "ef-kfac": lambda: k(fisher="empirical"),
-        "diag-ggn": lambda: _flat_diag(diag_ggn(model, loss_func, data)),
-        "diag-ef": lambda: _flat_diag(diag_ggn(model, loss_func, data, fisher="empirical")),
+        "diag-ggn": lambda: diag(diag_ggn(model, loss_func, data)),
+        "diag-ef": lambda: diag(diag_ggn(model, loss_func, data, fisher="empirical")),
         "ef": lambda: empirical_fisher(model, loss_func, data),
     }
 
@@ -147,28 +149,23 @@ class StudyResult:
         plt.close(fig)
 
 
-def _layer_groups(model: nn.Module) -> Dict[str, Tensor]:
-    """Layer (owning module) name to the flat indices of its trainable parameters."""
-    groups: Dict[str, List[int]] = {}
-    i = 0
-    for n, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        owner = n.rsplit(".", 1)[0] if "." in n else ""
-        groups.setdefault(owner, []).extend(range(i, i + p.numel()))
-        i += p.numel()
-    return {k: torch.tensor(v) for k, v in groups.items()}
+def _layer_groups(layout: ParamLayout) -> Dict[str, Tensor]:
+    """Layer (owning module) name to the flat indices ``[P_l]`` of its parameters."""
+    groups: Dict[str, List[str]] = {}
+    for n in layout.names:
+        groups.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(n)
+    return {k: layout.index(names) for k, names in groups.items()}
 
 
-def _gradient(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:
+def _gradient(layout: ParamLayout, model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:
+    """The gradient ``[P]`` of the loss over the union of the batches."""
     bs = batches(data)
-    params = [p for p in model.parameters() if p.requires_grad]
     total = None
     N = sum(X.shape[0] for X, _ in bs)
     for X, y in bs:
         w = X.shape[0] / N if loss_func.reduction == "mean" else 1.0
-        gs = torch.autograd.grad(loss_func(model(X), y), params)
-        flat = w * torch.cat([g.reshape(-1) for g in gs])
+        gs = torch.autograd.grad(loss_func(model(X), y), layout.params)
+        flat = w * layout.flatten(gs, what="the gradient")
         total = flat if total is None else total + flat
     return total.detach()
 
@@ -205,9 +202,10 @@ def compare_approximations(
     if damping <= 0:
         raise ValueError(f"damping={damping} must be > 0.")
     G = ggn(model, loss_func, data)
-    grad = _gradient(model, loss_func, data).to(G)
+    layout = ParamLayout.of(model)
+    grad = _gradient(layout, model, loss_func, data).to(G)
     d_exact = damped_solve(G, damping, grad)
-    groups = _layer_groups(model)
+    groups = _layer_groups(layout)
     builders = _builders(model, loss_func, data, seed)
     rel: Dict[str, Dict[str, float]] = {}
     cos: Dict[str, float] = {}

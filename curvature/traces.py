@@ -4,9 +4,11 @@ All three functions work on an already computed scalar ``loss`` (no second forwa
 the gradient ``g = grad loss`` is taken once with ``create_graph=True`` and Hessian-vector
 products ``H v = grad <g, v>`` of ``K`` probe vectors come from *one* batched backward
 (``torch.autograd.grad(..., is_grads_batched=True)``, a ``vmap`` over the backward): no
-Python loop over probes. Symbols: ``P`` the number of parameter entries (all tensors of
-``params`` flattened row-major and concatenated), ``K`` the number of probes, ``V [K, P]``
-the probes, ``H [P, P]`` the Hessian of ``loss`` w.r.t. ``params``.
+Python loop over probes. The products are those of
+:class:`curvature.products.HessianVectorProducts`, the package's one implementation.
+Symbols: ``P`` the number of parameter entries (all tensors of ``params`` flattened
+row-major and concatenated), ``K`` the number of probes, ``V [K, P]`` the probes,
+``H [P, P]`` the Hessian of ``loss`` w.r.t. ``params``.
 
 The graph of ``loss`` is kept: ``loss.backward()`` (or a regularized
 ``(loss + c * trace).backward()`` with ``create_graph=True``) can follow.
@@ -19,7 +21,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .layout import ParamLayout
 from .linalg import orthonormal_basis
+from .products import HessianVectorProducts
 
 __all__ = ["hessian_trace", "hutchinson_trace", "hutchinson_trace_blocks", "orthonormal_basis"]
 
@@ -177,7 +181,7 @@ def hutchinson_trace_blocks(
         "hutchinson_trace_blocks",
     )
     traces: Dict[str, Tensor] = {}
-    for name, part in zip(names, diag.split([p.numel() for p in ps])):
+    for name, part in zip(names, ParamLayout.of_tensors(ps).unflatten(diag)):
         traces[name] = traces[name] + part.sum() if name in traces else part.sum()
     return traces
 
@@ -219,78 +223,11 @@ def hessian_trace(
             f"hessian_trace(chunk_size={chunk_size!r}): chunk_size must be a positive "
             "integer or None (all rows at once)."
         )
-    hvp = _HessianVectorProducts(loss, ps, "hessian_trace")
-    P = hvp.numel
-    step = P if chunk_size is None else chunk_size
-    total = None
-    for start in range(0, P, step):
-        stop = min(P, start + step)
-        rows = torch.arange(start, stop, device=hvp.device)
-        E = torch.zeros(stop - start, P, dtype=hvp.dtype, device=hvp.device)
-        E[torch.arange(stop - start, device=hvp.device), rows] = 1
-        part = hvp(E, create_graph)[torch.arange(stop - start, device=hvp.device), rows].sum()
-        total = part if total is None else total + part
-    return total
+    hvp = HessianVectorProducts(loss, ps, caller="hessian_trace")
+    return hvp.diagonal(chunk_size=chunk_size, create_graph=create_graph).sum()
 
 
 # -- internals -------------------------------------------------------------------------------
-class _HessianVectorProducts:
-    """``V [K, P] -> V H [K, P]`` (rows ``(H v_k)^T``) from one gradient graph.
-
-    The gradient ``g`` is computed once with ``create_graph=True``; each call is one
-    batched backward of ``<g, v_k>`` over the ``K`` rows of ``V``. Gradient tensors
-    without a graph (``loss`` linear in that tensor) have zero Hessian rows and columns.
-    """
-
-    def __init__(self, loss: Tensor, ps: List[Tensor], caller: str):
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-            raise ValueError(
-                f"{caller}: loss must be a scalar tensor (numel() == 1); got {shape}. "
-                "Reduce it first, e.g. loss.sum() or loss.mean()."
-            )
-        if not loss.requires_grad:
-            raise ValueError(
-                f"{caller}: loss does not require grad (no graph to the parameters); "
-                "compute it with gradients enabled from tensors with requires_grad=True."
-            )
-        self.ps = ps
-        self.sizes = [p.numel() for p in ps]
-        self.numel = sum(self.sizes)
-        self.dtype = ps[0].dtype
-        self.device = ps[0].device
-        with torch.enable_grad():
-            grads = torch.autograd.grad(loss, ps, create_graph=True, allow_unused=True)
-        self.live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
-        self.grads = [grads[i] for i in self.live]
-
-    def __call__(self, V: Tensor, create_graph: bool) -> Tensor:
-        K = V.shape[0]
-        if not self.live:
-            return V.new_zeros(K, self.numel)
-        chunks = V.split(self.sizes, dim=1)
-        grad_outputs = [
-            chunks[i].reshape(K, *self.ps[i].shape).to(self.ps[i].dtype) for i in self.live
-        ]
-        with torch.enable_grad():
-            rows = torch.autograd.grad(
-                self.grads,
-                self.ps,
-                grad_outputs=grad_outputs,
-                retain_graph=True,
-                create_graph=create_graph,
-                allow_unused=True,
-                is_grads_batched=True,
-            )
-        return torch.cat(
-            [
-                V.new_zeros(K, n) if r is None else r.reshape(K, n).to(V.dtype)
-                for r, n in zip(rows, self.sizes)
-            ],
-            dim=1,
-        )
-
-
 def _as_params(params: Params, what: str) -> List[Tensor]:
     """``params`` as a non-empty list of tensors with ``requires_grad=True``."""
     ps = [params] if isinstance(params, Tensor) else list(params) if params is not None else []
@@ -359,14 +296,14 @@ def _diagonal_terms(
     mean_i r_i * (H r_i)`` with ``r_i = (I - Q Q^T) g_i``.
     """
     _check_options(num_samples, method, distribution, generator, caller)
-    hvp = _HessianVectorProducts(loss, ps, caller)
+    hvp = HessianVectorProducts(loss, ps, caller=caller)
     P, dtype, device = hvp.numel, hvp.dtype, hvp.device
     if method == "hutchinson":
         V = _probes(num_samples, P, distribution, dtype, device, generator)
-        return (V * hvp(V, create_graph)).mean(0)
+        return (V * hvp(V, create_graph=create_graph)).mean(0)
     Q, R = _hutchpp_directions(hvp, num_samples, distribution, generator)
     W = torch.cat([Q.T, R])
-    HW = hvp(W, create_graph)
+    HW = hvp(W, create_graph=create_graph)
     r = Q.shape[1]
     low_rank = (Q.T * HW[:r]).sum(0)
     if R.shape[0] == 0:
@@ -375,7 +312,7 @@ def _diagonal_terms(
 
 
 def _hutchpp_directions(
-    hvp: _HessianVectorProducts,
+    hvp: HessianVectorProducts,
     num_samples: int,
     distribution: str,
     generator: Optional[torch.Generator],

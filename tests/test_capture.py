@@ -265,7 +265,7 @@ def test_no_hooks_survive_an_exception_in_the_block():
 def test_deleted_capture_leaves_no_hooks():
     model = mlp()
     cap = curvature.capture(model)
-    cap.__enter__()  # never exited
+    cap.attach()  # never detached
     model(data()[0])
     assert hook_counts(model)
     del cap

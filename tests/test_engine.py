@@ -32,10 +32,10 @@ def test_batched_pull_equals_loop_of_pulls():
         out = model(X)
     V = torch.randn(3, *out.shape)
     cap.pull(out, V, is_grads_batched=True)
-    batched = [cap._calls[n][0].grads[0].clone() for n in ("0", "2")]
+    batched = [cap.calls[n][0].grads[0].clone() for n in ("0", "2")]
     for k in range(3):
         cap.pull(out, V[k])
-        single = [cap._calls[n][0].grads[0] for n in ("0", "2")]
+        single = [cap.calls[n][0].grads[0] for n in ("0", "2")]
         ref = _reference_output_grads(model, X, V[k])
         for b, s, r in zip(batched, single, ref):
             assert b.shape == (3, *s.shape)
@@ -61,14 +61,14 @@ def test_batched_pull_of_one_vector_keeps_its_axis(as_list, monkeypatch):
     assert seen == [False]
     ref = _reference_output_grads(model, X, v[0])
     for name, r in zip(("0", "2"), ref):
-        g = cap._calls[name][0].grads[0]
+        g = cap.calls[name][0].grads[0]
         assert g.shape == (1, *r.shape)
         torch.testing.assert_close(g[0], r, rtol=1e-12, atol=1e-12)
-    hidden = cap._calls["2"][0].args[0]  # depends on layer 0 only
+    hidden = cap.calls["2"][0].args[0]  # depends on layer 0 only
     cap.pull(hidden, torch.ones(1, *hidden.shape), is_grads_batched=True, unreached="zeros")
-    assert cap._calls["0"][0].grads[0].shape == (1, 4, 6)
-    assert cap._calls["2"][0].grads[0].shape == (1, 4, 3)
-    assert not cap._calls["2"][0].grads[0].any()
+    assert cap.calls["0"][0].grads[0].shape == (1, 4, 6)
+    assert cap.calls["2"][0].grads[0].shape == (1, 4, 3)
+    assert not cap.calls["2"][0].grads[0].any()
 
 
 def test_expand_carries_the_batched_axis():
@@ -79,7 +79,7 @@ def test_expand_carries_the_batched_axis():
     V = torch.randn(7, *out.shape)
     cap.pull(out, V, is_grads_batched=True)
     rule = curvature.layers.registered_rule(model[2])
-    a, g = rule.expand(model[2], cap._calls["2"][0])
+    a, g = rule.expand(model[2], cap.calls["2"][0])
     assert a.shape == (4, 2, 1, 6)
     assert g.shape == (7, 4, 2, 1, 3)
     torch.testing.assert_close(g[:, :, :, 0], V)
@@ -94,7 +94,7 @@ def test_inplace_activation_after_layer_receives_pre_activation_gradient():
     v = torch.randn_like(out)
     cap.pull(out, v)
     ref = _reference_output_grads(model, X, v)
-    torch.testing.assert_close(cap._calls["0"][0].grads[0], ref[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cap.calls["0"][0].grads[0], ref[0], rtol=1e-12, atol=1e-12)
 
 
 def test_several_pulls_then_ordinary_backward():

@@ -17,6 +17,8 @@ from cases import TinyTransformer
 from torch import nn
 
 import curvature
+import curvature.blocks.refresh
+from curvature.optim.statistics import BatchContext, StepStatistics
 
 KFAC, EKFAC = curvature.KFAC, curvature.EKFAC
 CE = nn.CrossEntropyLoss()
@@ -144,17 +146,15 @@ def test_nan_batch_with_mc_fisher_does_not_crash(cls):
 def test_one_non_finite_block_is_skipped_alone():
     # the finiteness of a pull's contributions is checked in one batched reduction: each
     # contribution must still be judged on its own values
-    model = mlp()
-    opt = KFAC(model, lr=0.1, fisher="type-2", loss_func=CE)
-    opt._context = (10, "mean", 1.0, False)
+    stats, ctx = StepStatistics(), BatchContext(samples=10)
     good, bad = torch.ones(2, 2), torch.tensor([[1.0, float("inf")], [0.0, 1.0]])
-    opt._add_step_stat(("0", ""), [good, good, None], ("A", "G", "G"), rows=10)
-    opt._add_step_stat(("2", ""), [good, bad, None], ("A", "G", "G"), rows=10)
-    opt._add_step_stat(("2", ""), [good, good, None], ("A", "G", "G"), rows=10)
-    assert opt.skipped_statistics == 0  # nothing is judged before the flush
-    opt._flush_step_stats()
-    assert opt.skipped_statistics == 1
-    first, second = opt._step_stats[("0", "", 0)], opt._step_stats[("2", "", 0)]
+    stats.add(("0", "", 0), [good, good, None], ("A", "G", "G"), ctx, rows=10)
+    stats.add(("2", "", 0), [good, bad, None], ("A", "G", "G"), ctx, rows=10)
+    stats.add(("2", "", 0), [good, good, None], ("A", "G", "G"), ctx, rows=10)
+    assert stats.skipped == 0  # nothing is judged before the flush
+    stats.flush()
+    assert stats.skipped == 1
+    first, second = stats.slots[("0", "", 0)], stats.slots[("2", "", 0)]
     assert (first.rows, first.samples, second.rows, second.samples) == (10, 10, 10, 10)
     assert torch.equal(second.values[1], good) and second.values[2] is None
 
@@ -615,14 +615,24 @@ def test_float64_model_keeps_float64_factors():
 
 
 # -- damped inverses by Cholesky (KFAC, pi damping) ------------------------------------------------
-KFAC_MODULE = __import__("sys").modules["curvature.optim.kfac"]
+def _records(opt):
+    """The kinds of the blocks' refresh records: FactorSnapshot (Cholesky) or Eigen."""
+    return {type(b.record).__name__ for b in opt.blocks.values()}
 
 
-def _run_kfac(steps=12, cholesky=True, monkeypatch=None, **kw):
+def _run_kfac(steps=12, cholesky=True, **kw):
     model, (X, y) = mlp((4, 6, 3), dtype=torch.float64), batch(dtype=torch.float64)
-    opt = KFAC(model, lr=0.2, damping=1e-3, fisher="type-2", loss_func=CE, inverse_every=3, **kw)
-    if not cholesky:
-        monkeypatch.setattr(opt, "_by_cholesky", lambda: False)
+    method = "cholesky" if cholesky else "eigh"
+    opt = KFAC(
+        model,
+        lr=0.2,
+        damping=1e-3,
+        fisher="type-2",
+        loss_func=CE,
+        inverse_every=3,
+        inverse_method=method,
+        **kw,
+    )
 
     def closure():
         opt.zero_grad()
@@ -636,12 +646,12 @@ def _run_kfac(steps=12, cholesky=True, monkeypatch=None, **kw):
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive damping"])
-def test_cholesky_inverses_give_the_steps_of_the_eigendecomposition(monkeypatch, adaptive):
+def test_cholesky_inverses_give_the_steps_of_the_eigendecomposition(adaptive):
     kw = dict(adaptive_damping=True, damping_adaptation_interval=2) if adaptive else {}
     fast, opt = _run_kfac(**kw)
-    assert {v[0] for v in opt._eig.values()} == {"chol"}
-    slow, ref = _run_kfac(cholesky=False, monkeypatch=monkeypatch, **kw)
-    assert {v[0] for v in ref._eig.values()} == {"one"}
+    assert _records(opt) == {"FactorSnapshot"}
+    slow, ref = _run_kfac(cholesky=False, **kw)
+    assert _records(ref) == {"Eigen"}
     for p, q in zip(fast.parameters(), slow.parameters()):
         torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-8)
 
@@ -657,7 +667,7 @@ def _grouped_cnn():
 
 
 @pytest.mark.parametrize("arch", ["grouped conv", "tokens"])
-def test_cholesky_and_eigendecomposition_agree_on_other_layers(monkeypatch, arch):
+def test_cholesky_and_eigendecomposition_agree_on_other_layers(arch):
     g = torch.Generator().manual_seed(3)
     if arch == "tokens":  # logits [N, vocab, S] for targets [N, S]
         make, X = TinyTransformer, torch.randint(0, 11, (6, 5), generator=g)
@@ -669,13 +679,19 @@ def test_cholesky_and_eigendecomposition_agree_on_other_layers(monkeypatch, arch
     for cholesky in (True, False):
         torch.manual_seed(0)
         model = make().double()
-        opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE, inverse_every=2)
-        if not cholesky:
-            monkeypatch.setattr(opt, "_by_cholesky", lambda: False)
+        method = "cholesky" if cholesky else "eigh"
+        opt = KFAC(
+            model,
+            lr=0.1,
+            damping=1e-2,
+            fisher="type-2",
+            loss_func=CE,
+            inverse_every=2,
+            inverse_method=method,
+        )
         for _ in range(5):
             train_step(opt, model, X, y)
-        kinds = {v[0] for v in opt._eig.values()}
-        assert kinds == ({"chol"} if cholesky else {"one"})
+        assert _records(opt) == ({"FactorSnapshot"} if cholesky else {"Eigen"})
         runs.append(model)
         opt.close()
     for p, q in zip(runs[0].parameters(), runs[1].parameters()):
@@ -687,16 +703,16 @@ def test_a_failed_inversion_keeps_the_previous_one_then_a_first_failure_raises(m
     opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE, inverse_every=2)
     for _ in range(3):
         train_step(opt, model, X, y)
-    kept = {k: v for k, v in opt._eig.items()}
+    kept = {k: b.record for k, b in opt.blocks.items()}
 
     def broken(tensors):  # every factor reads as non-finite
         return [False] * len(tensors)
 
-    monkeypatch.setattr(KFAC_MODULE, "finite_flags", broken)
+    monkeypatch.setattr(curvature.blocks.refresh, "finite_flags", broken)
     with pytest.warns(UserWarning, match="keeping the previous one"):
         for _ in range(2):  # one of them refreshes
             train_step(opt, model, X, y)
-    assert all(opt._eig[k] is v for k, v in kept.items())
+    assert all(opt.blocks[k].record is v for k, v in kept.items())
     assert finite(model)
     model = mlp()
     fresh = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE)
@@ -710,5 +726,5 @@ def test_a_pi_damping_state_loads_into_exact_damping():
     other.load_state_dict(opt.state_dict())
     X, y = batch(dtype=torch.float64)
     train_step(other, model, X, y)
-    assert {v[0] for v in other._eig.values()} == {"one"}
+    assert _records(other) == {"Eigen"}
     assert finite(model)

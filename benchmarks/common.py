@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: timing against a baseline, peak memory, reports.
 
-How we measure on this (small, noisy, CPU-only) machine, see /work/shared/PERFORMANCE.md:
+How we measure on this (small, noisy, CPU-only) machine, see shared/PERFORMANCE.md beside
+the repository:
 
 * Speed is reported as a **ratio to a baseline** (a plain forward+backward of the same
   model on the same batch, in the same process). Baseline and method alternate in one
@@ -36,6 +37,43 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 MB = 2**20
+#: The repository root (the parent of ``benchmarks/``).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- recorded commands ---------------------------------------------------------------------
+def portable_path(path: str) -> str:
+    """A path as it is recorded in the docs and the JSON results: machine-independent.
+
+    An absolute path inside the repository becomes relative to the repository root (as a
+    reader types it there); an absolute path outside it is recorded by its file name only
+    (where it lay on this machine means nothing elsewhere); a relative path is kept.
+    """
+    if not os.path.isabs(path):
+        return path
+    path = os.path.normpath(path)
+    for root in {ROOT, os.path.realpath(ROOT)}:
+        if path == root:
+            return "."
+        if path.startswith(root + os.sep):
+            return os.path.relpath(path, root)
+    return os.path.basename(path)
+
+
+def portable_command(script: str, argv: Sequence[str]) -> str:
+    """``python SCRIPT ARGS`` with every absolute path argument made :func:`portable_path`.
+
+    Paths are recognized as whole arguments and after the first ``=`` of one
+    (``--json=PATH``, ``NAME=PATH``).
+    """
+
+    def show(arg: str) -> str:
+        name, eq, value = arg.partition("=")
+        if eq and os.path.isabs(value):
+            return f"{name}={portable_path(value)}"
+        return portable_path(arg)
+
+    return " ".join(["python", script, *(show(a) for a in argv)]).strip()
 
 
 # -- machine -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Distributed KFAC on this machine: 2 processes x 1 thread vs 1 process x 2 threads.
 
     python benchmarks/distributed.py                 # MLP and transformer block, 20 steps
-    python benchmarks/distributed.py --steps 5 --no-doc --json /tmp/dist.json
+    python benchmarks/distributed.py --steps 5 --no-doc --json dist.json
 
 For each workload (the MLP 784-512-256-10 at batch 128 and the transformer block at
 batch 16 of ``benchmarks/per_sample.py``) and optimizer (plain SGD, KFAC empirical,

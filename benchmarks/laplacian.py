@@ -124,9 +124,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             r.pop("ratios", None), r.pop("baseline_times", None)
             results[what][name] = r
             print(f"{what:32s} {name:11s} {r['ratio']:6.2f}x", flush=True)
-    command = "python benchmarks/laplacian.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = common.portable_command(
+        "benchmarks/laplacian.py", sys.argv[1:] if argv is None else argv
+    )
     data = {
-        "command": command.strip(),
+        "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "elapsed_s": time.time() - start,
         "machine": info,

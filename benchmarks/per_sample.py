@@ -1035,12 +1035,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "opacus": common.package_version("opacus"),
         "backpack-for-pytorch": common.package_version("backpack-for-pytorch"),
     }
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    shown = [  # paths inside the repository relative to it, as a reader would type them
-        os.path.relpath(a, root) if os.path.isabs(a) and a.startswith(root + os.sep) else a
-        for a in argv
-    ]
-    command = " ".join(["python benchmarks/per_sample.py", *shown])
+    # no absolute path of this machine: repository paths relative to it, as a reader types them
+    command = common.portable_command("benchmarks/per_sample.py", argv)
     print(f"{common.machine_line(info)}; memory method: {common.memory_method()}")
 
     results: Dict[str, Any] = {

@@ -85,8 +85,8 @@ def command_for(name: str, full: bool, json_path: str, doc: bool) -> Optional[Li
 
 def run_one(name: str, cmd: List[str], json_path: str) -> Dict[str, Any]:
     """Run ``cmd`` (output shown live), then load the JSON it wrote."""
-    shown = " ".join(os.path.relpath(c, ROOT) if os.path.isabs(c) else c for c in cmd[1:])
-    print(f"\n=== {name}: python {shown}", flush=True)
+    shown = common.portable_command(os.path.relpath(cmd[1], ROOT), cmd[2:])
+    print(f"\n=== {name}: {shown}", flush=True)
     if os.path.exists(json_path):
         os.remove(json_path)
     start = time.time()
@@ -98,7 +98,7 @@ def run_one(name: str, cmd: List[str], json_path: str) -> Dict[str, Any]:
         tail = (tail + [line.rstrip("\n")])[-40:]
     rc = proc.wait()
     entry: Dict[str, Any] = {
-        "command": "python " + shown,
+        "command": shown,
         "returncode": rc,
         "elapsed_s": round(time.time() - start, 1),
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -572,7 +572,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if name in given:
             result = _load(given[name])
             benchmarks[name] = {
-                "command": result.get("command", f"(results read from {given[name]})"),
+                "command": result.get(
+                    "command", f"(results read from {common.portable_path(given[name])})"
+                ),
                 "date": result.get("date")
                 or time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(given[name]))),
                 "elapsed_s": result.get("elapsed_s", 0),
@@ -592,9 +594,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             benchmarks[name] = {"skipped": f"benchmarks/{name}.py does not exist"}
             continue
         benchmarks[name] = run_one(name, cmd, json_path)
-    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     data = {
-        "command": ("python benchmarks/run_all.py " + argv_text).strip(),
+        "command": common.portable_command(
+            "benchmarks/run_all.py", sys.argv[1:] if argv is None else argv
+        ),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "elapsed_s": time.time() - start,
         "full": args.full,

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from cases import TinyTransformer
+from optimizer_info import optimizer_params, variants
 from torch import nn
 
 import curvature
@@ -81,11 +82,15 @@ def assert_factors_equal(a, b, atol=0.0, rtol=0.0):
 
 
 GRAD_FISHERS = ("empirical", "type-2", "rademacher")
+# (optimizer, fisher) of the Kronecker-factored optimizers (the tests below read factors());
+# the tests that need no factors run on every optimizer of the table
 VARIANTS = [
-    pytest.param(cls, fisher, id=f"{cls.__name__}-{fisher}")
-    for cls in (KFAC, EKFAC)
-    for fisher in ("empirical", "type-2", "mc", "rademacher", "forward-only")
-    if not (cls is EKFAC and fisher == "forward-only")
+    pytest.param(info.cls, fisher, id=f"{info.name}-{fisher}")
+    for info, fisher in (v.values for v in variants(lambda i, f: hasattr(i.cls, "factors")))
+]
+ALL_VARIANTS = [
+    pytest.param(info.cls, fisher, id=f"{info.name}-{fisher}")
+    for info, fisher in (v.values for v in variants())
 ]
 
 
@@ -130,8 +135,9 @@ def test_nan_in_the_very_first_batch(fisher):
     assert finite(model) and set(opt.factors()) == {"0", "2"}
 
 
-@pytest.mark.parametrize("cls", [KFAC, EKFAC])
-def test_nan_batch_with_mc_fisher_does_not_crash(cls):
+@pytest.mark.parametrize("info", optimizer_params(lambda i: "mc" in i.fishers))
+def test_nan_batch_with_mc_fisher_does_not_crash(info):
+    cls = info.cls
     model = mlp()
     opt = cls(model, lr=0.1, damping=1e-2, fisher="mc", loss_func=CE)
     train_step(opt, model, *batch())
@@ -237,7 +243,7 @@ def test_dead_relu_layer(fisher, damping_mode):
     assert not torch.equal(model[2].bias, mlp((4, 6, 3), act=nn.ReLU)[2].bias)
 
 
-@pytest.mark.parametrize("cls,fisher", VARIANTS)
+@pytest.mark.parametrize("cls,fisher", ALL_VARIANTS)
 def test_batch_of_one(cls, fisher):
     model = mlp()
     opt = cls(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE)
@@ -247,7 +253,7 @@ def test_batch_of_one(cls, fisher):
     assert finite(model) and opt.steps == 4
 
 
-@pytest.mark.parametrize("cls,fisher", VARIANTS)
+@pytest.mark.parametrize("cls,fisher", ALL_VARIANTS)
 def test_batch_smaller_than_the_layer_width(cls, fisher):
     """N=3 samples, 32 inputs: A has rank <= 4; damping keeps the inverse finite."""
     model = mlp((32, 24, 3))
@@ -485,10 +491,10 @@ def _bn_model():
     return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
 
 
-@pytest.mark.parametrize("cls", [KFAC, EKFAC])
-def test_batchnorm_in_train_mode_is_refused_at_construction(cls):
+@pytest.mark.parametrize("info", optimizer_params())
+def test_batchnorm_in_train_mode_is_refused_at_construction(info):
     with pytest.raises(ValueError, match=r"'1' \(BatchNorm1d\).*\.eval\(\)"):
-        cls(_bn_model(), lr=0.1, damping=1e-2)
+        info.cls(_bn_model(), lr=0.1, damping=1e-2)
 
 
 def test_batchnorm_in_eval_mode_is_supported():

@@ -1,0 +1,91 @@
+"""``DiagonalNaturalGradient``: its step against the offline ``curvature.diag_ggn``.
+
+The update direction is ``g / (d + lambda)`` with ``d`` the running Fisher diagonal
+(module docstring of ``curvature/optim/diagonal.py``); on the first step ``d`` is the
+batch's diagonal, later the exponential moving average with ``factor_decay``. The
+``torch.optim`` contract of the optimizer is in ``test_optim_contract.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+
+DNG = curvature.DiagonalNaturalGradient
+
+
+@pytest.fixture(autouse=True)
+def _float64_one_thread(float64_seeded):
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def batch(seed, N=10):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 4, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def offline_diagonal(model, loss_func, data, fisher):
+    d = curvature.diag_ggn(copy.deepcopy(model), loss_func, data, fisher=fisher)
+    return flat([d[n] for n, _ in model.named_parameters()])
+
+
+def step(opt, model, loss_func, data):
+    """One step; the gradient and the update, flat."""
+    before = flat([p.detach().clone() for p in model.parameters()])
+    opt.zero_grad()
+    loss_func(model(data[0]), data[1]).backward()
+    grad = flat([p.grad for p in model.parameters()])
+    opt.step()
+    return grad, flat([p.detach() for p in model.parameters()]) - before
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_first_step_divides_by_the_offline_diagonal(fisher, reduction):
+    model, loss_func = mlp(), nn.CrossEntropyLoss(reduction=reduction)
+    data = batch(1)
+    diag = offline_diagonal(model, loss_func, data, fisher)
+    lr, damping = 0.3, 1e-2
+    opt = DNG(model, lr=lr, damping=damping, fisher=fisher, loss_func=loss_func)
+    grad, delta = step(opt, model, loss_func, data)
+    torch.testing.assert_close(delta, -lr * grad / (diag + damping), atol=1e-12, rtol=1e-10)
+    assert set(opt.diagonal_) == {"0", "2"}
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+def test_the_diagonal_is_an_exponential_moving_average(fisher):
+    """Two steps with lr = 0 (the model stays), then one with lr = 1: its direction
+    divides by ``beta (beta d1 + (1 - beta) d2) + (1 - beta) d3``."""
+    model, loss_func = mlp(), nn.CrossEntropyLoss()
+    data = [batch(s) for s in (1, 2, 3)]
+    d1, d2, d3 = (offline_diagonal(model, loss_func, b, fisher) for b in data)
+    beta, damping = 0.7, 1e-2
+    opt = DNG(model, lr=0.0, damping=damping, fisher=fisher, loss_func=loss_func, factor_decay=beta)
+    step(opt, model, loss_func, data[0])
+    step(opt, model, loss_func, data[1])
+    opt.param_groups[0]["lr"] = 1.0
+    grad, delta = step(opt, model, loss_func, data[2])
+    running = beta * (beta * d1 + (1 - beta) * d2) + (1 - beta) * d3
+    torch.testing.assert_close(delta, -grad / (running + damping), atol=1e-12, rtol=1e-10)
+
+
+def test_forward_only_is_refused():
+    with pytest.raises(ValueError, match="forward-only.*no diagonal"):
+        DNG(mlp(), fisher="forward-only")

@@ -19,14 +19,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten
 
+from .edges import assign_grads, check_out_buffer, leaves, output_edge
 from .layers import Call, FunctionalRule, LayerRule, registered_rule
 from .layers.base import current_shared_slots
 from .layers.norm import batchnorm_train_error
+from .options import Unsupported, choice, renamed
 
-_FALLBACKS = ("functorch", "error")
 _FUNCTIONAL = FunctionalRule()
 
 
@@ -38,25 +37,33 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def select_layers(
-    model: nn.Module, fallback: str = "functorch"
+    model: nn.Module,
+    unsupported: Union[str, Unsupported] = "functorch",
+    *,
+    arg: str = "unsupported",
 ) -> List[Tuple[str, nn.Module, LayerRule]]:
     """The layers that carry trainable parameters, each with the rule that covers it.
 
     Args:
         model: The model.
-        fallback: ``"functorch"`` covers parameterized layers without a registered rule
-            with the ``torch.func`` replay; ``"error"`` refuses them.
+        unsupported: ``"functorch"`` covers parameterized layers without a registered
+            rule with the ``torch.func`` replay; ``"error"`` refuses them.
+        arg: The argument's name as the user wrote it (for the error message).
 
     Returns:
         ``(name, module, rule)`` triples in ``named_modules`` order.
 
     Raises:
         ValueError: For a BatchNorm layer in train mode, an uncovered layer with
-            ``fallback="error"``, or an unknown ``fallback``.
+            ``unsupported="error"``, or an unknown ``unsupported``.
 
     """
-    if fallback not in _FALLBACKS:
-        raise ValueError(f"fallback={fallback!r} is not one of {_FALLBACKS}.")
+    fallback = choice(
+        Unsupported,
+        unsupported,
+        f"capture({arg}",
+        allowed=(Unsupported.FUNCTORCH, Unsupported.ERROR),
+    )
     targets: List[Tuple[str, nn.Module, LayerRule]] = []
     covered: List[str] = []
     for name, module in model.named_modules():
@@ -70,11 +77,11 @@ def select_layers(
         if rule is None:
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
                 continue
-            if fallback == "error":
+            if fallback == Unsupported.ERROR:
                 raise ValueError(
                     f"Module '{name}' ({type(module).__name__}) has trainable parameters "
                     "but no layer rule. Register one with @curvature.layers.register, use "
-                    "fallback='functorch' (exact, replays the module per sample), or "
+                    "unsupported='functorch' (exact, replays the module per sample), or "
                     "freeze its parameters."
                 )
             rule = _FUNCTIONAL
@@ -97,9 +104,16 @@ class Capture:
 
     """
 
-    def __init__(self, model: nn.Module, *, fallback: str = "functorch"):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        unsupported: Union[str, Unsupported] = "functorch",
+        fallback: Optional[str] = None,
+    ):
+        unsupported, arg = renamed(unsupported, fallback, "unsupported", "fallback", "capture")
         self.model = unwrap_model(model)
-        self.layers = select_layers(self.model, fallback)
+        self.layers = select_layers(self.model, unsupported, arg=arg)
         if not self.layers:
             raise ValueError(
                 f"capture({type(self.model).__name__}): the model has no trainable "
@@ -166,6 +180,11 @@ class Capture:
         self._recording = bool(value) and bool(self._handles)
 
     @property
+    def pushing(self) -> bool:
+        """Whether the user's backward stores ``g`` now (off while our own pulls run)."""
+        return self._push and self._pushing
+
+    @property
     def calls(self) -> Dict[str, List[Call]]:
         """Layer name to its recorded calls of the current forward(s), in call order."""
         return {name: list(calls) for name, calls in self._calls.items()}
@@ -186,21 +205,21 @@ class Capture:
             self._record(name, module, args, kwargs, output)
 
     def _record(self, name: str, module: nn.Module, args, kwargs, output) -> None:
-        leaves = _leaves(output)
+        outs = leaves(output)
         edges, meta, index, views = [], [], [], []
         base_ok = self._rules[name].base_edge_outputs
-        for i, t in enumerate(leaves):
+        for i, t in enumerate(outs):
             if isinstance(t, Tensor) and t.grad_fn is not None:
-                edge, view = _output_edge(t, i in base_ok)
+                edge, view = output_edge(t, i in base_ok)
                 edges.append(edge)
                 views.append(view)
                 meta.append((t.shape, t.dtype, t.device))
                 index.append(i)
         if not edges:  # e.g. a forward under no_grad: nothing to differentiate
             return
-        inputs = _leaves(args) + _leaves(list(kwargs.values())) if kwargs else _leaves(args)
+        inputs = leaves(args) + leaves(list(kwargs.values())) if kwargs else leaves(args)
         versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
-        extra = self._rules[name].extra_edges(module, args, kwargs, leaves, index)
+        extra = self._rules[name].extra_edges(module, args, kwargs, outs, index)
         for edge, t_meta in extra[0] if extra else ():
             edges.append(edge)  # internal tensors the rule needs g for (after the outputs)
             meta.append(t_meta)
@@ -210,7 +229,7 @@ class Capture:
         call.extra_info = extra[1] if extra else None
         call.slots = current_shared_slots()
         if self._rules[name].needs_outputs:
-            call.outputs = [leaves[i] for i in index]
+            call.outputs = [outs[i] for i in index]
             call.output_versions = [t._version for t in call.outputs]
         if self._push:
             call.pushed = [None] * len(edges)
@@ -241,7 +260,7 @@ class Capture:
                 continue
             self._calls[name] = [c for c in self._calls[name] if c not in done]
             for c in done:
-                _assign_grads(c, c.pushed, ())
+                assign_grads(c, c.pushed, ())
                 c.pushed = None
             out.append((name, module, rule, done))
         return out
@@ -382,7 +401,7 @@ class Capture:
             if unreached == "skip" and all(g is None for g in gs):
                 c.grads = None
                 continue
-            _assign_grads(c, gs, lead)
+            assign_grads(c, gs, lead)
 
     @contextmanager
     def computing(self) -> Iterator[None]:
@@ -456,7 +475,7 @@ class Capture:
                     for local in rule.param_names(module):
                         buf = out.get(prefix + local)
                         if buf is not None:
-                            _check_out(prefix + local, buf, params[local], N)
+                            check_out_buffer(prefix + local, buf, params[local], N)
                             local_out[local] = buf
                 for local, grad in rule.per_sample_grads(module, calls, local_out).items():
                     if local_out and local in local_out and grad is not local_out[local]:
@@ -485,84 +504,10 @@ class Capture:
             return sum(rule.gram(module, calls) for _, module, rule, calls in self.active())
 
 
-_SCALARS = (type(None), bool, int, float, str)
-
-
-def _leaves(obj: Any) -> List[Any]:
-    """``tree_flatten(obj)[0]``, without its cost for a tensor or a flat tuple / list."""
-    if type(obj) is Tensor:
-        return [obj]
-    if type(obj) in (tuple, list) and all(type(x) is Tensor or type(x) in _SCALARS for x in obj):
-        return list(obj)
-    return tree_flatten(obj)[0]
-
-
-def _assign_grads(c: Call, grads: Sequence[Optional[Tensor]], lead: Tuple[int, ...]) -> None:
-    """Store the gradients received for a call's recorded edges as ``c.grads``.
-
-    Missing gradients (unused outputs) become zeros; a gradient received on a view's base
-    edge is mapped to the view.
-    """
-    c.grads = []
-    for (shape, dtype, device), view, g in zip(c.out_meta, c.out_views, grads):
-        if g is None:
-            g = torch.zeros(*lead, *shape, dtype=dtype, device=device)
-        elif view is not None and view[0] == "base":  # take the view of the base's g
-            _, size, stride, offset, numel = view
-            g = g.contiguous().as_strided((*lead, *size), (numel,) * len(lead) + stride, offset)
-        c.grads.append(g)
-
-
-def _output_edge(t: Tensor, base_ok: bool):
-    """The gradient edge to record for output ``t`` and how to map its gradient back.
-
-    In-place ops on a *view* rebase the view's history, so the view's own edge would drop
-    out of the graph. When the rule knows that the base of this output is used by nothing
-    else (``base_ok``, e.g. the matmul result behind ``nn.Linear`` on ``[N, S, D]``) and
-    ``t`` covers the whole (contiguous) base, the base's edge is recorded instead, with
-    ``(size, stride, offset, numel)`` to take the same view of the base's gradient. Other
-    views keep their edge with ``(t, version)``, to raise a clear error if they are
-    modified in place.
-    """
-    if t._is_view():
-        base = t._base
-        if (
-            base_ok
-            and base is not None
-            and base.grad_fn is not None
-            and base.is_contiguous()
-            and base.numel() == t.numel()
-        ):
-            offset = t.storage_offset() - base.storage_offset()
-            return get_gradient_edge(base), (
-                "base",
-                tuple(t.shape),
-                tuple(t.stride()),
-                offset,
-                t.numel(),
-            )
-        return get_gradient_edge(t), ("check", t, t._version)
-    return get_gradient_edge(t), None
-
-
-def _check_out(name: str, buf: Tensor, param: Tensor, N: int) -> None:
-    shape = (N, *param.shape)
-    if (
-        tuple(buf.shape) != shape
-        or buf.dtype != param.dtype
-        or buf.device != param.device
-        or not buf.is_contiguous()
-    ):
-        raise ValueError(
-            f"out[{name!r}] must be a contiguous {param.dtype} tensor of shape {shape} on "
-            f"{param.device}; got {buf.dtype} {tuple(buf.shape)} on {buf.device}."
-        )
-
-
 def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, output_nr: int):
     def prehook(grad_outputs):
         cap = ref()
-        if cap is not None and cap._pushing and call.pushed is not None:
+        if cap is not None and cap.pushing and call.pushed is not None:
             g = grad_outputs[output_nr]
             if g is not None:
                 call.pushed[j] = g if call.pushed[j] is None else call.pushed[j] + g
@@ -579,9 +524,9 @@ class WeakHook:
     does nothing, so they never feed statistics into the original owner.
     """
 
-    def __init__(self, owner: Any, method: str, module: nn.Module, *extra: Any):
-        self._owner = weakref.ref(owner)
-        self._module = weakref.ref(module)
+    def __init__(self, owner: Any, method: str, module: Optional[nn.Module], *extra: Any):
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self._module = weakref.ref(module) if module is not None else None
         self._method = method
         self._extra = extra
 
@@ -593,9 +538,7 @@ class WeakHook:
         return None
 
     def __deepcopy__(self, memo: dict) -> WeakHook:
-        copy = WeakHook.__new__(WeakHook)
-        copy._owner, copy._module, copy._method, copy._extra = None, None, self._method, ()
-        return copy
+        return WeakHook(None, self._method, None)  # bound to nothing: does nothing
 
     def __getstate__(self) -> dict:
         return {"_method": self._method}
@@ -604,7 +547,12 @@ class WeakHook:
         self._owner, self._module, self._method, self._extra = None, None, state["_method"], ()
 
 
-def capture(model: nn.Module, *, fallback: str = "functorch") -> Capture:
+def capture(
+    model: nn.Module,
+    *,
+    unsupported: Union[str, Unsupported] = "functorch",
+    fallback: Optional[str] = None,
+) -> Capture:
     """Capture one forward of ``model`` for per-sample quantities from its graph.
 
     Example:
@@ -616,12 +564,13 @@ def capture(model: nn.Module, *, fallback: str = "functorch") -> Capture:
     Args:
         model: The model (a DDP wrapper is unwrapped). Its batch axis must be axis 0 of
             every layer input (axis 1 for ``nn.MultiheadAttention(batch_first=False)``).
-        fallback: What to do with parameterized layers without a rule:
+        unsupported: What to do with parameterized layers without a rule:
             ``"functorch"`` (replay the module per sample with ``torch.func``) or
             ``"error"``.
+        fallback: Deprecated name of ``unsupported``.
 
     Returns:
         A :class:`Capture`, to be used as a context manager around the forward.
 
     """
-    return Capture(model, fallback=fallback)
+    return Capture(model, unsupported=unsupported, fallback=fallback)

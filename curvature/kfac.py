@@ -41,7 +41,7 @@ from .layer_stats import (
 )
 from .layout import ParamLayout
 from .losses import backprop_sources, check_fisher, check_loss
-from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice
+from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice, renamed
 
 KFAC_APPROX = tuple(m.value for m in KFACApproxType)
 
@@ -159,18 +159,6 @@ def _check_args(
     return fisher, kfac_approx, unsupported
 
 
-def _unsupported_alias(unsupported, on_unsupported, caller: str):
-    """``(value, argument name)``: the deprecated ``on_unsupported=`` as ``unsupported=``."""
-    if on_unsupported is None:
-        return unsupported, "unsupported"
-    warnings.warn(
-        f"{caller}(on_unsupported=...) is deprecated; use unsupported=... (the same values).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return on_unsupported, "on_unsupported"
-
-
 def _passes(model, loss_func, data, fisher, mc_samples, seed):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors."""
     generator = torch.Generator().manual_seed(seed)
@@ -217,7 +205,7 @@ def kfac(
         A :class:`KFACApprox`.
 
     """
-    unsupported, arg = _unsupported_alias(unsupported, on_unsupported, "kfac")
+    unsupported, arg = renamed(unsupported, on_unsupported, "unsupported", "on_unsupported", "kfac")
     fisher, kfac_approx, unsupported = _check_args(
         loss_func, fisher, kfac_approx, mc_samples, unsupported, arg=arg
     )
@@ -312,7 +300,9 @@ def ekfac(
     """
     if fisher == FisherType.FORWARD_ONLY:
         raise ValueError("ekfac(fisher='forward-only') is undefined: there are no gradients.")
-    unsupported, arg = _unsupported_alias(unsupported, on_unsupported, "ekfac")
+    unsupported, arg = renamed(
+        unsupported, on_unsupported, "unsupported", "on_unsupported", "ekfac"
+    )
     fisher, kfac_approx, unsupported = _check_args(
         loss_func, fisher, kfac_approx, mc_samples, unsupported, caller="ekfac", arg=arg
     )

@@ -334,3 +334,13 @@ class ParamLayout:
         if not parts:
             return torch.zeros(0, dtype=dtype)
         return torch.cat(parts)
+
+
+def take(flat: Tensor, index: Tensor) -> Tensor:
+    """``flat[index]`` shaped like ``index`` (``index_select``: several times faster)."""
+    return flat.index_select(0, index.reshape(-1)).view(index.shape)
+
+
+def put(flat: Tensor, index: Tensor, values: Tensor) -> None:
+    """``flat[index] = values`` in place (``index_copy_``), cast to ``flat``'s dtype."""
+    flat.index_copy_(0, index.reshape(-1), values.reshape(-1).to(flat.dtype))

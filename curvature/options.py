@@ -10,7 +10,7 @@ for it.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Iterable, Optional, Type, TypeVar
+from typing import Any, Iterable, Optional, Tuple, Type, TypeVar
 
 E = TypeVar("E", bound=Enum)
 
@@ -110,3 +110,20 @@ def choice(
             f"{where}={shown!r}{end}: must be one of {names}." + (f" {hint}" if hint else "")
         )
     return member
+
+
+def renamed(value: Any, old_value: Any, name: str, old_name: str, who: str) -> Tuple[Any, str]:
+    """``(value, argument name)`` where ``old_name=`` is the deprecated name of ``name=``.
+
+    A value given under the old name wins (with a ``DeprecationWarning`` at the user's
+    line); the returned name is the one the user wrote, for error messages.
+    """
+    if old_value is None:
+        return value, name
+    from .warn import warn  # noqa: PLC0415 - warn imports torch; options stays light
+
+    warn(
+        f"{who}({old_name}=...) is deprecated; use {name}=... (the same values).",
+        DeprecationWarning,
+    )
+    return old_value, old_name

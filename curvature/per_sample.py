@@ -8,12 +8,19 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .capture import capture
+from .capture import Capture
 from .losses import check_loss, per_sample_losses
+from .options import renamed
 
 
 def per_sample_grads(
-    model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor, *, fallback: str = "functorch"
+    model: nn.Module,
+    loss_func: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    *,
+    unsupported: str = "functorch",
+    fallback: Optional[str] = None,
 ) -> Dict[str, Tensor]:
     """Per-sample gradients ``grad l_n`` (not scaled by the reduction) of every parameter.
 
@@ -25,7 +32,8 @@ def per_sample_grads(
         loss_func: ``nn.CrossEntropyLoss``, ``nn.MSELoss`` or ``nn.BCEWithLogitsLoss``.
         X: Inputs ``[N, ...]`` (a tuple is unpacked into ``model(*X)``).
         y: Targets.
-        fallback: See :func:`curvature.capture`.
+        unsupported: ``"functorch"`` or ``"error"``, see :func:`curvature.capture`.
+        fallback: Deprecated name of ``unsupported``.
 
     Returns:
         Trainable parameter name to ``[N, *p.shape]``, in ``model.named_parameters()``
@@ -33,7 +41,8 @@ def per_sample_grads(
 
     """
     check_loss(loss_func)
-    with capture(model, fallback=fallback) as cap:
+    unsupported, arg = renamed(unsupported, fallback, "unsupported", "fallback", "per_sample_grads")
+    with Capture(model, unsupported=unsupported) as cap:
         out = model(*X) if isinstance(X, (tuple, list)) else model(X)
     return cap.per_sample_grads(per_sample_losses(loss_func, out, y), retain_graph=False)
 

@@ -210,7 +210,8 @@ def run_failure(rank: int, out_dir: str, mode: str) -> Dict[str, object]:
     """Rank 1 raises (``"raise"``) or stalls (``"stall"``) before its second step, or
     (``"decompose"``) every eigendecomposition fails on rank 1."""
     if mode == "decompose" and rank == 1:
-        import curvature.optim.kfac as kfac_module
+        import curvature.blocks.kronecker as kronecker_module
+        import curvature.blocks.refresh as refresh_module
 
         def failing_eigh(M, name="matrix"):
             raise RuntimeError(f"eigh({name}) failed (injected on rank 1)")
@@ -218,7 +219,8 @@ def run_failure(rank: int, out_dir: str, mode: str) -> Dict[str, object]:
         def failing_eighs(mats, names):
             return [RuntimeError(f"eigh({n}) failed (injected on rank 1)") for n in names]
 
-        kfac_module.eigh, kfac_module.eighs = failing_eigh, failing_eighs
+        refresh_module.eighs = failing_eighs
+        kronecker_module.eigh = failing_eigh
     model = make_model()
     kw = dict(fisher="empirical", comm_timeout=3.0)
     if mode == "decompose":  # eigendecompositions, split over the ranks (pi: Cholesky)

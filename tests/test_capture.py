@@ -371,16 +371,24 @@ def test_unknown_layer_with_fallback_error_is_refused():
     model = nn.Sequential(nn.Linear(3, 4), nn.PReLU(), nn.Linear(4, 2)).double()
     X, y = data()
     with pytest.raises(ValueError, match=r"Module '1' \(PReLU\).*no layer rule"):
-        curvature.capture(model, fallback="error")
+        curvature.capture(model, unsupported="error")
     with pytest.raises(ValueError, match="no layer rule"):
-        curvature.per_sample_grads(model, nn.CrossEntropyLoss(), X, y, fallback="error")
+        curvature.per_sample_grads(model, nn.CrossEntropyLoss(), X, y, unsupported="error")
     # frozen, the unknown layer needs no rule
     model[1].requires_grad_(False)
-    curvature.capture(model, fallback="error")
+    curvature.capture(model, unsupported="error")
 
 
-def test_unknown_fallback_value_is_refused():
-    with pytest.raises(ValueError, match="fallback='vmap'"):
+def test_unknown_unsupported_value_is_refused():
+    with pytest.raises(ValueError, match="unsupported='vmap'"):
+        curvature.capture(mlp(), unsupported="vmap")
+
+
+def test_the_deprecated_fallback_keyword_still_works_and_warns():
+    with pytest.warns(DeprecationWarning, match="fallback"):
+        cap = curvature.capture(mlp(), fallback="functorch")
+    assert isinstance(cap, curvature.Capture)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="fallback='vmap'"):
         curvature.capture(mlp(), fallback="vmap")
 
 

@@ -26,7 +26,7 @@ from .records import (
     Record,
     RefreshStatus,
 )
-from .refresh import eigendecompositions, invert, snapshots
+from .refresh import block_state, eigendecompositions, invert, restore_block, snapshots
 from .sum import KroneckerSumBlock
 
 __all__ = [
@@ -40,6 +40,8 @@ __all__ = [
     "KroneckerSumBlock",
     "Outcome",
     "Record",
+    "block_state",
+    "restore_block",
     "RefreshStatus",
     "eigendecompositions",
     "ema",

@@ -10,7 +10,7 @@ fails keeps its previous record (:attr:`RefreshStatus.KEPT`) or, without one, fa
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 from ..linalg import damped_inverses, eighs, finite_flags, non_finite_message
 from .kronecker import KroneckerBlock
@@ -89,3 +89,22 @@ def invert(blocks: Sequence[KroneckerBlock], damping_of: Callable[[object], floa
     invs = damped_inverses(mats, shifts, names=names, check_finite=False)
     for i, b in enumerate(jobs):
         b.inverses = DampedInverses(invs[2 * i], invs[2 * i + 1], damping_of(b), b.record)
+
+
+def block_state(block: Any) -> Dict[str, Any]:
+    """A block's ``state_dict`` with its type, for :func:`restore_block`."""
+    return {"type": type(block).__name__, **block.state_dict()}
+
+
+def restore_block(name: str, index: Any, state: Dict[str, Any], kronecker: type) -> Any:
+    """The block saved by :func:`block_state`, on ``index``.
+
+    A saved single-term Kronecker block is restored as ``kronecker`` (the loading
+    optimizer's type: a KFAC state loads into EKFAC and back with the same factors).
+    """
+    state = dict(state)
+    kind = state.pop("type")
+    cls = KroneckerSumBlock if kind == KroneckerSumBlock.__name__ else kronecker
+    block = cls(name, index)
+    block.load_state_dict(state)
+    return block

@@ -109,7 +109,7 @@ class StatisticsCollector:
         self.term = 0
         self.forward_scale = 1.0
         self.pending: Optional[PendingReduction] = None
-        self.capture = Capture(model, fallback="functorch")
+        self.capture = Capture(model, unsupported="functorch")
         self.capture.attach()
         if fisher == FisherType.EMPIRICAL:
             self.capture.watch_backward(True)

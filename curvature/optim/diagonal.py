@@ -19,10 +19,10 @@ from torch import Tensor, nn
 
 from ..blocks import DiagonalBlock
 from ..layer_stats import fisher_diagonal
+from ..layout import put, take
 from ..options import FisherType, KFACApproxType
 from .base import CurvatureOptimizer, stat_dtype
 from .config import CurvatureConfig
-from .kfac import put, take
 
 
 class DiagonalNaturalGradient(CurvatureOptimizer):

@@ -428,3 +428,23 @@ def _first_factors(block: Any) -> Tuple[Tensor, Tensor]:
     if isinstance(block, KroneckerSumBlock):
         return tuple(block.terms[min(block.terms)])  # type: ignore[return-value]
     return block.A, block.G
+
+
+def owned_mask(
+    numel: int, index: Dict[Hashable, Tensor], mine: Sequence[Hashable], rank: int
+) -> Tensor:
+    """``[P]`` True where this rank preconditions with ``precondition='owner'``.
+
+    Every block (flat positions ``index[key]``) belongs to its owner (``mine``: this
+    rank's blocks); positions outside the blocks (diagonal blocks, plain gradients) to
+    rank 0, so that the sum over ranks has each position exactly once.
+    """
+    mask = torch.zeros(numel, dtype=torch.bool)
+    blocks = torch.zeros(numel, dtype=torch.bool)
+    for ix in index.values():
+        blocks[ix.reshape(-1)] = True
+    for key in mine:
+        mask[index[key].reshape(-1)] = True
+    if rank == 0:
+        mask |= ~blocks
+    return mask

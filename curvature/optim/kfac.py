@@ -37,8 +37,10 @@ from ..blocks import (
     KroneckerSumBlock,
     Outcome,
     RefreshStatus,
+    block_state,
     eigendecompositions,
     invert,
+    restore_block,
     snapshots,
 )
 from ..layer_stats import (
@@ -50,24 +52,15 @@ from ..layer_stats import (
     fisher_diagonal,
 )
 from ..layers.base import expanded_kfac
+from ..layout import put, take
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
 from .config import CurvatureConfig
-from .distributed import share_outcomes
+from .distributed import owned_mask, share_outcomes
 
 Key = Tuple[str, str]
 KINDS = ("A", "G", "g")  # statistics values of a block: A, G, EKFAC's corrections
-
-
-def take(flat: Tensor, index: Tensor) -> Tensor:
-    """``flat[index]`` (shaped like ``index``); ``index_select`` is several times faster."""
-    return flat.index_select(0, index.reshape(-1)).view(index.shape)
-
-
-def put(flat: Tensor, index: Tensor, values: Tensor) -> None:
-    """``flat[index] = values`` in place, through ``index_copy_``."""
-    flat.index_copy_(0, index.reshape(-1), values.reshape(-1).to(flat.dtype))
 
 
 class KFAC(CurvatureOptimizer):
@@ -445,13 +438,11 @@ class KFAC(CurvatureOptimizer):
 
     # -- refresh -------------------------------------------------------------------------------
     def _by_cholesky(self, block) -> bool:
-        """Whether a block is inverted by Cholesky instead of decomposed.
+        """Whether a block is inverted by Cholesky (KFAC, pi damping) instead of decomposed.
 
-        KFAC with pi damping only ever uses ``(A + pi sqrt(lam) I)^{-1}`` and
-        ``(G + sqrt(lam) / pi I)^{-1}``: a Cholesky factorization gives them about five
-        times faster than ``eigh`` at several hundred rows (and more accurately in
-        float32). Every rank holds the identical factors after the statistics'
-        all-reduce, so distributed runs invert locally too: nothing to exchange.
+        Pi damping only needs the two damped factor inverses: Cholesky gives them about
+        five times faster than ``eigh``, and every rank holds the identical factors after
+        the statistics' all-reduce, so nothing is exchanged.
         """
         return (
             type(block) is KroneckerBlock
@@ -541,22 +532,11 @@ class KFAC(CurvatureOptimizer):
         return None if block is None else block.record
 
     def _owned_mask(self, like: Tensor) -> Tensor:
-        """1 at the positions this rank preconditions with ``precondition='owner'``.
-
-        Every block belongs to its owner; positions outside the Kronecker blocks
-        (diagonal blocks, plain gradients) to rank 0, so that the sum over ranks has
-        each position exactly once.
-        """
+        """1 at the positions this rank preconditions with ``precondition='owner'``."""
         if self._mask is None or self._mask.device != like.device:
-            mask = torch.zeros(self.layout.numel, dtype=torch.bool)
-            blocks = torch.zeros(self.layout.numel, dtype=torch.bool)
-            for key, index in self._index.items():
-                blocks[index.reshape(-1)] = True
-                if self._mine(key):
-                    mask[index.reshape(-1)] = True
-            if self._comm.rank == 0:
-                mask |= ~blocks
-            self._mask = mask.to(like.device)
+            mine = [k for k in self._index if self._mine(k)]
+            self._mask = owned_mask(self.layout.numel, self._index, mine, self._comm.rank)
+            self._mask = self._mask.to(like.device)
         return self._mask.to(like.dtype)
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
@@ -579,25 +559,16 @@ class KFAC(CurvatureOptimizer):
     # -- state ------------------------------------------------------------------------------------
     def _curvature_state(self) -> Dict[str, Any]:
         return {
-            "blocks": {
-                k: {"type": type(b).__name__, **b.state_dict()} for k, b in self._blocks.items()
-            },
+            "blocks": {k: block_state(b) for k, b in self._blocks.items()},
             "diag": {k: b.state_dict() for k, b in self._diag.items()},
             "terms": dict(self._term_of),
         }
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
-        types = {c.__name__: c for c in (KroneckerBlock, EigenCorrectedBlock, KroneckerSumBlock)}
-        self._blocks = {}
-        for k, st in state["blocks"].items():
-            key = tuple(k)
-            st = dict(st)
-            cls = types[st.pop("type")]
-            if cls is not KroneckerSumBlock and cls is not self.block_type:
-                cls = self.block_type  # e.g. a KFAC state loaded into EKFAC: same factors
-            block = cls(block_name(*key), self._index[key])
-            block.load_state_dict(st)
-            self._blocks[key] = block
+        self._blocks = {
+            tuple(k): restore_block(block_name(*k), self._index[tuple(k)], st, self.block_type)
+            for k, st in state["blocks"].items()
+        }
         self._term_of = {tuple(k): t for k, t in state["terms"].items()}
         self._diag = {}
         for k, st in state["diag"].items():

@@ -1,0 +1,93 @@
+"""Gradient edges of recorded layer outputs, and the gradients they receive.
+
+The capture engine (:mod:`curvature.capture`) records, for every layer call, the autograd
+edge of each output; these helpers choose the edge (:func:`output_edge`), map a
+received gradient back onto the output (:func:`assign_grads`), flatten a module's
+inputs and outputs (:func:`leaves`) and check user-given result buffers
+(:func:`check_out_buffer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten
+
+from .layers import Call
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def leaves(obj: Any) -> List[Any]:
+    """``tree_flatten(obj)[0]``, without its cost for a tensor or a flat tuple / list."""
+    if type(obj) is Tensor:
+        return [obj]
+    if type(obj) in (tuple, list) and all(type(x) is Tensor or type(x) in _SCALARS for x in obj):
+        return list(obj)
+    return tree_flatten(obj)[0]
+
+
+def assign_grads(c: Call, grads: Sequence[Optional[Tensor]], lead: Tuple[int, ...]) -> None:
+    """Store the gradients received for a call's recorded edges as ``c.grads``.
+
+    Missing gradients (unused outputs) become zeros; a gradient received on a view's base
+    edge is mapped to the view.
+    """
+    c.grads = []
+    for (shape, dtype, device), view, g in zip(c.out_meta, c.out_views, grads):
+        if g is None:
+            g = torch.zeros(*lead, *shape, dtype=dtype, device=device)
+        elif view is not None and view[0] == "base":  # take the view of the base's g
+            _, size, stride, offset, numel = view
+            g = g.contiguous().as_strided((*lead, *size), (numel,) * len(lead) + stride, offset)
+        c.grads.append(g)
+
+
+def output_edge(t: Tensor, base_ok: bool):
+    """The gradient edge to record for output ``t`` and how to map its gradient back.
+
+    In-place ops on a *view* rebase the view's history, so the view's own edge would drop
+    out of the graph. When the rule knows that the base of this output is used by nothing
+    else (``base_ok``, e.g. the matmul result behind ``nn.Linear`` on ``[N, S, D]``) and
+    ``t`` covers the whole (contiguous) base, the base's edge is recorded instead, with
+    ``(size, stride, offset, numel)`` to take the same view of the base's gradient. Other
+    views keep their edge with ``(t, version)``, to raise a clear error if they are
+    modified in place.
+    """
+    if t._is_view():
+        base = t._base
+        if (
+            base_ok
+            and base is not None
+            and base.grad_fn is not None
+            and base.is_contiguous()
+            and base.numel() == t.numel()
+        ):
+            offset = t.storage_offset() - base.storage_offset()
+            return get_gradient_edge(base), (
+                "base",
+                tuple(t.shape),
+                tuple(t.stride()),
+                offset,
+                t.numel(),
+            )
+        return get_gradient_edge(t), ("check", t, t._version)
+    return get_gradient_edge(t), None
+
+
+def check_out_buffer(name: str, buf: Tensor, param: Tensor, N: int) -> None:
+    """A ``ValueError`` unless ``buf`` can hold the per-sample results ``[N, *param.shape]``."""
+    shape = (N, *param.shape)
+    if (
+        tuple(buf.shape) != shape
+        or buf.dtype != param.dtype
+        or buf.device != param.device
+        or not buf.is_contiguous()
+    ):
+        raise ValueError(
+            f"out[{name!r}] must be a contiguous {param.dtype} tensor of shape {shape} on "
+            f"{param.device}; got {buf.dtype} {tuple(buf.shape)} on {buf.device}."
+        )

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from .edges import assign_grads, check_out_buffer, leaves, output_edge
+from .edges import CheckedView, assign_grads, check_out_buffer, leaves, output_edge
 from .layers import Call, FunctionalRule, LayerRule, registered_rule
 from .layers.base import current_shared_slots
 from .layers.norm import batchnorm_train_error
@@ -383,7 +383,7 @@ class Capture:
             self._pushing = True
         for c in calls:
             for view in c.out_views:
-                if view is not None and view[0] == "check" and view[1]._version != view[2]:
+                if isinstance(view, CheckedView) and view.modified():
                     raise RuntimeError(
                         "A layer output that is a view of another tensor was modified in "
                         "place after the layer (e.g. ReLU(inplace=True) on a reshaped "

@@ -9,6 +9,7 @@ inputs and outputs (:func:`leaves`) and check user-given result buffers
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -17,6 +18,34 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from .layers import Call
+
+
+@dataclass(frozen=True)
+class BaseView:
+    """The output is this view of its base, whose edge was recorded instead."""
+
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int
+    numel: int
+
+    def of(self, g: Tensor, lead: Tuple[int, ...]) -> Tensor:
+        """The same view of the base's gradient ``g`` (with leading axes ``lead``)."""
+        stride = (self.numel,) * len(lead) + self.stride
+        return g.contiguous().as_strided((*lead, *self.size), stride, self.offset)
+
+
+@dataclass(frozen=True)
+class CheckedView:
+    """The output is a view with its own edge: modified in place later, it detaches."""
+
+    tensor: Tensor
+    version: int
+
+    def modified(self) -> bool:
+        """Whether the view was modified in place since it was recorded."""
+        return self.tensor._version != self.version
+
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -40,9 +69,8 @@ def assign_grads(c: Call, grads: Sequence[Optional[Tensor]], lead: Tuple[int, ..
     for (shape, dtype, device), view, g in zip(c.out_meta, c.out_views, grads):
         if g is None:
             g = torch.zeros(*lead, *shape, dtype=dtype, device=device)
-        elif view is not None and view[0] == "base":  # take the view of the base's g
-            _, size, stride, offset, numel = view
-            g = g.contiguous().as_strided((*lead, *size), (numel,) * len(lead) + stride, offset)
+        elif isinstance(view, BaseView):  # take the view of the base's g
+            g = view.of(g, lead)
         c.grads.append(g)
 
 
@@ -53,9 +81,9 @@ def output_edge(t: Tensor, base_ok: bool):
     out of the graph. When the rule knows that the base of this output is used by nothing
     else (``base_ok``, e.g. the matmul result behind ``nn.Linear`` on ``[N, S, D]``) and
     ``t`` covers the whole (contiguous) base, the base's edge is recorded instead, with
-    ``(size, stride, offset, numel)`` to take the same view of the base's gradient. Other
-    views keep their edge with ``(t, version)``, to raise a clear error if they are
-    modified in place.
+    a :class:`BaseView` to take the same view of the base's gradient. Other views keep
+    their edge with a :class:`CheckedView`, to raise a clear error if they are modified
+    in place.
     """
     if t._is_view():
         base = t._base
@@ -67,14 +95,9 @@ def output_edge(t: Tensor, base_ok: bool):
             and base.numel() == t.numel()
         ):
             offset = t.storage_offset() - base.storage_offset()
-            return get_gradient_edge(base), (
-                "base",
-                tuple(t.shape),
-                tuple(t.stride()),
-                offset,
-                t.numel(),
-            )
-        return get_gradient_edge(t), ("check", t, t._version)
+            view = BaseView(tuple(t.shape), tuple(t.stride()), offset, t.numel())
+            return get_gradient_edge(base), view
+        return get_gradient_edge(t), CheckedView(t, t._version)
     return get_gradient_edge(t), None
 
 

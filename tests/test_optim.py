@@ -953,3 +953,24 @@ def test_blocks_above_max_factor_size_use_the_per_sample_diagonal():
         opt.close()
     finally:
         torch.set_default_dtype(old)
+
+
+def test_warnings_point_at_the_line_that_called_the_optimizer():
+    # torch's @no_grad wrapper and Optimizer.step's hooks add frames: the library finds
+    # the caller's frame itself instead of a fixed stacklevel
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2)
+    train_step(opt, model, nn.CrossEntropyLoss(), *batch())
+    model[0].bias.requires_grad_(False)
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(model(batch()[0]), batch()[1]).backward()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        opt.step()
+    hits = [r for r in rec if "trainable parameters changed" in str(r.message)]
+    assert hits and hits[0].filename == __file__
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        KFAC(model, lr=0.1, damping=1e-2, max_factor_size=2)
+    hits = [r for r in rec if "max_factor_size" in str(r.message)]
+    assert hits and hits[0].filename == __file__

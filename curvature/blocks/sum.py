@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import generalized_eigh, pi_factor
-from .kronecker import KroneckerBlock, ema
+from .kronecker import KroneckerBlock, ema, mean_diagonal
 from .records import GeneralizedEigen, Record
 
 
@@ -72,10 +72,7 @@ class KroneckerSumBlock:
     def decompose(self, damping: float) -> GeneralizedEigen:
         """The simultaneous diagonalization at ``damping`` (see the module docstring)."""
         (A1, G1), (A2, G2) = self.two_terms()
-        pi = pi_factor(
-            A1.diagonal(dim1=-2, dim2=-1).sum(-1) / A1.shape[-1],
-            G1.diagonal(dim1=-2, dim2=-1).sum(-1) / G1.shape[-1],
-        )[..., None, None]
+        pi = pi_factor(mean_diagonal(A1), mean_diagonal(G1))[..., None, None]
         root = damping**0.5
         eyeA = torch.eye(A1.shape[-1], dtype=A1.dtype, device=A1.device)
         eyeG = torch.eye(G1.shape[-1], dtype=G1.dtype, device=G1.device)

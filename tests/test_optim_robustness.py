@@ -626,19 +626,14 @@ def _records(opt):
     return {type(b.record).__name__ for b in opt.blocks.values()}
 
 
+def _type2_kfac(model, cholesky, **kw):
+    method = "cholesky" if cholesky else "eigh"
+    return KFAC(model, fisher="type-2", loss_func=CE, inverse_method=method, **kw)
+
+
 def _run_kfac(steps=12, cholesky=True, **kw):
     model, (X, y) = mlp((4, 6, 3), dtype=torch.float64), batch(dtype=torch.float64)
-    method = "cholesky" if cholesky else "eigh"
-    opt = KFAC(
-        model,
-        lr=0.2,
-        damping=1e-3,
-        fisher="type-2",
-        loss_func=CE,
-        inverse_every=3,
-        inverse_method=method,
-        **kw,
-    )
+    opt = _type2_kfac(model, cholesky, lr=0.2, damping=1e-3, inverse_every=3, **kw)
 
     def closure():
         opt.zero_grad()
@@ -685,16 +680,7 @@ def test_cholesky_and_eigendecomposition_agree_on_other_layers(arch):
     for cholesky in (True, False):
         torch.manual_seed(0)
         model = make().double()
-        method = "cholesky" if cholesky else "eigh"
-        opt = KFAC(
-            model,
-            lr=0.1,
-            damping=1e-2,
-            fisher="type-2",
-            loss_func=CE,
-            inverse_every=2,
-            inverse_method=method,
-        )
+        opt = _type2_kfac(model, cholesky, lr=0.1, damping=1e-2, inverse_every=2)
         for _ in range(5):
             train_step(opt, model, X, y)
         assert _records(opt) == ({"FactorSnapshot"} if cholesky else {"Eigen"})

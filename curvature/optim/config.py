@@ -9,8 +9,8 @@ allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -71,6 +71,12 @@ class CurvatureConfig:
     sync_grads: Optional[bool] = None
     comm_timeout: float = 300.0
     bucket_mb: float = 25.0
+
+    @classmethod
+    def from_arguments(cls, who: str, arguments: Dict[str, Any]) -> CurvatureConfig:
+        """The config of a constructor's arguments (``locals()``): the fields it names."""
+        names = {f.name for f in fields(cls)} - {"who"}
+        return cls(who, **{k: v for k, v in arguments.items() if k in names})
 
     def __post_init__(self) -> None:
         who = self.who

@@ -233,31 +233,7 @@ class KFAC(CurvatureOptimizer):
         self._decomposed: set = set()
         self._term_of: Dict[Key, int] = {}  # the term of a single-term block
         self._warned_missing = False
-        config = CurvatureConfig(
-            who,
-            fisher=fisher,
-            loss_func=loss_func,
-            mc_samples=mc_samples,
-            kfac_approx=kfac_approx,
-            factor_decay=factor_decay,
-            factor_every=factor_every,
-            inverse_every=inverse_every,
-            kl_clip=kl_clip,
-            damping_mode=damping_mode,
-            unsupported=unsupported,
-            auto_output=auto_output,
-            seed=seed,
-            grad_scaler=grad_scaler,
-            adaptive_damping=adaptive_damping,
-            damping_adaptation_interval=damping_adaptation_interval,
-            damping_adaptation_decay=damping_adaptation_decay,
-            line_search_grid=line_search_grid,
-            distributed=distributed,
-            process_group=process_group,
-            sync_grads=sync_grads,
-            comm_timeout=comm_timeout,
-            bucket_mb=bucket_mb,
-        )
+        config = CurvatureConfig.from_arguments(type(self).__name__, locals())
         super().__init__(model, lr, damping, momentum, weight_decay, config, param_groups)
         self._structure()
 

@@ -20,76 +20,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from .edges import CheckedView, assign_grads, check_out_buffer, leaves, output_edge
-from .layers import Call, FunctionalRule, LayerRule, registered_rule
+from .edges import CheckedView, WeakHook, assign_grads, check_out_buffer, leaves, output_edge
+from .layers import Call, LayerRule
 from .layers.base import current_shared_slots
-from .layers.norm import batchnorm_train_error
-from .options import Unsupported, choice, renamed
-
-_FUNCTIONAL = FunctionalRule()
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's model inside a DDP / DataParallel wrapper."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
-
-
-def select_layers(
-    model: nn.Module,
-    unsupported: Union[str, Unsupported] = "functorch",
-    *,
-    arg: str = "unsupported",
-) -> List[Tuple[str, nn.Module, LayerRule]]:
-    """The layers that carry trainable parameters, each with the rule that covers it.
-
-    Args:
-        model: The model.
-        unsupported: ``"functorch"`` covers parameterized layers without a registered
-            rule with the ``torch.func`` replay; ``"error"`` refuses them.
-        arg: The argument's name as the user wrote it (for the error message).
-
-    Returns:
-        ``(name, module, rule)`` triples in ``named_modules`` order.
-
-    Raises:
-        ValueError: For a BatchNorm layer in train mode, an uncovered layer with
-            ``unsupported="error"``, or an unknown ``unsupported``.
-
-    """
-    fallback = choice(
-        Unsupported,
-        unsupported,
-        f"capture({arg}",
-        allowed=(Unsupported.FUNCTORCH, Unsupported.ERROR),
-    )
-    targets: List[Tuple[str, nn.Module, LayerRule]] = []
-    covered: List[str] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in covered):
-            continue
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
-            module.training or not module.track_running_stats
-        ):
-            raise batchnorm_train_error(name, module)
-        rule = registered_rule(module)
-        if rule is None:
-            if not any(p.requires_grad for p in module.parameters(recurse=False)):
-                continue
-            if fallback == Unsupported.ERROR:
-                raise ValueError(
-                    f"Module '{name}' ({type(module).__name__}) has trainable parameters "
-                    "but no layer rule. Register one with @curvature.layers.register, use "
-                    "unsupported='functorch' (exact, replays the module per sample), or "
-                    "freeze its parameters."
-                )
-            rule = _FUNCTIONAL
-        if rule.param_names(module):
-            targets.append((name, module, rule))
-            if rule.covers_children:
-                covered.append(name)
-    return targets
+from .layers.select import select_layers, unwrap_model
+from .options import Unsupported, renamed
 
 
 class Capture:
@@ -125,6 +60,9 @@ class Capture:
         self._recording = False
         self._push = False  # push mode: node pre-hooks store g during the user's backward
         self._pushing = True  # off while our own pulls run
+        self._param_handles: List[Any] = []  # push mode: post-accumulate hooks (commits)
+        self._on_commit: Optional[Callable[..., Any]] = None
+        self.late_gradients = 0  # gradients that reached a call after it was handed out
 
     # -- hooks -------------------------------------------------------------------------
     def attach(self) -> Capture:
@@ -192,9 +130,10 @@ class Capture:
     def remove_hooks(self) -> None:
         """Remove every hook this capture registered (idempotent)."""
         self._recording = False
-        for handle in self._handles:
+        for handle in self._handles + self._param_handles:
             handle.remove()
         self._handles.clear()
+        self._param_handles = []
 
     def __del__(self) -> None:
         if hasattr(self, "_handles"):
@@ -233,22 +172,71 @@ class Capture:
             call.output_versions = [t._version for t in call.outputs]
         if self._push:
             call.pushed = [None] * len(edges)
+            call.pending = [None] * len(edges)
             ref = weakref.ref(self)
             for j, edge in enumerate(edges):
                 edge.node.register_prehook(_make_prehook(ref, call, j, edge.output_nr))
         self._calls[name].append(call)
 
-    def watch_backward(self, enabled: bool = True) -> None:
-        """Push mode: store ``g`` of every later recorded call during the user's backward.
+    def watch_backward(
+        self, enabled: bool = True, on_commit: Optional[Callable[..., Any]] = None
+    ) -> None:
+        """Push mode: keep ``g`` of every later recorded call from the user's backward.
 
         Each recorded output's autograd node gets a pre-hook that keeps the gradient it
-        receives (the gradient of whatever scalar the user backpropagates). Completed calls
-        are handed out by :meth:`take_pushed`. Our own pulls never trigger it.
+        receives in a backward pass (the gradient of whatever scalar the user
+        backpropagates). The gradients of a pass count once the layer's parameters
+        accumulated theirs into ``.grad`` (a post-accumulate-grad hook *commits* them): a
+        ``torch.autograd.grad`` call through the graph (a gradient penalty, a logged
+        norm) never accumulates, so its gradients are replaced by those of the next
+        pass, and the statistics follow ``.grad`` exactly. Our own pulls never trigger
+        the hooks.
+
+        Args:
+            enabled: Turn push mode on (for calls recorded from now on) or off.
+            on_commit: Called as ``on_commit(name, module, rule, calls)`` with the calls
+                of a layer whose gradients were just committed (``grads`` set; removed
+                from the capture), inside the backward, while the layer inputs are still
+                those of the forward. Without it, committed calls wait for
+                :meth:`take_pushed`. A bound method, held weakly.
+
         """
         self._push = enabled
+        self._on_commit = None if on_commit is None else weakref.WeakMethod(on_commit)
+        for handle in self._param_handles:
+            handle.remove()
+        self._param_handles = []
+        if not enabled:
+            return
+        ref = weakref.ref(self)
+        for name, module, _ in self.layers:
+            for p in module.parameters():
+                if p.requires_grad:
+                    hook = _make_commit_hook(ref, name)
+                    self._param_handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def commit(self, name: str) -> None:
+        """Commit the pending gradients of layer ``name``'s calls (see :meth:`watch_backward`)."""
+        done = []
+        for c in self._calls.get(name, ()):
+            if c.pending is None or all(g is None for g in c.pending):
+                continue
+            c.pushed = [
+                p if q is None else (q if p is None else p + q) for p, q in zip(c.pushed, c.pending)
+            ]
+            c.pending = [None] * len(c.pending)
+            done.append(c)
+        callback = self._on_commit() if self._on_commit is not None else None
+        if done and callback is not None:
+            self._calls[name] = [c for c in self._calls[name] if c not in done]
+            for c in done:
+                assign_grads(c, c.pushed, ())
+                c.pushed = c.pending = None
+            module, rule = next((m, r) for n, m, r in self.layers if n == name)
+            callback(name, module, rule, done)
 
     def take_pushed(self) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
-        """Calls that received gradients in a user backward since the last take.
+        """Calls whose gradients a user backward committed since the last take.
 
         Their ``grads`` are set (zeros for outputs that received none); they are removed
         from the capture, and calls still waiting for their backward stay.
@@ -261,9 +249,37 @@ class Capture:
             self._calls[name] = [c for c in self._calls[name] if c not in done]
             for c in done:
                 assign_grads(c, c.pushed, ())
-                c.pushed = None
+                c.pushed = c.pending = None
             out.append((name, module, rule, done))
         return out
+
+    def watch_module(self, module: nn.Module, end: Callable[..., Any]) -> None:
+        """Call ``end(module, args, kwargs, output)`` after each call of ``module``.
+
+        For a module outside the captured model (e.g. the loss module, to see its input
+        and target); held weakly (``end`` a bound method), removed by
+        :meth:`remove_hooks`.
+        """
+        hook = WeakHook(end.__self__, end.__func__.__name__, module)
+        self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+    def reaches(self, output: Tensor) -> bool:
+        """Whether ``output``'s graph contains an output edge of a recorded call.
+
+        A walk of the autograd graph from ``output`` that stops at the first recorded
+        node (for the model's own output, a few nodes away).
+        """
+        targets = {e.node for cs in self._calls.values() for c in cs for e in c.out_edges}
+        stack, seen = [output.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            if node in targets:
+                return True
+            seen.add(node)
+            stack.extend(f for f, _ in node.next_functions)
+        return False
 
     def clear(self) -> None:
         """Forget every recorded call (and its pushed gradients)."""
@@ -507,44 +523,27 @@ class Capture:
 def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, output_nr: int):
     def prehook(grad_outputs):
         cap = ref()
-        if cap is not None and cap.pushing and call.pushed is not None:
-            g = grad_outputs[output_nr]
-            if g is not None:
-                call.pushed[j] = g if call.pushed[j] is None else call.pushed[j] + g
+        if cap is None or not cap.pushing:
+            return None
+        g = grad_outputs[output_nr]
+        if g is None:
+            return None
+        if call.pending is None:  # handed out already: a second backward through it
+            cap.late_gradients += 1
+        else:  # this pass's gradient; committed when the layer's .grad accumulates
+            call.pending[j] = g
         return None
 
     return prehook
 
 
-class WeakHook:
-    """A picklable hook bound weakly to its owner and to the module it was registered on.
+def _make_commit_hook(ref: weakref.ReferenceType[Capture], name: str):
+    def hook(param: Tensor) -> None:
+        cap = ref()
+        if cap is not None:
+            cap.commit(name)
 
-    It calls ``owner.<method>(*args)`` only on that very module: copies of the module
-    (``copy.deepcopy`` copies hook dictionaries) and unpickled modules get a hook that
-    does nothing, so they never feed statistics into the original owner.
-    """
-
-    def __init__(self, owner: Any, method: str, module: Optional[nn.Module], *extra: Any):
-        self._owner = weakref.ref(owner) if owner is not None else None
-        self._module = weakref.ref(module) if module is not None else None
-        self._method = method
-        self._extra = extra
-
-    def __call__(self, module: nn.Module, *args: Any) -> None:  # noqa: D102
-        owner = self._owner() if self._owner is not None else None
-        if owner is None or module is not (self._module() if self._module else None):
-            return None
-        getattr(owner, self._method)(*self._extra, module, *args)
-        return None
-
-    def __deepcopy__(self, memo: dict) -> WeakHook:
-        return WeakHook(None, self._method, None)  # bound to nothing: does nothing
-
-    def __getstate__(self) -> dict:
-        return {"_method": self._method}
-
-    def __setstate__(self, state: dict) -> None:
-        self._owner, self._module, self._method, self._extra = None, None, state["_method"], ()
+    return hook
 
 
 def capture(

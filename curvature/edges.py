@@ -9,11 +9,12 @@ inputs and outputs (:func:`leaves`) and check user-given result buffers
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
@@ -114,3 +115,34 @@ def check_out_buffer(name: str, buf: Tensor, param: Tensor, N: int) -> None:
             f"out[{name!r}] must be a contiguous {param.dtype} tensor of shape {shape} on "
             f"{param.device}; got {buf.dtype} {tuple(buf.shape)} on {buf.device}."
         )
+
+
+class WeakHook:
+    """A picklable hook bound weakly to its owner and to the module it was registered on.
+
+    It calls ``owner.<method>(*args)`` only on that very module: copies of the module
+    (``copy.deepcopy`` copies hook dictionaries) and unpickled modules get a hook that
+    does nothing, so they never feed statistics into the original owner.
+    """
+
+    def __init__(self, owner: Any, method: str, module: Optional[nn.Module], *extra: Any):
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self._module = weakref.ref(module) if module is not None else None
+        self._method = method
+        self._extra = extra
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:  # noqa: D102
+        owner = self._owner() if self._owner is not None else None
+        if owner is None or module is not (self._module() if self._module else None):
+            return None
+        getattr(owner, self._method)(*self._extra, module, *args)
+        return None
+
+    def __deepcopy__(self, memo: dict) -> WeakHook:
+        return WeakHook(None, self._method, None)  # bound to nothing: does nothing
+
+    def __getstate__(self) -> dict:
+        return {"_method": self._method}
+
+    def __setstate__(self, state: dict) -> None:
+        self._owner, self._module, self._method, self._extra = None, None, state["_method"], ()

@@ -728,11 +728,12 @@ def test_register_output_two_terms_from_two_forwards():
         )
 
 
-def test_tuple_output_needs_register_output():
+def test_tuple_output_needs_register_output_or_a_call_of_the_loss():
     model = TwoHeads()
     opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=nn.MSELoss())
+    model(torch.randn(3, 4))
     with pytest.raises(ValueError, match="register_output"):
-        model(torch.randn(3, 4))
+        opt.step()
     opt.close()
 
 

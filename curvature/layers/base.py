@@ -107,6 +107,7 @@ class Call:
     output_versions: Optional[List[int]] = field(default=None, repr=False)
     out_views: List[Any] = field(default_factory=list, repr=False)
     pushed: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
+    pending: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
     slots: Optional[int] = None
     extra_info: Any = field(default=None, repr=False)
 

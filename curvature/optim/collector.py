@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ..capture import Capture
 from ..losses import backprop_sources, check_loss, reduction_scale
 from ..options import FisherType
+from ..warn import warn
 from .distributed import (
     Communicator,
     PendingReduction,
@@ -109,11 +110,23 @@ class StatisticsCollector:
         self.term = 0
         self.forward_scale = 1.0
         self.pending: Optional[PendingReduction] = None
+        self.waiting: Optional[Any] = None  # a forward whose curvature backward is due
+        self.staged: Optional[StepStatistics] = None  # its output pull, until the loss
+        self.staged_rng: Optional[Tensor] = None
+        self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
+        self.late_warned = False
         self.capture = Capture(model, unsupported="functorch")
         self.capture.attach()
         if fisher == FisherType.EMPIRICAL:
-            self.capture.watch_backward(True)
+            self.capture.watch_backward(True, on_commit=self._committed)
         self.capture.on_forward(start=self._forward_start, end=self._forward_end)
+        if self.pulls and auto_output and loss_func is not None:
+            self.capture.watch_module(loss_func, end=self._loss_called)
+
+    @property
+    def pulls(self) -> bool:
+        """Whether the optimizer runs the curvature backward itself (mc, type-2, rademacher)."""
+        return self.fisher in (FisherType.MC, FisherType.TYPE2, FisherType.RADEMACHER)
 
     @property
     def layers(self) -> Dict[str, Tuple[nn.Module, Any]]:
@@ -137,6 +150,7 @@ class StatisticsCollector:
         if self.evaluating:
             self.capture.recording = False
             return
+        self.settle()  # the previous forward's loss_func call never came
         scale = self._loss_scale()
         if scale < self.forward_scale:
             # the grad scaler backed off: it found inf gradients and skipped step(), so the
@@ -161,12 +175,79 @@ class StatisticsCollector:
             self._consume(self.capture.active(), None)
             self.capture.clear()
             return
-        if self.fisher == FisherType.EMPIRICAL or not self.auto_output or self.registered:
+        if not self.pulls or not self.auto_output or self.registered:
             return
+        # The curvature backward runs from the input of the user's own call of loss_func
+        # (it sees the targets: ignored positions, and any transform of the output); if
+        # loss_func is not called, from the model output. Which one the user does is
+        # learned on the first training forward: that one is pulled from the output at
+        # once into a staging area (kept if the loss never comes, replaced if it does).
+        if self.mode == "output" or self.loss_func is None:
+            self.run_output(output)
+            return
+        self.waiting = output
+        if self.mode == "unknown" and isinstance(output, Tensor) and output.grad_fn is not None:
+            self.staged = StepStatistics()
+            self.staged_rng = self.generator.get_state()  # restored if it is replaced
+            self.pull(output, self.loss_func, None, keep_calls=True, stats=self.staged)
+
+    def _loss_called(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """The user called ``loss_func``: pull from its input, with its target."""
+        if self.closed or self.evaluating or self.registered or self.waiting is None:
+            return
+        if not (self.due and self.model.training and torch.is_grad_enabled()):
+            return
+        values = list(args) + [kwargs[k] for k in ("input", "target") if k in kwargs]
+        if len(values) < 2 or not isinstance(values[0], Tensor) or values[0].grad_fn is None:
+            return
+        if not self.capture.reaches(values[0]):  # another model's loss, a detached copy
+            return
+        if self.staged is not None:  # the staged pull never happened, draws included
+            self.generator.set_state(self.staged_rng)
+        self.staged, self.waiting, self.mode = None, None, "loss"
+        self.pull(values[0], module, values[1], keep_calls=False)
+        self._launch_early()
+
+    def settle(self) -> None:
+        """Finish the curvature backward of a forward whose ``loss_func`` call never came.
+
+        Before the next forward and at ``step()``: a staged pull (first forward) is kept
+        and the model output is used from now on; in ``"loss"`` mode the waiting output
+        is pulled now if its graph still exists, else this forward has no statistics
+        (one warning) and the output is used from now on.
+        """
+        output, self.waiting = self.waiting, None
+        if output is None or self.closed or self.registered:
+            self.staged = None
+            return
+        if self.staged is not None:
+            self.stats.absorb(self.staged)
+            self.staged = None
+            self.capture.clear()  # the staged forward's calls
+            self.mode = "output"
+            self._launch_early()
+            return
+        try:
+            self.run_output(output)
+        except RuntimeError as err:
+            if "freed" not in str(err):
+                raise
+            self.mode = "output"
+            self.capture.clear()
+            warn(
+                f"{self.who}(fisher={self.fisher.value!r}): loss_func was not called on "
+                "this forward's output before its backward, so its curvature backward was "
+                "skipped; from now on it runs at the end of each forward (without targets)."
+            )
+
+    def run_output(self, output: Any) -> None:
+        """Pull from the model output (without targets)."""
         if not isinstance(output, Tensor) or output.grad_fn is None:
             raise ValueError(
                 f"{self.who}(fisher={self.fisher.value!r}): the model output is not a "
-                "tensor with a graph; name the curvature outputs with "
+                "tensor with a graph and loss_func was not called on a tensor computed from "
+                "it; call the loss_func you passed on the output (e.g. "
+                "loss_func(out.logits, y)), or name the curvature outputs with "
                 "optim.register_output(output, loss_func) and pass auto_output=False."
             )
         self.pull(output, self.loss_func, None, keep_calls=False)
@@ -196,6 +277,7 @@ class StatisticsCollector:
             raise ValueError("register_output(output) needs a loss_func.")
         check_loss(loss_func)
         if not self.registered:
+            self.waiting = self.staged = None
             self.discard()
             self.registered = True
             self.term = 0
@@ -204,17 +286,22 @@ class StatisticsCollector:
         self.term += 1
 
     def pull(
-        self, output: Tensor, loss_func: nn.Module, target: Optional[Tensor], keep_calls: bool
+        self,
+        output: Tensor,
+        loss_func: nn.Module,
+        target: Optional[Tensor],
+        keep_calls: bool,
+        stats: Optional[StepStatistics] = None,
     ) -> None:
         """Backpropagate the Fisher's vectors from ``output``; fold the reached calls.
 
         ``keep_calls``: registered outputs may share layer calls (two heads of one
         forward), so calls stay until ``step()``; the automatic output owns its forward.
-        A non-finite output is skipped (and counted).
+        A non-finite output gives non-finite contributions, skipped (and counted) by the
+        statistics' flush. ``stats``: where the statistics go (default: this step's).
         """
-        if not torch.isfinite(output.detach().sum()):
-            self.stats.skipped += 1
-            return
+        # a non-finite output gives non-finite statistics, which the flush skips (and
+        # counts) without a host synchronization of its own
         V = backprop_sources(
             loss_func,
             output,
@@ -228,18 +315,45 @@ class StatisticsCollector:
         reduction = getattr(loss_func, "reduction", "mean")
         # G-like sums are kept as raw per-sample sums: the sources carry sqrt(R(N)).
         context = BatchContext(N, reduction, 1.0 / reduction_scale(loss_func, N))
-        self._consume(self.capture.reached(take=not keep_calls), context)
+        self._consume(self.capture.reached(take=not keep_calls), context, stats=stats)
 
     def consume_pushed(self) -> None:
-        """Fold the calls whose user backward ran (``"empirical"``)."""
+        """Fold the calls whose user backward committed (``"empirical"``) and flush."""
         self._consume(self.capture.take_pushed(), "user")
+        self.warn_late()
 
-    def _consume(self, calls: Sequence[Tuple[str, nn.Module, Any, list]], context: Any) -> None:
+    def _committed(self, name: str, module: nn.Module, rule: Any, calls: list) -> None:
+        """A layer's gradients of the user's backward are complete: fold them now.
+
+        Inside the backward, while the layer inputs are still those of the forward (a
+        buffer refilled before the next micro-batch's forward does not matter); the
+        finiteness check waits for the next flush (one host synchronization).
+        """
+        self._consume([(name, module, rule, calls)], "user", flush=False)
+
+    def warn_late(self) -> None:
+        """One warning when a second backward pass reached calls already folded."""
+        if self.capture.late_gradients and not self.late_warned:
+            self.late_warned = True
+            warn(
+                f"{self.who}(fisher='empirical'): a second backward pass ran through a "
+                "forward whose gradients were already used; the curvature uses each "
+                "forward's first backward only. Sum the losses and call backward() once."
+            )
+
+    def _consume(
+        self,
+        calls: Sequence[Tuple[str, nn.Module, Any, list]],
+        context: Any,
+        flush: bool = True,
+        stats: Optional[StepStatistics] = None,
+    ) -> None:
         """Fold calls (with ``grads`` set) into this step's statistics, then release them.
 
         ``context``: a :class:`BatchContext` for pulled gradients, ``"user"`` for the
         user's backward (``c grad l_n`` times the AMP scale), ``None`` for inputs only.
         """
+        stats = self.stats if stats is None else stats
         try:
             with self.capture.computing():
                 for name, module, rule, cs in calls:
@@ -247,12 +361,14 @@ class StatisticsCollector:
 
                     def emit(key, values, kinds, rows=0, _ctx=ctx):
                         term = self.term if self.registered else 0
-                        self.stats.add((*key, term), values, kinds, _ctx, rows)
+                        stats.add((*key, term), values, kinds, _ctx, rows)
 
                     self._accumulate()(name, module, rule, cs, with_g, emit)
-            self.stats.flush()
-        finally:
-            self.stats.drop_queue()
+            if flush:
+                stats.flush()
+        except BaseException:
+            stats.drop_queue()
+            raise
 
     def _prepare(self, module, rule, cs, context) -> Tuple[BatchContext, bool]:
         if context == "user":
@@ -275,6 +391,8 @@ class StatisticsCollector:
         """At ``step()``: fold the last backward's calls and forget the rest."""
         if self.fisher == FisherType.EMPIRICAL:
             self.consume_pushed()
+        self.settle()  # a forward whose loss_func call never came
+        self.stats.flush()
         self.capture.clear()  # calls whose backward never came (or kept for registration)
 
     def finalize(self, default_dtype: torch.dtype) -> Dict[Any, list]:
@@ -316,6 +434,7 @@ class StatisticsCollector:
             return
         if not getattr(self.ddp, "require_backward_grad_sync", False):
             return
+        self.stats.flush()
         self.pending = start_statistics_reduction(
             self.comm, self.stats.take(), self.default_dtype()
         )
@@ -325,6 +444,7 @@ class StatisticsCollector:
         if self.pending is not None:
             finish_statistics_reduction(self.comm, self.pending)
             self.pending = None
+        self.stats.drop_queue()
         self.stats.take()
 
     def default_dtype(self) -> torch.dtype:

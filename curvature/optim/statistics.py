@@ -135,6 +135,8 @@ class StepStatistics:
         is counted in :attr:`skipped`; its slot stays (with zero counts) for the layout.
         """
         queue, self._queue = self._queue, []
+        if not queue:
+            return
         present = [[v for v in values if v is not None] for _, values, _, _ in queue]
         flags = iter(finite_flags([v for vs in present for v in vs]))
         finite = [all([next(flags) for _ in vs]) for vs in present]  # consumes every flag
@@ -148,6 +150,12 @@ class StepStatistics:
             slot.shapes = [s if v is None else tuple(v.shape) for s, v in zip(slot.shapes, values)]
             slot.rows += rows
             slot.samples += N
+
+    def absorb(self, other: StepStatistics) -> None:
+        """Add the (flushed) sums and skip count of ``other`` into this step's."""
+        for key, st in other.slots.items():
+            self.slots[key] = self.slots[key].merge(st) if key in self.slots else st
+        self.skipped += other.skipped
 
     def drop_queue(self) -> None:
         """Forget contributions that were queued but not flushed (after an error)."""

@@ -1,0 +1,78 @@
+"""Which layers of a model are covered, and by which rule (the registry's view of a model)."""
+
+from __future__ import annotations
+
+from typing import List, Tuple, Union
+
+from torch import nn
+
+from ..options import Unsupported, choice
+from .base import LayerRule
+from .functional import FunctionalRule
+from .norm import batchnorm_train_error
+from .registry import registered_rule
+
+_FUNCTIONAL = FunctionalRule()
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside a DDP / DataParallel wrapper."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def select_layers(
+    model: nn.Module,
+    unsupported: Union[str, Unsupported] = "functorch",
+    *,
+    arg: str = "unsupported",
+) -> List[Tuple[str, nn.Module, LayerRule]]:
+    """The layers that carry trainable parameters, each with the rule that covers it.
+
+    Args:
+        model: The model.
+        unsupported: ``"functorch"`` covers parameterized layers without a registered
+            rule with the ``torch.func`` replay; ``"error"`` refuses them.
+        arg: The argument's name as the user wrote it (for the error message).
+
+    Returns:
+        ``(name, module, rule)`` triples in ``named_modules`` order.
+
+    Raises:
+        ValueError: For a BatchNorm layer in train mode, an uncovered layer with
+            ``unsupported="error"``, or an unknown ``unsupported``.
+
+    """
+    fallback = choice(
+        Unsupported,
+        unsupported,
+        f"capture({arg}",
+        allowed=(Unsupported.FUNCTORCH, Unsupported.ERROR),
+    )
+    targets: List[Tuple[str, nn.Module, LayerRule]] = []
+    covered: List[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in covered):
+            continue
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+            module.training or not module.track_running_stats
+        ):
+            raise batchnorm_train_error(name, module)
+        rule = registered_rule(module)
+        if rule is None:
+            if not any(p.requires_grad for p in module.parameters(recurse=False)):
+                continue
+            if fallback == Unsupported.ERROR:
+                raise ValueError(
+                    f"Module '{name}' ({type(module).__name__}) has trainable parameters "
+                    "but no layer rule. Register one with @curvature.layers.register, use "
+                    "unsupported='functorch' (exact, replays the module per sample), or "
+                    "freeze its parameters."
+                )
+            rule = _FUNCTIONAL
+        if rule.param_names(module):
+            targets.append((name, module, rule))
+            if rule.covers_children:
+                covered.append(name)
+    return targets

@@ -16,7 +16,10 @@ with MSE; weight sharing with the matching setting; Eschenhagen et al., 2023).
 Grouped convolutions have one ``(A_c, G_c)`` pair per group (factors ``[G, D, D]``).
 Layers without Kronecker structure (normalization layers, the ``torch.func`` fallback)
 get their exact block ``sum_{n,k} vec(grad_nk) vec(grad_nk)^T``, stored as ``G`` with
-``A = [[1]]``. EKFAC (George et al., 2018) keeps KFAC's eigenbasis and replaces the
+``A = [[1]]``. A block with a factor larger than ``max_factor_size`` (``D`` or ``D_out``)
+is a :class:`~curvature.blocks.DiagonalBlock` instead, the per-sample Fisher diagonal
+``d = sum_{k,n} grad_nk^2`` of its entries, computed without forming the factors (as in
+the optimizers). EKFAC (George et al., 2018) keeps KFAC's eigenbasis and replaces the
 eigenvalues by the second moments of the per-sample (per-vector) gradients in it.
 """
 
@@ -29,7 +32,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .blocks import EigenCorrectedBlock, KroneckerBlock
+from .blocks import DiagonalBlock, EigenCorrectedBlock, KroneckerBlock
 from .capture import capture
 from .dense import Data, batch_weights, batches
 from .layer_stats import (
@@ -37,11 +40,14 @@ from .layer_stats import (
     block_name,
     eigenvalue_corrections,
     exact_factors,
+    expanded_diagonal,
     fisher_diagonal,
 )
+from .layers.base import expanded_kfac
 from .layout import ParamLayout
 from .losses import backprop_sources, check_fisher, check_loss
 from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice, renamed
+from .warn import warn
 
 KFAC_APPROX = tuple(m.value for m in KFACApproxType)
 
@@ -51,7 +57,9 @@ class KFACApprox:
 
     Attributes:
         blocks: The layers' :class:`~curvature.blocks.KroneckerBlock` (for :func:`ekfac`
-            :class:`~curvature.blocks.EigenCorrectedBlock`).
+            :class:`~curvature.blocks.EigenCorrectedBlock`), and a
+            :class:`~curvature.blocks.DiagonalBlock` for each block whose Kronecker factor
+            exceeds ``max_factor_size``.
         param_names: Trainable parameter names in ``model.parameters()`` order.
         uncovered: Names of trainable parameters no block covers (zero rows and
             columns in :meth:`to_dense`).
@@ -59,7 +67,12 @@ class KFACApprox:
 
     """
 
-    def __init__(self, blocks: List[KroneckerBlock], layout: ParamLayout, uncovered: List[str]):
+    def __init__(
+        self,
+        blocks: List[Union[KroneckerBlock, DiagonalBlock]],
+        layout: ParamLayout,
+        uncovered: List[str],
+    ):
         self.blocks = blocks
         self.layout = layout
         self.param_names = list(layout.names)
@@ -70,11 +83,30 @@ class KFACApprox:
 
     @property
     def factors(self) -> Dict[str, Tuple[Tensor, Tensor]]:
-        """Module name to ``(A, G)``; ``[D, D]`` each, or ``[groups, D, D]`` if grouped."""
+        """Block name to ``(A, G)``; ``[D, D]`` each, or ``[groups, D, D]`` if grouped.
+
+        Only the Kronecker blocks: a block over ``max_factor_size`` is in :attr:`diagonals`.
+        """
         out = {}
         for b in self.blocks:
-            A, G = (b.A[0], b.G[0]) if b.A.shape[0] == 1 else (b.A, b.G)
-            out[b.name] = (A, G)
+            if not isinstance(b, DiagonalBlock):
+                out[b.name] = (b.A[0], b.G[0]) if b.A.shape[0] == 1 else (b.A, b.G)
+        return out
+
+    @property
+    def diagonals(self) -> Dict[str, Tensor]:
+        """Block name to the diagonal ``d`` of a :class:`~curvature.blocks.DiagonalBlock`.
+
+        ``[D_out, D]`` laid out like the layer's matrix ``[W | b]`` (``[groups, D_out, D]``
+        if grouped): entry ``(o, i)`` is ``sum_{k,n} grad_nk[o, i]^2``, the exact Fisher
+        diagonal of that entry (``fisher="forward-only"``: ``A[i, i]``, the diagonal of
+        ``kron(I, A)``).
+        """
+        out = {}
+        for b in self.blocks:
+            if isinstance(b, DiagonalBlock):
+                d = b.d.view(b.shape)
+                out[b.name] = d[0] if len(b.shape) == 3 and b.shape[0] == 1 else d
         return out
 
     def _uncovered_count(self) -> int:
@@ -100,7 +132,8 @@ class KFACApprox:
             mode: ``"exact"`` (damping added to the Kronecker eigenvalues, the exact
                 inverse of ``kron(G, A) + lambda I``) or ``"pi"`` (Tikhonov damping of
                 each factor with the pi heuristic of Martens & Grosse, 2015; for KFAC
-                only, EKFAC is always exact).
+                only, EKFAC is always exact). Diagonal blocks are always exact:
+                ``v / (d + lambda)``.
 
         """
         if damping <= 0:
@@ -117,6 +150,9 @@ class KFACApprox:
         P = self.num_params
         D = torch.zeros(P, P, dtype=self._dtype, device=self._device)
         for b in self.blocks:
+            if isinstance(b, DiagonalBlock):  # no [P_b, P_b] temporary
+                D[b.index, b.index] = b.d.to(D.dtype)
+                continue
             dense = b.dense()
             for c in range(dense.shape[0]):
                 ix = b.index[c].reshape(-1)
@@ -185,6 +221,7 @@ def kfac(
     seed: int = 0,
     unsupported: Union[str, Unsupported] = "warn",
     on_unsupported: Union[str, None] = None,
+    max_factor_size: int = 4096,
 ) -> KFACApprox:
     """KFAC of ``model`` on ``data`` (see the module docstring for the maths).
 
@@ -200,6 +237,12 @@ def kfac(
         unsupported: ``"warn"`` or ``"error"`` for trainable parameters no block
             covers (they stay in :meth:`KFACApprox.to_dense`'s order with zero blocks).
         on_unsupported: Deprecated name of ``unsupported``.
+        max_factor_size: A block with a Kronecker factor larger than this (``D`` or
+            ``D_out`` above it) is a :class:`~curvature.blocks.DiagonalBlock` with the
+            exact per-sample Fisher diagonal of its entries (``fisher="forward-only"``:
+            the diagonal of ``kron(I, A)``), computed without forming the factors, and a
+            warning names it; as in the optimizers. Raise it to keep such factors (memory
+            ``D^2``, inversion ``D^3``).
 
     Returns:
         A :class:`KFACApprox`.
@@ -209,12 +252,96 @@ def kfac(
     fisher, kfac_approx, unsupported = _check_args(
         loss_func, fisher, kfac_approx, mc_samples, unsupported, arg=arg
     )
-    return _kfac(model, loss_func, data, fisher, mc_samples, kfac_approx, seed, unsupported)
+    _check_max_factor_size(max_factor_size, "kfac")
+    return _kfac(
+        model,
+        loss_func,
+        data,
+        fisher,
+        mc_samples,
+        kfac_approx,
+        seed,
+        unsupported,
+        max_factor_size=max_factor_size,
+    )
 
 
-def _kfac(model, loss_func, data, fisher, mc_samples, kfac_approx, seed, unsupported, cls=None):
+def _check_max_factor_size(value, caller: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{caller}(max_factor_size={value!r}): a positive int; blocks with a larger "
+            "Kronecker factor use the per-sample Fisher diagonal (default 4096)."
+        )
+
+
+def _large_blocks(module, rule, name, layout: ParamLayout, max_size: int) -> Dict[str, Tensor]:
+    """Suffix to index ``[C, D_out, D]`` of the layer's blocks with a factor over ``max_size``."""
+    index = rule.kfac_index(module, layout.local_offsets(name))
+    if index is None:
+        return {}
+    return {s: ix for s, ix in index.items() if max(ix.shape[1], ix.shape[2]) > max_size}
+
+
+def _large_statistics(rule, module, calls, name, layout, large, approx, with_g, w, diag_stats):
+    """Add the diagonals of the layer's ``large`` blocks to ``diag_stats``, never forming A, G.
+
+    ``diag_stats[(name, suffix)] = [d_sum, count]``: with gradients the Fisher diagonal
+    ``sum w sum_{k,n} grad_nk^2`` ``[C, D_out, D]`` (``count`` None), forward-only the
+    diagonal of ``A`` summed over ``count`` inputs ``[C, 1, D]``.
+
+    Returns:
+        The other blocks' statistics like :meth:`~curvature.layers.LayerRule.kfac_factors`,
+        or ``None`` without a diagonal (forward-only, a layer without ``expanded_blocks``).
+
+    """
+    expanded = rule.expanded_blocks(module, calls)
+    parts = {}
+    if expanded is None:  # a single block (Embedding): its Fisher diagonal, reordered
+        if not with_g:
+            return None
+        d = fisher_diagonal(rule, module, calls)[1][""]
+        offsets = layout.local_offsets(name)
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        pos = torch.cat([offsets[n] + torch.arange(p.numel()) for n, p in params])
+        order = torch.argsort(pos)
+        for suffix, ix in large.items():
+            k = order[torch.searchsorted(pos[order], ix.reshape(-1))].to(d.device)
+            parts[suffix] = (d[k].view(ix.shape), None)
+    res = {}
+    for suffix, (a, g) in (expanded or {}).items():
+        if suffix not in large:
+            res[suffix] = expanded_kfac(a, g if with_g else None, approx)
+        elif with_g:
+            parts[suffix] = (expanded_diagonal(a, g), None)
+        else:  # diag(A): over the N S inputs (expand) or the N means (reduce)
+            ar, count = (a, a.shape[0] * a.shape[1]) if approx == "expand" else (a.mean(1), len(a))
+            parts[suffix] = (ar.pow(2).flatten(0, -3).sum(0).unsqueeze(1), count)
+    for suffix, (d_sum, count) in parts.items():
+        st = diag_stats.setdefault((name, suffix), [0, None])
+        if count is None:  # a Fisher diagonal: weighted like G
+            st[0] = st[0] + w * d_sum
+        else:  # forward-only: a mean over the inputs, like A
+            st[0], st[1] = st[0] + d_sum, (st[1] or 0) + count
+    return res
+
+
+def _kfac(
+    model,
+    loss_func,
+    data,
+    fisher,
+    mc_samples,
+    kfac_approx,
+    seed,
+    unsupported,
+    cls=None,
+    *,
+    max_factor_size: int = 4096,
+):
     layout = ParamLayout.of(model)
     stats: Dict[Tuple[str, str], list] = {}
+    diag_stats: Dict[Tuple[str, str], list] = {}  # [d_sum, count] of too-large blocks
+    large: Dict[str, Dict[str, Tensor]] = {}
     layers: Dict[str, Tuple[nn.Module, object]] = {}
     skipped: Dict[str, str] = {}
     forward_only = fisher == FisherType.FORWARD_ONLY
@@ -222,7 +349,16 @@ def _kfac(model, loss_func, data, fisher, mc_samples, kfac_approx, seed, unsuppo
         with cap.computing():
             for name, module, rule, calls in cap.active():
                 layers[name] = (module, rule)
-                res = rule.kfac_factors(module, calls, kfac_approx.value, not forward_only)
+                if name not in large:
+                    large[name] = _large_blocks(module, rule, name, layout, max_factor_size)
+                if large[name]:  # the large factors are never formed
+                    args = (name, layout, large[name], kfac_approx.value, not forward_only, w)
+                    res = _large_statistics(rule, module, calls, *args, diag_stats)
+                    if res is None:
+                        skipped[name] = f"factor > max_factor_size={max_factor_size}, forward-only"
+                        continue
+                else:
+                    res = rule.kfac_factors(module, calls, kfac_approx.value, not forward_only)
                 if res is None:
                     n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
                     if forward_only or n_params > MAX_EXACT_BLOCK:
@@ -251,6 +387,25 @@ def _kfac(model, loss_func, data, fisher, mc_samples, kfac_approx, seed, unsuppo
         else:
             G = G_sum
         blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
+    for (name, suffix), (d_sum, count) in diag_stats.items():
+        index = large[name][suffix]
+        d = (d_sum if count is None else d_sum / count).expand(index.shape)
+        blocks.append(DiagonalBlock(block_name(name, suffix), index.to(d.device), d))
+    if diag_stats:
+        sizes = ", ".join(
+            f"'{block_name(*k) or '<model>'}' (A: {ix.shape[2]}, G: {ix.shape[1]})"
+            for k, ix in ((k, large[k[0]][k[1]]) for k in diag_stats)
+        )
+        caller = "ekfac" if cls is EigenCorrectedBlock else "kfac"
+        largest = max(max(large[n][s].shape[1:]) for n, s in diag_stats)
+        warn(
+            f"{caller}(): Kronecker factors larger than max_factor_size={max_factor_size} "
+            f"in {sizes}; these blocks are "
+            + ("the diagonal of kron(I, A)" if forward_only else "the per-sample Fisher diagonal")
+            + " (DiagonalBlock, see KFACApprox.diagonals) instead of kron(G, A). Pass "
+            f"max_factor_size={largest} to keep their factors (memory ~ size^2, "
+            "inversion ~ size^3)."
+        )
     covered = set()
     for b in blocks:
         covered.update(b.index.reshape(-1).tolist())
@@ -289,6 +444,7 @@ def ekfac(
     seed: int = 0,
     unsupported: Union[str, Unsupported] = "warn",
     on_unsupported: Union[str, None] = None,
+    max_factor_size: int = 4096,
 ) -> KFACApprox:
     """EKFAC: KFAC's eigenbasis with eigenvalues from projected per-sample gradients.
 
@@ -296,7 +452,8 @@ def ekfac(
     gradient of vector ``k`` for sample ``n`` (summed over shared positions). A second
     pass over ``data`` (with the same seed) computes it once the basis is known. The
     arguments are those of :func:`kfac`; the blocks are
-    :class:`~curvature.blocks.EigenCorrectedBlock`.
+    :class:`~curvature.blocks.EigenCorrectedBlock` (and
+    :class:`~curvature.blocks.DiagonalBlock` over ``max_factor_size``, as in :func:`kfac`).
     """
     if fisher == FisherType.FORWARD_ONLY:
         raise ValueError("ekfac(fisher='forward-only') is undefined: there are no gradients.")
@@ -306,6 +463,7 @@ def ekfac(
     fisher, kfac_approx, unsupported = _check_args(
         loss_func, fisher, kfac_approx, mc_samples, unsupported, caller="ekfac", arg=arg
     )
+    _check_max_factor_size(max_factor_size, "ekfac")
     approx = _kfac(
         model,
         loss_func,
@@ -316,15 +474,17 @@ def ekfac(
         seed,
         unsupported,
         cls=EigenCorrectedBlock,
+        max_factor_size=max_factor_size,
     )
-    bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in approx.blocks}
+    kron = [b for b in approx.blocks if isinstance(b, EigenCorrectedBlock)]
+    bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in kron}
     evals: Dict[str, Tensor] = {}
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
         with cap.computing():
             for name, module, rule, calls in cap.active():
                 for full, lam in eigenvalue_corrections(name, module, rule, calls, bases).items():
                     evals[full] = evals.get(full, 0) + w * lam
-    for b in approx.blocks:
+    for b in kron:
         b.update_corrections(evals[b.name])
     return approx
 

@@ -9,6 +9,7 @@ the per-sample (per-vector) gradients, and its damped inverse maps ``v`` to
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -24,13 +25,17 @@ class DiagonalBlock:
         name: The block's name.
         index: ``[P_b]`` flat positions.
         d: ``[P_b]`` running diagonal, or ``None`` before the first update.
+        shape: The shape of the ``index`` given to the constructor, e.g. ``[C, D_out, D]``
+            for a Kronecker block too large to keep (``d.view(shape)`` lays the diagonal
+            out like the layer's matrix ``[W | b]``).
 
     """
 
     def __init__(self, name: str, index: Tensor, d: Optional[Tensor] = None):
         self.name = name
+        self.shape = tuple(index.shape)
         self.index = index.reshape(-1)
-        self.d = d
+        self.d = None if d is None else d.reshape(-1)
 
     def update(self, d: Tensor, decay: float = 0.0) -> None:
         """Fold a new diagonal into the running one."""
@@ -43,8 +48,15 @@ class DiagonalBlock:
     def inverse_matvec(
         self, v: Tensor, damping: Union[float, Tensor], mode: str = "exact"
     ) -> Tensor:
-        """``v / (d + damping)``; ``damping`` a number or ``[P_b]`` (per position)."""
+        """``v / (d + damping)``; ``damping`` a number or ``[P_b]`` (per position).
+
+        The damping is exact for every ``mode`` (``"pi"`` has no factors to split it).
+        """
         return v / (self.d.to(v.dtype) + damping)
+
+    def dense(self) -> Tensor:
+        """``diag(d)`` ``[P_b, P_b]``."""
+        return torch.diag(self.d)
 
     def trace(self) -> Tensor:
         """``sum d``."""
@@ -62,3 +74,5 @@ class DiagonalBlock:
         """Restore :meth:`state_dict`."""
         self.d = None if state["d"] is None else state["d"].clone()
         self.index = state["index"].clone()
+        if math.prod(self.shape) != self.index.numel():
+            self.shape = tuple(self.index.shape)

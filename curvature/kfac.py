@@ -37,6 +37,7 @@ from .capture import capture
 from .dense import Data, batch_weights, batches
 from .layer_stats import (
     MAX_EXACT_BLOCK,
+    at_positions,
     block_name,
     eigenvalue_corrections,
     exact_factors,
@@ -300,13 +301,9 @@ def _large_statistics(rule, module, calls, name, layout, large, approx, with_g, 
         if not with_g:
             return None
         d = fisher_diagonal(rule, module, calls)[1][""]
-        offsets = layout.local_offsets(name)
-        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        pos = torch.cat([offsets[n] + torch.arange(p.numel()) for n, p in params])
-        order = torch.argsort(pos)
+        pos = layout.module_index(module, name)
         for suffix, ix in large.items():
-            k = order[torch.searchsorted(pos[order], ix.reshape(-1))].to(d.device)
-            parts[suffix] = (d[k].view(ix.shape), None)
+            parts[suffix] = (at_positions(d, pos, ix), None)
     res = {}
     for suffix, (a, g) in (expanded or {}).items():
         if suffix not in large:

@@ -151,3 +151,15 @@ def rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Tens
         part = grad.pow(2).sum((0, 1))
         out = part if out is None else out + part
     return out
+
+
+def at_positions(values: Tensor, positions: Tensor, wanted: Tensor) -> Tensor:
+    """``values`` given at flat ``positions`` (``[P_l]`` each), read at ``wanted`` (any shape).
+
+    E.g. a layer's Fisher diagonal in ``named_parameters`` order, laid out like one of its
+    Kronecker blocks' index ``[C, D_out, D]``.
+    """
+    positions = positions.to(values.device)
+    order = torch.argsort(positions)
+    k = order[torch.searchsorted(positions[order], wanted.reshape(-1).to(values.device))]
+    return values[k].view(wanted.shape)

@@ -332,3 +332,19 @@ def test_diagonal_block_dense_shape_and_state():
     copy.load_state_dict(block.state_dict())
     assert copy.shape == (1, 2, 3)
     torch.testing.assert_close(copy.d, block.d)
+
+
+def test_the_optimizers_precondition_a_large_embedding_by_its_diagonal():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 4), nn.Flatten(), nn.Linear(12, 3)).double()
+    X, y = torch.randint(0, 50, (8, 3)), torch.randint(0, 3, (8,))
+    CE = nn.CrossEntropyLoss()
+    with pytest.warns(UserWarning, match="max_factor_size"):
+        opt = curvature.KFAC(model, lr=0.0, fisher="type-2", loss_func=CE, max_factor_size=10)
+    opt.zero_grad()
+    CE(model(X), y).backward()
+    opt.step()
+    assert "0" in opt.blocks
+    got = opt.matvec([torch.ones_like(p) for p in model.parameters()])[0]
+    ref = curvature.diag_ggn(model, CE, (X, y))["0.weight"]
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)

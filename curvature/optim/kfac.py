@@ -45,6 +45,7 @@ from ..blocks import (
 )
 from ..layer_stats import (
     MAX_EXACT_BLOCK,
+    at_positions,
     block_name,
     eigenvalue_corrections,
     exact_factors,
@@ -331,7 +332,15 @@ class KFAC(CurvatureOptimizer):
         approx = self.config.kfac_approx.value
         if with_g and any(k[0] == name for k in self._large):
             expanded = rule.expanded_blocks(module, calls)
-            for suffix, (a, g) in (expanded or {}).items():
+            if expanded is None:  # one block (Embedding): its diagonal in block layout
+                d = fisher_diagonal(rule, module, calls)[1][""]
+                pos = self.layout.module_index(module, name)
+                for (lname, suffix), ix in self._large.items():
+                    if lname == name:
+                        dd = at_positions(d, pos, ix)
+                        emit((name, suffix), [dd.to(stat_dtype(dd))], ("g",))
+                return
+            for suffix, (a, g) in expanded.items():
                 if (name, suffix) in self._large:
                     d = expanded_diagonal(a, g)
                     emit((name, suffix), [d.to(stat_dtype(d))], ("g",))

@@ -46,6 +46,8 @@ TORCH_PRIVATE = frozenset(
         "_global_forward_hooks",  # torch.nn.modules.module._global_forward_hooks
         "_global_forward_pre_hooks",  # torch.nn.modules.module._global_forward_pre_hooks
         "_modules",  # nn.Module._modules: the children dict, set in place
+        # torch.compile's wrapper (OptimizedModule) exposes the compiled model only here
+        "_orig_mod",  # OptimizedModule._orig_mod: the model torch.compile wrapped
     }
 )
 

@@ -882,7 +882,7 @@ def test_bad_param_group_values_are_refused():
         groups = [{"params": list(model.parameters()), key: value}]
         with pytest.raises(ValueError, match=f"{key}={value}"):
             KFAC(model, lr=0.1, damping=1e-2, param_groups=groups)
-    with pytest.raises(ValueError, match="do not belong to the model"):
+    with pytest.raises(ValueError, match="not a parameter of the model the optimizer was built on"):
         KFAC(model, lr=0.1, damping=1e-2, param_groups=[{"params": [nn.Parameter(torch.ones(2))]}])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import List, Tuple, Union
 
 from torch import nn
@@ -16,10 +17,19 @@ _FUNCTIONAL = FunctionalRule()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's model inside a DDP / DataParallel wrapper."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
+    """The user's model inside DDP / DataParallel wrappers and ``torch.compile``'s wrapper.
+
+    Layer names are then those of the plain model (not ``_orig_mod.<name>``); calling the
+    compiled wrapper runs the inner model's hooks. ``torch.compile`` imports dynamo.
+    """
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+            model = model._orig_mod  # the compiled model (no public accessor)
+        else:
+            return model
 
 
 def select_layers(

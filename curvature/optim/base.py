@@ -36,6 +36,7 @@ from ..capture import unwrap_model
 from ..layout import ParamLayout
 from ..options import FisherType, Unsupported
 from ..warn import warn
+from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
 from .distributed import Communicator, check_not_sharded, is_ddp
@@ -90,20 +91,7 @@ class CurvatureOptimizer(Optimizer):
         groups: Any = (
             [{"params": trainable}] if param_groups is None else list(map(dict, param_groups))
         )
-        super().__init__(groups, defaults)
-        for g in self.param_groups:
-            for key in ("lr", "damping", "momentum", "weight_decay"):
-                if g[key] < 0 or (key == "damping" and g[key] <= 0):
-                    allowed = "must be > 0" if key == "damping" else "must be >= 0"
-                    raise ValueError(
-                        f"{who}: param group {key}={g[key]} is invalid; {key} {allowed}."
-                    )
-        names = {p for _, p in self.model.named_parameters()}
-        missing = [p for g in self.param_groups for p in g["params"] if p not in names]
-        if missing:
-            raise ValueError(
-                f"{who}: {len(missing)} parameter(s) in param_groups do not belong to the model."
-            )
+        super().__init__(groups, defaults)  # checks each group with add_param_group
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
         self.last_kl_scale = 1.0
@@ -198,14 +186,72 @@ class CurvatureOptimizer(Optimizer):
         self._build()
         self._reset_curvature()
 
-    def _check_coverage(self) -> None:
-        covered = set(self._covered_names())
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a group of the model's parameters (``torch.optim``'s ``add_param_group``).
+
+        Also checks the groups given to the constructor. Every parameter must be a
+        parameter of the model the optimizer was built on (one outside it would get a
+        gradient but never be updated): a ``ValueError`` names it otherwise. A frozen
+        parameter (``requires_grad=False``) is accepted with a warning: it is not updated
+        while frozen, and once unfrozen it is (the curvature estimates are then reset).
+        Parameters added later are preconditioned like the others.
+
+        Raises:
+            ValueError: For a parameter outside the model, a negative ``lr``,
+                ``momentum`` or ``weight_decay``, a ``damping <= 0``, or (with
+                ``unsupported="error"``) a parameter no curvature rule covers.
+
+        """
+        group = dict(param_group)
+        params = group.get("params")
+        if isinstance(params, Tensor):
+            group["params"] = [params]
+        elif params is not None and not isinstance(params, set):  # torch refuses a set
+            group["params"] = list(params)
+        if isinstance(group.get("params"), list):
+            self._check_group(group, group["params"])
+        super().add_param_group(group)
+
+    def _check_group(self, group: Dict[str, Any], params: List[Any]) -> None:
+        who = type(self).__name__
+        for key in ("lr", "damping", "momentum", "weight_decay"):
+            value = group.get(key, self.defaults[key])
+            if value < 0 or (key == "damping" and value <= 0):
+                allowed = "must be > 0" if key == "damping" else "must be >= 0"
+                raise ValueError(f"{who}: param group {key}={value} is invalid; {key} {allowed}.")
         names = {p: n for n, p in self.model.named_parameters()}
-        own = {names[p] for g in self.param_groups for p in g["params"]}
-        bare = sorted(own - covered)
-        self.uncovered = bare
+        where = f"param group {len(self.param_groups)}"
+        for i, p in enumerate(params):
+            if isinstance(p, Tensor) and p not in names:
+                raise ValueError(
+                    f"{who}: the parameter of shape {list(p.shape)} at {where}['params'][{i}] "
+                    "is not a parameter of the model the optimizer was built on "
+                    f"({type(self.model).__name__}); it would get a gradient but never be "
+                    "updated. Give it its own optimizer (e.g. torch.optim.AdamW([param])), "
+                    "or make it a parameter of the model before building the optimizer."
+                )
+        frozen = [names[p] for p in params if isinstance(p, Tensor) and not p.requires_grad]
+        if frozen:
+            warn(
+                f"{who}: {frozen} in {where} are frozen (requires_grad=False): not updated "
+                "while frozen; after requires_grad_(True) they are, and the curvature "
+                "estimates are reset."
+            )
+        if hasattr(self, "_covered"):  # a group added after construction
+            self._report_uncovered([names[p] for p in params if isinstance(p, Tensor)])
+
+    def _check_coverage(self) -> None:
+        self._covered = set(self._covered_names())
+        self.uncovered: List[str] = []
+        names = {p: n for n, p in self.model.named_parameters()}
+        self._report_uncovered([names[p] for g in self.param_groups for p in g["params"]])
+
+    def _report_uncovered(self, own: List[str]) -> None:
+        """Warn about (or refuse) the parameters of ``own`` that no curvature rule covers."""
+        bare = sorted(set(own) & set(self.layout.names) - self._covered)
         if not bare:
             return
+        self.uncovered = sorted(set(self.uncovered) | set(bare))
         diagonal = self.config.unsupported == Unsupported.DIAGONAL
         msg = f"{type(self).__name__}: no curvature rule covers {bare}; " + (
             "they are preconditioned by their per-sample Fisher diagonal."
@@ -429,9 +475,11 @@ class CurvatureOptimizer(Optimizer):
         return self.layout.unflatten(self._curvature_matvec(flat))
 
     # -- state -----------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:  # noqa: D102
+    def state_dict(self) -> Dict[str, Any]:
+        """``torch.optim``'s state with a ``"curvature"`` entry: counters, generator, blocks."""
         sd = super().state_dict()
         sd["curvature"] = {
+            "optimizer": type(self).__name__,
             "steps": self.steps,
             "skipped_statistics": self.skipped_statistics,
             "generator": self.generator.get_state(),
@@ -439,15 +487,30 @@ class CurvatureOptimizer(Optimizer):
         }
         return sd
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # noqa: D102
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`, after checking the whole state against this optimizer.
+
+        The param groups, each per-parameter buffer's shape, the curvature family (a
+        ``KFAC`` or ``EKFAC`` state loads into either; a ``DiagonalNaturalGradient`` state
+        only into that class), every block name and every tensor's shape must match;
+        block names saved from a ``torch.compile``'d model (``_orig_mod.`` prefix) are
+        those of the plain model. Nothing changes when a check fails.
+
+        Raises:
+            ValueError: Naming the mismatching key, the saved and the expected shape.
+
+        """
+        who = type(self).__name__
         state_dict = dict(state_dict)
         curv = state_dict.pop("curvature", None)
-        super().load_state_dict(state_dict)
         if curv is None:
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict: the state has no 'curvature' entry "
-                "(was it saved by a different optimizer?)."
+            raise refuse(
+                who, "the state has no 'curvature' entry (was it saved by a different optimizer?)"
             )
+        names = {p: n for n, p in self.model.named_parameters()}
+        check_param_state(who, state_dict, self.param_groups, names)
+        curv = self._checked_curvature_state(curv)
+        super().load_state_dict(state_dict)
         self.steps = curv["steps"]
         self.skipped_statistics = curv["skipped_statistics"]
         self.generator.set_state(curv["generator"])
@@ -484,6 +547,10 @@ class CurvatureOptimizer(Optimizer):
         raise NotImplementedError
 
     def _curvature_state(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def _checked_curvature_state(self, state: Any) -> Dict[str, Any]:
+        """The saved curvature state, validated (``ValueError``) and with plain names."""
         raise NotImplementedError
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:

@@ -21,7 +21,9 @@ from ..blocks import DiagonalBlock
 from ..layer_stats import fisher_diagonal
 from ..layout import put, take
 from ..options import FisherType, KFACApproxType
+from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
+from .checkpoint import check_diagonal_state
 from .config import CurvatureConfig
 
 
@@ -70,6 +72,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
                 "no diagonal; use 'empirical', 'mc', 'type-2' or 'rademacher'."
             )
         self._diagonals: Dict[str, DiagonalBlock] = {}
+        self._warned_missing = False
         config = CurvatureConfig.from_arguments(type(self).__name__, locals())
         super().__init__(model, lr, damping, momentum, weight_decay, config, param_groups)
 
@@ -114,6 +117,15 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 
     def _precondition(self, grads: Tensor) -> Tensor:
         out = grads.clone()
+        have = {n for n, b in self._diagonals.items() if b.d is not None}
+        missing = [n for n in self._layers if n not in have]
+        if missing and self.steps > 0 and not self._warned_missing:
+            self._warned_missing = True
+            warn(
+                f"{type(self).__name__}: no curvature statistics yet for {missing} (not "
+                "reached by the curvature backward, a model in eval mode, or only "
+                "non-finite batches); they get the plain gradient."
+            )
         damping = self._damping_vector(grads)
         for block in self._diagonals.values():
             if block.d is None:
@@ -133,6 +145,16 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 
     def _curvature_state(self) -> Dict[str, Any]:
         return {"diagonals": {k: b.state_dict() for k, b in self._diagonals.items()}}
+
+    def _checked_curvature_state(self, state: Any) -> Dict[str, Any]:
+        candidates = {}
+        for name, (module, rule) in self._layers.items():
+            plain = [self.layout.module_index(module, name)]
+            kron = rule.kfac_index(module, self.layout.local_offsets(name))
+            if kron:  # Linear-family layers: laid out like their Kronecker blocks
+                plain.append(torch.cat([ix.reshape(-1) for ix in kron.values()]))
+            candidates[name] = plain
+        return check_diagonal_state(type(self).__name__, state, candidates)
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
         self._diagonals = {}

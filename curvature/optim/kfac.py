@@ -57,6 +57,7 @@ from ..layout import put, take
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
+from .checkpoint import check_kronecker_state, warn_dropped_corrections
 from .config import CurvatureConfig
 from .distributed import owned_mask, share_outcomes
 
@@ -549,7 +550,19 @@ class KFAC(CurvatureOptimizer):
             "terms": dict(self._term_of),
         }
 
+    def _checked_curvature_state(self, state: Any) -> Dict[str, Any]:
+        diagonal = {k: ix.reshape(-1) for k, ix in self._large.items()}
+        for name, (module, _) in self._layers.items():
+            if self.config.unsupported == Unsupported.DIAGONAL and not any(
+                k[0] == name for k in (*self._index, *self._large)
+            ):
+                diagonal[(name, "")] = self.layout.module_index(module, name)
+        who = type(self).__name__
+        return check_kronecker_state(who, state, self._index, diagonal, self._layers)
+
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
+        if not issubclass(self.block_type, EigenCorrectedBlock):
+            warn_dropped_corrections(type(self).__name__, state["blocks"])
         self._blocks = {
             tuple(k): restore_block(block_name(*k), self._index[tuple(k)], st, self.block_type)
             for k, st in state["blocks"].items()

@@ -495,7 +495,8 @@ class KFAC(CurvatureOptimizer):
             warn(
                 f"{type(self).__name__}: no curvature statistics yet for "
                 f"{[block_name(*k) for k in missing]} (not reached by the curvature "
-                "backward, or only non-finite batches); they get the plain gradient."
+                "backward, a model in eval mode, or only non-finite batches); they get the "
+                "plain gradient."
             )
         mode = "pi" if self.config.damping_mode == DampingMode.PI else "exact"
         for key, index in self._index.items():

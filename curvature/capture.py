@@ -20,10 +20,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from .edges import CheckedView, WeakHook, assign_grads, check_out_buffer, leaves, output_edge
+from .edges import CheckedView, WeakHook, assign_grads, leaves, output_edge
+from .layer_stats import empty_per_sample_grads, summed_per_sample_grads, tied_per_sample_grads
 from .layers import Call, LayerRule
-from .layers.base import current_shared_slots
+from .layers.base import current_shared_slots, gram_of
 from .layers.select import select_layers, unwrap_model
+from .layout import ParamSharing
 from .options import Unsupported, renamed
 
 
@@ -436,7 +438,8 @@ class Capture:
                 for c in calls:
                     c.grads = None
 
-    def _pull_losses(self, losses: Tensor, retain_graph: bool) -> None:
+    def _pull_losses(self, losses: Tensor, retain_graph: bool) -> int:
+        """Check ``losses [N]``, pull ``sum_n l_n`` (unless ``N = 0``) and return ``N``."""
         N = self.batch_size
         if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] != N:
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses)
@@ -444,6 +447,8 @@ class Capture:
                 f"losses must be a 1-D tensor [N] = [{N}] of per-sample losses (e.g. "
                 f"`loss_func(reduction='none')` reduced over non-batch axes); got {shape}."
             )
+        if N == 0:  # an empty batch: empty results, nothing to pull
+            return N
         if losses.grad_fn is None:
             raise ValueError(
                 "losses do not require grad: compute them from the captured model output "
@@ -453,6 +458,11 @@ class Capture:
         for name, _, _, calls in self.active():
             for c in calls:
                 c.check_inputs_unchanged(name)
+        return N
+
+    def sharing(self) -> ParamSharing:
+        """Which parameters several captured layers use (tied weights), found by identity."""
+        return ParamSharing(self.model, [(n, m, r.param_names(m)) for n, m, r in self.layers])
 
     # -- per-sample quantities ----------------------------------------------------------
     def per_sample_grads(
@@ -463,6 +473,10 @@ class Capture:
         out: Optional[Dict[str, Tensor]] = None,
     ) -> Dict[str, Tensor]:
         """Per-sample gradients ``grad l_n`` of every captured parameter.
+
+        A parameter that several layers use (tied weights, e.g. ``head.weight =
+        emb.weight``) gets the sum of every layer's contribution, under its name in
+        ``model.named_parameters()`` (the first one).
 
         Args:
             losses: Per-sample losses ``[N]`` computed from the captured output.
@@ -475,49 +489,55 @@ class Capture:
         Returns:
             Parameter name (as in ``model.named_parameters()``) to ``[N, *p.shape]``.
             Without ``out``, new tensors on the parameters' device, freed when you
-            drop them.
+            drop them. For an empty batch (``N = 0``), ``[0, *p.shape]``.
 
         """
-        self._pull_losses(losses, retain_graph)
-        N = self.batch_size
-        res: Dict[str, Tensor] = {}
+        N = self._pull_losses(losses, retain_graph)
+        sharing = self.sharing()
+        if N == 0:
+            return empty_per_sample_grads(self.model, sharing, out)
         with self.computing():
-            for name, module, rule, calls in self.active():
-                prefix = f"{name}." if name else ""
-                local_out = None
-                if out is not None:
-                    params = dict(module.named_parameters())
-                    local_out = {}
-                    for local in rule.param_names(module):
-                        buf = out.get(prefix + local)
-                        if buf is not None:
-                            check_out_buffer(prefix + local, buf, params[local], N)
-                            local_out[local] = buf
-                for local, grad in rule.per_sample_grads(module, calls, local_out).items():
-                    if local_out and local in local_out and grad is not local_out[local]:
-                        grad = local_out[local].copy_(grad)
-                    res[prefix + local] = grad
-        order = [n for n, _ in self.model.named_parameters()]
-        return {n: res[n] for n in order if n in res}
+            res = summed_per_sample_grads(self.active(), sharing, N, out)
+        return {n: res[n] for n, _ in self.model.named_parameters() if n in res}
 
     def per_sample_grad_norms(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
         """L2 norms ``[N]`` of the per-sample gradients over all captured parameters.
 
         Layers with a cheaper route (Linear without sharing: ``|a_n|^2 |g_n|^2``; with
         sharing: the Gram trick over positions) never materialize ``[N, *p.shape]``.
+        Layers that share a parameter with another layer (tied weights) materialize
+        their per-sample gradients, summed per parameter: the norm is that of the sum.
         """
-        self._pull_losses(losses, retain_graph)
+        N = self._pull_losses(losses, retain_graph)
+        if N == 0:
+            return losses.new_zeros(0)
+        sharing = self.sharing()
         with self.computing():
-            sq = sum(
-                rule.per_sample_sq_norms(module, calls) for _, module, rule, calls in self.active()
-            )
+            tied = [layer for layer in self.active() if sharing.tied(layer[0])]
+            tied_grads = tied_per_sample_grads(tied, sharing.names)
+            sq = sum(g.reshape(N, -1).pow(2).sum(1) for g in tied_grads.values())
+            for name, module, rule, calls in self.active():
+                if not sharing.tied(name):
+                    sq = sq + rule.per_sample_sq_norms(module, calls)
         return sq.sqrt()
 
     def gram(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
-        """Gram matrix ``K[n, m] = <grad l_n, grad l_m>`` ``[N, N]`` of per-sample grads."""
-        self._pull_losses(losses, retain_graph)
+        """Gram matrix ``K[n, m] = <grad l_n, grad l_m>`` ``[N, N]`` of per-sample grads.
+
+        Tied parameters count once, with the sum of their layers' contributions (as in
+        :meth:`per_sample_grad_norms`).
+        """
+        N = self._pull_losses(losses, retain_graph)
+        if N == 0:
+            return losses.new_zeros(0, 0)
+        sharing = self.sharing()
         with self.computing():
-            return sum(rule.gram(module, calls) for _, module, rule, calls in self.active())
+            tied = [layer for layer in self.active() if sharing.tied(layer[0])]
+            total = gram_of(tied_per_sample_grads(tied, sharing.names)) if tied else 0
+            for name, module, rule, calls in self.active():
+                if not sharing.tied(name):
+                    total = total + rule.gram(module, calls)
+            return total
 
 
 def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, output_nr: int):

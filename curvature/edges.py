@@ -19,6 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from .layers import Call
+from .layers.base import REPLAYING
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,8 @@ class WeakHook:
     def __call__(self, module: nn.Module, *args: Any) -> None:  # noqa: D102
         owner = self._owner() if self._owner is not None else None
         if owner is None or module is not (self._module() if self._module else None):
+            return None
+        if REPLAYING.get():  # a rule replays the module per sample: not a forward of ours
             return None
         getattr(owner, self._method)(*self._extra, module, *args)
         return None

@@ -43,9 +43,11 @@ from .layer_stats import (
     exact_factors,
     expanded_diagonal,
     fisher_diagonal,
+    layer_numel,
+    tied_fisher_diagonal,
 )
 from .layers.base import expanded_kfac
-from .layout import ParamLayout
+from .layout import ParamLayout, tie_hint
 from .losses import backprop_sources, check_fisher, check_loss
 from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice, renamed
 from .warn import warn
@@ -196,10 +198,19 @@ def _check_args(
     return fisher, kfac_approx, unsupported
 
 
-def _passes(model, loss_func, data, fisher, mc_samples, seed):
-    """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors."""
+def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac"):
+    """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
+
+    Empty batches (``N = 0``) are skipped: they hold no samples; data without any
+    sample is a ``ValueError``.
+    """
     generator = torch.Generator().manual_seed(seed)
-    bs = batches(data)
+    bs = [(X, y) for X, y in batches(data) if not _empty(X, y)]
+    if not bs:
+        raise ValueError(
+            f"{caller}(data): the batch is empty (N = 0; every batch of data has no "
+            "samples), so there is no curvature to estimate. Pass at least one sample."
+        )
     for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
         with capture(model) as cap:
             out = model(X)
@@ -209,6 +220,11 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed):
             )
             cap.pull(out, V, is_grads_batched=True, retain_graph=False)
         yield w, cap
+
+
+def _empty(X, y) -> bool:
+    """Whether a batch has no samples (an input or target with zero entries)."""
+    return any(isinstance(t, Tensor) and t.numel() == 0 for t in (X, y))
 
 
 def kfac(
@@ -342,9 +358,15 @@ def _kfac(
     layers: Dict[str, Tuple[nn.Module, object]] = {}
     skipped: Dict[str, str] = {}
     forward_only = fisher == FisherType.FORWARD_ONLY
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
+    tied: Dict[str, str] = {}
+    caller = "ekfac" if cls is EigenCorrectedBlock else "kfac"
+    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, caller):
+        sharing = cap.sharing()
+        tied.update(sharing.tie_reasons())
         with cap.computing():
             for name, module, rule, calls in cap.active():
+                if sharing.tied(name):  # no Kronecker block for a layer with a tied parameter
+                    continue
                 layers[name] = (module, rule)
                 if name not in large:
                     large[name] = _large_blocks(module, rule, name, layout, max_factor_size)
@@ -357,7 +379,7 @@ def _kfac(
                 else:
                     res = rule.kfac_factors(module, calls, kfac_approx.value, not forward_only)
                 if res is None:
-                    n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+                    n_params = layer_numel(module, rule)
                     if forward_only or n_params > MAX_EXACT_BLOCK:
                         skipped[name] = (
                             "no Kronecker rule"
@@ -393,7 +415,6 @@ def _kfac(
             f"'{block_name(*k) or '<model>'}' (A: {ix.shape[2]}, G: {ix.shape[1]})"
             for k, ix in ((k, large[k[0]][k[1]]) for k in diag_stats)
         )
-        caller = "ekfac" if cls is EigenCorrectedBlock else "kfac"
         largest = max(max(large[n][s].shape[1:]) for n, s in diag_stats)
         warn(
             f"{caller}(): Kronecker factors larger than max_factor_size={max_factor_size} "
@@ -414,8 +435,12 @@ def _kfac(
     if skipped or uncovered:
         msg = (
             "KFAC covers no block for "
-            + ", ".join([f"'{n}' ({why})" for n, why in skipped.items()] + uncovered)
+            + ", ".join(
+                [f"'{n}' ({why})" for n, why in skipped.items()]
+                + [tied.get(n, n) for n in uncovered]
+            )
             + "; these parameters get zero blocks in to_dense()."
+            + (f" {tie_hint('use diag_ggn()')}" if tied else "")
         )
         if unsupported == Unsupported.ERROR:
             raise ValueError(msg)
@@ -426,7 +451,7 @@ def _kfac(
 def _block_index(module, rule, name, suffix, layout: ParamLayout) -> Tensor:
     index = rule.kfac_index(module, layout.local_offsets(name))
     if index is None:  # exact block over the module's trainable parameters
-        return layout.module_index(module, name).view(1, -1, 1)
+        return layout.module_index(module, name, rule.param_names(module)).view(1, -1, 1)
     return index[suffix]
 
 
@@ -476,9 +501,12 @@ def ekfac(
     kron = [b for b in approx.blocks if isinstance(b, EigenCorrectedBlock)]
     bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in kron}
     evals: Dict[str, Tensor] = {}
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
+    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "ekfac"):
+        sharing = cap.sharing()
         with cap.computing():
             for name, module, rule, calls in cap.active():
+                if sharing.tied(name):
+                    continue
                 for full, lam in eigenvalue_corrections(name, module, rule, calls, bases).items():
                     evals[full] = evals.get(full, 0) + w * lam
     for b in kron:
@@ -501,7 +529,9 @@ def diag_ggn(
     sample ``n``; for ``"type-2"`` it is exactly the diagonal of :func:`curvature.ggn`,
     computed without forming any matrix. Linear-family layers without weight sharing use
     ``(g^2)^T (a^2)``; others form the per-vector gradients a chunk at a time
-    (:func:`curvature.layer_stats.fisher_diagonal`).
+    (:func:`curvature.layer_stats.fisher_diagonal`). A parameter several layers use (tied
+    weights) sums their per-vector gradients before squaring
+    (:func:`curvature.layer_stats.tied_fisher_diagonal`).
 
     Returns:
         Trainable parameter name to a tensor of the parameter's shape.
@@ -514,12 +544,22 @@ def diag_ggn(
     layout = ParamLayout.of(model)
     ref = layout.params[0]
     flat = torch.zeros(layout.numel, dtype=ref.dtype, device=ref.device)
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed):
+    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn"):
+        sharing = cap.sharing()
         with cap.computing():
+            tied = [layer for layer in cap.active() if sharing.tied(layer[0])]
+            for name, d in (tied_fisher_diagonal(tied, sharing.names) if tied else {}).items():
+                flat[layout.span(name)] += w * d.reshape(-1).to(flat)
             for name, module, rule, calls in cap.active():
+                if sharing.tied(name):
+                    continue
                 kron, parts = fisher_diagonal(rule, module, calls)
                 index = rule.kfac_index(module, layout.local_offsets(name)) if kron else None
                 for suffix, d in parts.items():
-                    ix = index[suffix] if kron else layout.module_index(module, name)
+                    ix = (
+                        index[suffix]
+                        if kron
+                        else layout.module_index(module, name, rule.param_names(module))
+                    )
                     flat.index_add_(0, ix.reshape(-1).to(flat.device), w * d.reshape(-1).to(flat))
     return layout.unflatten_dict(flat)

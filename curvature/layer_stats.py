@@ -7,7 +7,10 @@ with a leading axis ``[K]`` over the injected vectors), each written once:
 - :func:`fisher_diagonal`: ``sum_{k,n} grad_nk^2``, the layer's Fisher diagonal;
 - :func:`eigenvalue_corrections`: EKFAC's ``sum_{k,n} (QG^T grad_nk QA)^2``;
 - :func:`exact_factors`: a layer without Kronecker structure as one exact block;
-- :func:`per_vector_grads`: the per-vector, per-sample gradients ``[K, N, P_l]``.
+- :func:`per_vector_grads`: the per-vector, per-sample gradients ``[K, N, P_l]``;
+- :func:`tied_per_sample_grads`, :func:`tied_per_vector_grads`,
+  :func:`tied_fisher_diagonal`: the same for layers that share a parameter (tied
+  weights), summed over the layers before any square.
 
 Linear-family rules give ``expanded_blocks``, ``a [N, S, C, D]`` and ``g [K, N, S, C,
 D_out]`` (``S`` shared positions, ``C`` groups): the gradient of sample ``n`` for vector
@@ -17,32 +20,229 @@ no ``[N, D_out, D]`` is formed.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from .edges import check_out_buffer
 from .layers import Call, LayerRule
+from .layout import ParamSharing
+
+#: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
+Layer = Tuple[str, nn.Module, LayerRule, List[Call]]
 
 #: Layers without a Kronecker rule get an exact block up to this many parameters.
 MAX_EXACT_BLOCK = 4096
 
 
-def per_vector_grads(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Tensor:
-    """``[K, N, P_l]``: gradients per pulled vector and sample (``named_parameters`` order)."""
+def layer_numel(module: nn.Module, rule: LayerRule) -> int:
+    """The number of trainable parameter entries the rule covers in the module."""
+    params = dict(module.named_parameters())
+    return sum(params[n].numel() for n in rule.param_names(module))
+
+
+def no_block_reasons(
+    layers: Dict[str, Tuple[nn.Module, LayerRule]],
+    sharing: ParamSharing,
+    blocked: Collection[str],
+    forward_only: bool,
+) -> Dict[str, str]:
+    """Parameter name to why no curvature block covers it (for warnings and errors).
+
+    Args:
+        layers: Covered layer name to ``(module, rule)``.
+        sharing: Their :class:`~curvature.layout.ParamSharing` (tied parameters).
+        blocked: The layers that got a block.
+        forward_only: Whether the Fisher is forward-only (no exact blocks then).
+
+    Returns:
+        ``"'name' (why)"`` per parameter of a tied layer (:meth:`ParamSharing.tie_reasons`)
+        or of a layer without Kronecker rule too large for an exact block.
+
+    """
+    out = sharing.tie_reasons()
+    for name, (module, rule) in layers.items():
+        if name in blocked or sharing.tied(name):
+            continue
+        n = layer_numel(module, rule)
+        why = f"layer '{name or '<model>'}' ({type(module).__name__}) has no Kronecker rule" + (
+            ", and a forward-only Fisher has no exact block"
+            if forward_only
+            else f" and {n} parameters, more than an exact block takes ({MAX_EXACT_BLOCK})"
+        )
+        out.update({c: f"'{c}' ({why})" for c in sharing.names[name].values()})
+    return out
+
+
+@contextmanager
+def vector_slices(calls: Sequence[Call]) -> Iterator[Iterator[int]]:
+    """Iterate over the pulled vectors ``k``: inside, every call's ``grads`` is slice ``k``.
+
+    The calls' ``grads`` carry a leading ``[K]`` axis (a batched pull); the yielded
+    iterator sets them to ``[g[k] for g in grads]`` for ``k = 0 .. K-1`` in turn, so that
+    a rule's (non-batched) :meth:`~curvature.layers.LayerRule.per_sample_grads` sees one
+    vector at a time. The full gradients are restored on exit.
+    """
     full = [c.grads for c in calls]
-    K = full[0][0].shape[0]
-    rows = []
-    try:
+    K = next(gs[0].shape[0] for gs in full if gs)
+
+    def slices() -> Iterator[int]:
         for k in range(K):
             for c, gs in zip(calls, full):
                 c.grads = [g[k] for g in gs]
-            grads = rule.per_sample_grads(module, calls)
-            rows.append(torch.cat([g.flatten(1) for g in grads.values()], 1))
+            yield k
+
+    try:
+        yield slices()
     finally:
         for c, gs in zip(calls, full):
             c.grads = gs
+
+
+def per_vector_grads(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Tensor:
+    """``[K, N, P_l]``: gradients per pulled vector and sample (``named_parameters`` order)."""
+    rows = []
+    with vector_slices(calls) as ks:
+        for _ in ks:
+            grads = rule.per_sample_grads(module, calls)
+            # reshape, not flatten(1): a 0-dim parameter has per-sample gradients [N]
+            rows.append(torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], 1))
     return torch.stack(rows)
+
+
+def tied_per_sample_grads(
+    layers: Sequence[Layer], names: Dict[str, Dict[str, str]]
+) -> Dict[str, Tensor]:
+    """Per-sample gradients of layers that share parameters, summed per parameter.
+
+    ``grad_n(p) = sum_l grad_n^(l)(p)`` over the layers ``l`` that use ``p``: a tied
+    parameter's gradient is the sum of every use's contribution.
+
+    Args:
+        layers: The layers (with non-batched ``grads`` on their calls).
+        names: Layer name to ``{local name: canonical name}``
+            (:attr:`curvature.layout.ParamSharing.names`).
+
+    Returns:
+        Canonical name to ``[N, *p.shape]`` (new tensors).
+
+    """
+    out: Dict[str, Tensor] = {}
+    for name, module, rule, calls in layers:
+        for local, g in rule.per_sample_grads(module, calls).items():
+            key = names[name][local]
+            out[key] = out[key] + g if key in out else g.clone()
+    return out
+
+
+def summed_per_sample_grads(
+    layers: Sequence[Layer],
+    sharing: ParamSharing,
+    N: int,
+    out: Optional[Dict[str, Tensor]] = None,
+) -> Dict[str, Tensor]:
+    """Per-sample gradients of every layer's parameters, keyed by canonical name.
+
+    A parameter several layers use (tied) gets the sum of their contributions.
+
+    Args:
+        layers: The layers with non-batched ``grads`` on their calls.
+        sharing: The layers' :class:`~curvature.layout.ParamSharing`.
+        N: The batch size.
+        out: Optional preallocated results, canonical name to ``[N, *p.shape]``; the
+            first layer using a parameter writes into its buffer, the others add to it.
+
+    Returns:
+        Canonical name to ``[N, *p.shape]``, in layer order.
+
+    """
+    res: Dict[str, Tensor] = {}
+    for name, module, rule, calls in layers:
+        names = sharing.names[name]
+        params = dict(module.named_parameters())
+        local_out = {}
+        for local in rule.param_names(module):
+            buf = None if out is None or names[local] in res else out.get(names[local])
+            if buf is not None:
+                check_out_buffer(names[local], buf, params[local], N)
+                local_out[local] = buf
+        for local, grad in rule.per_sample_grads(module, calls, local_out or None).items():
+            key = names[local]
+            if key in res:  # a tied parameter: add this layer's contribution
+                own = out is not None and res[key] is out.get(key)
+                res[key] = res[key].add_(grad) if own else res[key] + grad
+            elif local in local_out and grad is not local_out[local]:
+                res[key] = local_out[local].copy_(grad)
+            else:
+                res[key] = grad
+    return res
+
+
+def empty_per_sample_grads(
+    model: nn.Module, sharing: ParamSharing, out: Optional[Dict[str, Tensor]] = None
+) -> Dict[str, Tensor]:
+    """The per-sample gradients of an empty batch: ``[0, *p.shape]`` per covered parameter."""
+    covered = {c for local in sharing.names.values() for c in local.values()}
+    out = out or {}
+    return {
+        n: out.get(n, p.new_empty((0, *p.shape)))
+        for n, p in model.named_parameters()
+        if n in covered
+    }
+
+
+def tied_per_vector_grads(
+    layers: Sequence[Layer], names: Dict[str, Dict[str, str]]
+) -> Dict[str, Tensor]:
+    """``[K, N, *p.shape]`` per parameter: per-vector gradients summed over the layers."""
+    calls = [c for _, _, _, cs in layers for c in cs]
+    rows: Dict[str, List[Tensor]] = {}
+    with vector_slices(calls) as ks:
+        for _ in ks:
+            for key, g in tied_per_sample_grads(layers, names).items():
+                rows.setdefault(key, []).append(g)
+    return {key: torch.stack(r) for key, r in rows.items()}
+
+
+def tied_fisher_diagonal(
+    layers: Sequence[Layer],
+    names: Dict[str, Dict[str, str]],
+    base: Optional[Dict[str, Tensor]] = None,
+) -> Dict[str, Tensor]:
+    """``sum_{k,n} (sum_l grad_nk^(l))^2`` per parameter of layers that share parameters.
+
+    The exact Fisher diagonal of tied parameters: per pulled vector ``k`` the per-sample
+    gradients of every layer using a parameter are summed before squaring (the cross
+    terms between the layers count). One vector at a time, so at most ``[N, *p.shape]``
+    per parameter is held.
+
+    Args:
+        layers: The layers of one tie group (calls with batched ``grads [K, ...]``).
+        names: Layer name to ``{local name: canonical name}``.
+        base: Per-vector gradients ``[K, N, *p.shape]`` of layers folded earlier
+            (:func:`tied_per_vector_grads`), added before squaring.
+
+    Returns:
+        Canonical name to a tensor of ``p.shape``.
+
+    """
+    base = base or {}
+    out: Dict[str, Tensor] = {}
+    calls = [c for _, _, _, cs in layers for c in cs]
+    if not calls:
+        return {key: g.pow(2).sum((0, 1)) for key, g in base.items()}
+    with vector_slices(calls) as ks:
+        for k in ks:
+            grads = tied_per_sample_grads(layers, names)
+            for key in set(grads) | set(base):
+                g = grads.get(key)
+                if key in base:
+                    g = base[key][k] if g is None else g + base[key][k]
+                sq = g.pow(2).sum(0)
+                out[key] = out[key] + sq if key in out else sq
+    return out
 
 
 def exact_factors(rule: LayerRule, module: nn.Module, calls) -> Dict[str, tuple]:

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ParamLayout"]
+__all__ = ["ParamLayout", "ParamSharing", "tie_hint"]
 
 Tensors = Union[Sequence[Optional[Tensor]], Dict[str, Optional[Tensor]]]
 
@@ -162,25 +162,31 @@ class ParamLayout:
             return torch.zeros(0, dtype=torch.int64)
         return torch.cat([torch.arange(s.start, s.stop) for s in spans])
 
-    def module_index(self, module: nn.Module, name: str) -> Tensor:
+    def module_index(
+        self, module: nn.Module, name: str, local_names: Optional[Iterable[str]] = None
+    ) -> Tensor:
         """The flat positions of a module's trainable parameters that are in the layout.
 
         Args:
             module: A submodule of the model the layout was made of.
             name: Its name in the model (``""`` for the model itself).
+            local_names: Only these of the module's parameters (e.g. a layer rule's
+                ``param_names``: a rule may cover the module's direct parameters only);
+                default all of ``module.named_parameters()``.
 
         Returns:
             ``[P_l]`` int64 (CPU): the entries of ``module.named_parameters()`` (in that
             order) with ``requires_grad=True`` whose full name ``f"{name}.{local}"`` is in
-            the layout; a parameter the layout lists under another module's name (tied)
-            is left out. Empty if there is none.
+            the layout; a parameter the layout lists under another module's name (tied,
+            see :class:`ParamSharing`) is left out. Empty if there is none.
 
         """
         prefix = f"{name}." if name else ""
+        keep = None if local_names is None else set(local_names)
         return self.index(
             prefix + n
             for n, p in module.named_parameters()
-            if p.requires_grad and prefix + n in self.offsets
+            if p.requires_grad and prefix + n in self.offsets and (keep is None or n in keep)
         )
 
     def local_offsets(self, module_name: str) -> Dict[str, int]:
@@ -334,6 +340,124 @@ class ParamLayout:
         if not parts:
             return torch.zeros(0, dtype=dtype)
         return torch.cat(parts)
+
+
+class ParamSharing:
+    """Which trainable parameters several layers use (tied weights), found by identity.
+
+    A language model's tied embedding (``head.weight = emb.weight``) is one parameter
+    that two layers use: ``model.named_parameters()`` lists it once, under its first
+    name (``"emb.weight"``, the *canonical* name), and the head's own name for it
+    (``"weight"`` locally, ``"head.weight"`` in the model) appears nowhere. The gradient
+    of such a parameter is the sum of the contributions of every layer that uses it;
+    this class tells the estimators where to sum.
+
+    Example:
+        >>> sharing = ParamSharing(model, [("emb", model.emb, ["weight"]),
+        ...                                ("head", model.head, ["weight"])])
+        >>> sharing.names["head"], sharing.shared
+        ({'weight': 'emb.weight'}, {'emb.weight': ['emb', 'head']})
+
+    Attributes:
+        names: Layer name to ``{local name: canonical name}`` of the parameters it uses.
+        shared: Canonical name to the layers using it, for the parameters used by two or
+            more layers (in layer order).
+        groups: The layers connected by shared parameters, one list per group (layer
+            order; a layer belongs to at most one group).
+
+    """
+
+    def __init__(self, model: nn.Module, layers: Iterable[Tuple[str, nn.Module, Iterable[str]]]):
+        """Find the parameters shared by ``layers``.
+
+        Args:
+            model: The model the layers belong to.
+            layers: ``(layer name, module, local parameter names)`` of the covered layers
+                (e.g. ``rule.param_names(module)``: the trainable parameters a rule
+                covers).
+
+        """
+        canonical: Dict[int, str] = {}
+        for n, p in model.named_parameters():
+            canonical.setdefault(id(p), n)
+        self.names: Dict[str, Dict[str, str]] = {}
+        users: Dict[str, List[str]] = {}
+        for name, module, local_names in layers:
+            params = dict(module.named_parameters())
+            prefix = f"{name}." if name else ""
+            local = {n: canonical.get(id(params[n]), prefix + n) for n in local_names}
+            self.names[name] = local
+            for c in local.values():
+                users.setdefault(c, []).append(name)
+        self.shared: Dict[str, List[str]] = {c: ls for c, ls in users.items() if len(ls) > 1}
+        # connected components of layers linked by shared parameters
+        group_of: Dict[str, int] = {}
+        groups: List[List[str]] = []
+        for members in self.shared.values():
+            found = sorted({group_of[m] for m in members if m in group_of})
+            merged = [m for i in found for m in groups[i]] + members
+            for i in reversed(found):
+                groups[i] = []
+            groups.append(merged)
+            for m in merged:
+                group_of[m] = len(groups) - 1
+        order = list(self.names)
+        self.groups: List[List[str]] = [sorted(set(g), key=order.index) for g in groups if g]
+        self._group_of = {m: i for i, g in enumerate(self.groups) for m in g}
+
+    def __bool__(self) -> bool:
+        """Whether any parameter is shared by two or more layers."""
+        return bool(self.shared)
+
+    def tied(self, layer: str) -> bool:
+        """Whether ``layer`` uses a parameter that another layer uses too."""
+        return layer in self._group_of
+
+    def group(self, layer: str) -> List[str]:
+        """The layers tied to ``layer`` (itself included), in layer order."""
+        return self.groups[self._group_of[layer]]
+
+    def group_name(self, layer: str) -> str:
+        """The name of ``layer``'s group: its members joined by ``"+"`` (``"emb+head"``)."""
+        return "+".join(self.group(layer))
+
+    def group_params(self, layer: str) -> List[str]:
+        """Canonical names of every parameter of ``layer``'s group, without repeats."""
+        out: List[str] = []
+        for m in self.group(layer):
+            out.extend(c for c in self.names[m].values() if c not in out)
+        return out
+
+    def describe(self, canonical: str) -> str:
+        """``"'emb.weight' (tied: used by layers 'emb' and 'head')"``."""
+        layers = [f"'{n or '<model>'}'" for n in self.shared[canonical]]
+        used = ", ".join(layers[:-1]) + " and " + layers[-1]
+        return f"'{canonical}' (tied: used by layers {used})"
+
+    def tie_reasons(self) -> Dict[str, str]:
+        """Canonical name to why it has no Kronecker block, for every tied layer's parameter.
+
+        The shared parameters are described by :meth:`describe`; the other parameters of
+        a tied layer by the tie of their layer.
+        """
+        out: Dict[str, str] = {}
+        for c in self.shared:
+            out[c] = self.describe(c)
+        for group in self.groups:
+            for m in group:
+                for c in self.names[m].values():
+                    if c not in out:
+                        out[c] = f"'{c}' (its layer '{m}' uses a tied parameter)"
+        return out
+
+
+def tie_hint(alternatives: str) -> str:
+    """The way out for a tied parameter that a Kronecker block cannot represent."""
+    return (
+        "A Kronecker block cannot represent a parameter that several layers use: untie "
+        "the weights (e.g. head.weight = nn.Parameter(emb.weight.detach().clone())), or "
+        f"{alternatives} (exact for tied parameters: the diagonal of the summed gradients)."
+    )
 
 
 def take(flat: Tensor, index: Tensor) -> Tensor:

@@ -107,7 +107,8 @@ def per_sample_losses(loss_func: nn.Module, output: Tensor, target: Tensor) -> T
             pos_weight=loss_func.pos_weight,
             reduction="none",
         )
-    flat = elementwise.reshape(elementwise.shape[0], -1)
+    # flatten, not reshape(N, -1): the latter is ambiguous for an empty batch (N = 0)
+    flat = elementwise.flatten(1) if elementwise.dim() > 1 else elementwise.unsqueeze(1)
     return flat.mean(1) if loss_func.reduction == "mean" else flat.sum(1)
 
 

@@ -1,6 +1,6 @@
 """Layer rules: one file per layer family, one registry."""
 
-from . import attention, conv, embedding, linear, norm  # noqa: F401  (registration)
+from . import attention, conv, embedding, linear, norm, recurrent  # noqa: F401
 from .base import Call, LayerRule, LinearFamilyRule
 from .functional import FunctionalRule
 from .registry import register, registered_rule, registered_types

@@ -73,6 +73,26 @@ def current_shared_slots() -> Optional[int]:
     return SHARED_SLOTS.get()
 
 
+#: Whether a rule replays a module's forward now (the ``torch.func`` fallback); the
+#: engine's own hooks (layer records, an optimizer's forward callbacks) do nothing then.
+REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("REPLAYING", default=False)
+
+
+@contextmanager
+def replaying() -> Iterator[None]:
+    """Mark a replay of a module's forward: the engine's hooks ignore the calls inside.
+
+    A module replayed per sample may be the model itself (a root module with direct
+    parameters, e.g. a 0-dim ``scale``): its forward hooks must not start a curvature
+    backward or record calls in the middle of the replay.
+    """
+    token = REPLAYING.set(True)
+    try:
+        yield
+    finally:
+        REPLAYING.reset(token)
+
+
 @dataclass(eq=False)
 class Call:
     """One invocation of a module recorded during a captured forward.
@@ -180,7 +200,7 @@ class LayerRule:
     def per_sample_sq_norms(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         """Squared L2 norms ``[N]`` of the per-sample gradients of all covered params."""
         grads = self.per_sample_grads(module, calls)
-        return sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+        return sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
 
     def gram(self, module: nn.Module, calls: Sequence[Call]) -> Tensor:
         """Gram matrix ``[N, N]`` of the per-sample gradients of all covered params."""

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten
 
-from .base import Call, LayerRule
+from .base import Call, LayerRule, replaying
 
 
 class FunctionalRule(LayerRule):
@@ -94,7 +94,7 @@ class FunctionalRule(LayerRule):
                 return pullback(tuple(gs))[0]
 
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), replaying():
                     # vmap's "performance drop ... batching rule" notes are not actionable
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     per_sample = vmap(

@@ -33,13 +33,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..capture import unwrap_model
-from ..layout import ParamLayout
+from ..layer_stats import no_block_reasons
+from ..layout import ParamLayout, ParamSharing, tie_hint
 from ..options import FisherType, Unsupported
 from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
 from .distributed import Communicator, check_not_sharded, is_ddp
+from .ties import TiedLayers
 from .updates import (
     ParamSlot,
     apply_update,
@@ -155,6 +157,7 @@ class CurvatureOptimizer(Optimizer):
     def _build(self) -> None:
         """The parameter layout and the statistics collector (with its hooks)."""
         self.layout = ParamLayout.of(self.model)
+        self._tied = TiedLayers(self.layout, self.diagonal_suffix)  # layers sharing parameters
         old = getattr(self, "_collector", None)
         skipped = old.stats.skipped if old is not None else 0
         self._collector = StatisticsCollector(
@@ -164,14 +167,18 @@ class CurvatureOptimizer(Optimizer):
             self.config.loss_func,
             self.config.mc_samples,
             self.config.auto_output,
-            self._accumulate,
+            self._accumulate_layer,
             self.generator,
             self._comm,
             self._ddp,
             self.config.grad_scaler,
+            finish=self._tied.finish,
         )
         self._skipped_before += skipped
         self._layers = self._collector.layers
+        self._tied.sharing = ParamSharing(
+            self.model, [(n, m, r.param_names(m)) for n, (m, r) in self._layers.items()]
+        )
 
     def _check_trainable(self) -> None:
         """Rebuild (and reset the curvature) when parameters were frozen or unfrozen."""
@@ -252,17 +259,38 @@ class CurvatureOptimizer(Optimizer):
         if not bare:
             return
         self.uncovered = sorted(set(self.uncovered) | set(bare))
+        sharing, forward_only = self._tied.sharing, self.config.fisher == FisherType.FORWARD_ONLY
+        blocked = {n for n, local in sharing.names.items() if set(local.values()) <= self._covered}
+        reasons = no_block_reasons(self._layers, sharing, blocked, forward_only)
+        listed = "[" + ", ".join(reasons.get(n, repr(n)) for n in bare) + "]"
         diagonal = self.config.unsupported == Unsupported.DIAGONAL
-        msg = f"{type(self).__name__}: no curvature rule covers {bare}; " + (
+        msg = f"{type(self).__name__}: no curvature rule covers {listed}; " + (
             "they are preconditioned by their per-sample Fisher diagonal."
             if diagonal
             else "they are updated with the plain gradient."
         )
+        if any(n in sharing.tie_reasons() for n in bare):
+            msg += " " + tie_hint("use DiagonalNaturalGradient, or unsupported='diagonal'")
         if self.config.unsupported == Unsupported.ERROR:
             raise ValueError(
                 msg.replace("they are updated", "pass unsupported='warn' to update them")
             )
         warn(msg)
+
+    #: The suffix of the statistics key of a group of tied layers' diagonal.
+    diagonal_suffix = ""
+
+    @property
+    def _tied_diagonal(self) -> bool:
+        """Whether tied layers get the exact Fisher diagonal of their summed gradients."""
+        return self.config.unsupported == Unsupported.DIAGONAL
+
+    def _accumulate_layer(self, name, module, rule, calls, with_g: bool, emit) -> None:
+        """A layer's statistics (:meth:`_accumulate`); a tied layer's wait for its group."""
+        if not self._tied.tied(name):
+            self._accumulate(name, module, rule, calls, with_g, emit)
+        elif self._tied_diagonal and with_g:
+            self._tied.defer(name, module, rule, calls, emit)
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
@@ -432,16 +460,17 @@ class CurvatureOptimizer(Optimizer):
         dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
         flat = torch.zeros(self.layout.numel, dtype=dtype, device=ref.device)
         for n, p in zip(self.layout.names, params):
-            if p.grad is not None:
-                flat[self.layout.span(n)] = p.grad.reshape(-1)
+            if p.grad is not None:  # a sparse gradient (Embedding(sparse=True)) densified
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                flat[self.layout.span(n)] = grad.reshape(-1)
         if sync:
             self._comm.all_reduce([flat], "gradients")
             flat /= self._comm.world
             for n, p in zip(self.layout.names, params):
                 g = flat[self.layout.span(n)].view_as(p).to(p.dtype)
-                if p.grad is not None:
+                if p.grad is not None and not p.grad.is_sparse:
                     p.grad.copy_(g)
-                elif g.any():  # unused here, used on another rank
+                elif p.grad is not None or g.any():  # unused here, used on another rank
                     p.grad = g.clone()
         return flat
 

@@ -65,6 +65,11 @@ class StatisticsCollector:
         ddp: The DDP wrapper of the model, if any (early reduction launch).
         grad_scaler: A ``torch.amp.GradScaler`` whose scale is removed from empirical
             statistics.
+        finish: Called as ``finish(flush)`` after the layers of each fold were
+            accumulated (statistics that need several layers at once: tied parameters);
+            ``flush`` is ``False`` for a layer committed inside the user's backward (more
+            layers of that forward follow), ``True`` when the forward's layers are all in;
+            ``finish(None)`` when an error cut the fold short. A bound method, held weakly.
 
     Attributes:
         due: Whether this step collects statistics (``factor_every``); set by the optimizer.
@@ -87,6 +92,7 @@ class StatisticsCollector:
         comm: Optional[Communicator] = None,
         ddp: Optional[nn.Module] = None,
         grad_scaler: Any = None,
+        finish: Optional[Callable[[Optional[bool]], None]] = None,
     ):
         self.who = who
         self.model = model
@@ -98,6 +104,7 @@ class StatisticsCollector:
         # make a cycle that only the garbage collector frees (after the hooks' weak
         # handles are cleared, so that they could not be removed)
         self._accumulate = weakref.WeakMethod(accumulate)
+        self._finish = None if finish is None else weakref.WeakMethod(finish)
         self.generator = generator
         self.comm = comm
         self.ddp = ddp
@@ -298,8 +305,11 @@ class StatisticsCollector:
         ``keep_calls``: registered outputs may share layer calls (two heads of one
         forward), so calls stay until ``step()``; the automatic output owns its forward.
         A non-finite output gives non-finite contributions, skipped (and counted) by the
-        statistics' flush. ``stats``: where the statistics go (default: this step's).
+        statistics' flush; an empty batch (``N = 0``) gives none. ``stats``: where the
+        statistics go (default: this step's).
         """
+        if output.dim() and output.shape[0] == 0:  # an empty batch: no statistics
+            return
         # a non-finite output gives non-finite statistics, which the flush skips (and
         # counts) without a host synchronization of its own
         V = backprop_sources(
@@ -354,9 +364,13 @@ class StatisticsCollector:
         user's backward (``c grad l_n`` times the AMP scale), ``None`` for inputs only.
         """
         stats = self.stats if stats is None else stats
+        finish = self._finish() if self._finish is not None else None
         try:
             with self.capture.computing():
                 for name, module, rule, cs in calls:
+                    cs = [c for c in cs if rule.batch_size(module, c) > 0]  # N = 0: nothing
+                    if not cs:
+                        continue
                     ctx, with_g = self._prepare(module, rule, cs, context)
 
                     def emit(key, values, kinds, rows=0, _ctx=ctx):
@@ -364,9 +378,13 @@ class StatisticsCollector:
                         stats.add((*key, term), values, kinds, _ctx, rows)
 
                     self._accumulate()(name, module, rule, cs, with_g, emit)
+                if finish is not None:
+                    finish(flush)
             if flush:
                 stats.flush()
         except BaseException:
+            if finish is not None:
+                finish(None)
             stats.drop_queue()
             raise
 

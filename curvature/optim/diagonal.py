@@ -93,6 +93,11 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             covered.update(prefix + n for n, p in module.named_parameters() if p.requires_grad)
         return [n for n in self.layout.names if n in covered]
 
+    #: The suffix of every statistics key: one diagonal per layer (or group of tied layers).
+    diagonal_suffix = "diag"
+    #: Tied layers: the exact diagonal of the summed gradients (one block per group).
+    _tied_diagonal = True
+
     def _reset_curvature(self) -> None:
         self._diagonals = {}
 
@@ -103,13 +108,15 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             if kron:
                 index = rule.kfac_index(module, self.layout.local_offsets(name))
                 ix = torch.cat([index[s].reshape(-1) for s in parts])
-            else:
-                ix = self.layout.module_index(module, name)  # named_parameters order
+            else:  # named_parameters order, the rule's parameters
+                ix = self.layout.module_index(module, name, rule.param_names(module))
             self._diagonals[name] = DiagonalBlock(name, ix)
-        emit((name, "diag"), [d.to(stat_dtype(d))], ("g",))
+        emit((name, self.diagonal_suffix), [d.to(stat_dtype(d))], ("g",))
 
     def _update_curvature(self, stats) -> None:
         for (name, _, _), values in stats.items():
+            if name not in self._diagonals:  # a group of tied layers
+                self._diagonals[name] = DiagonalBlock(name, self._tied.index(name))
             self._diagonals[name].update(values[0], self.config.factor_decay)
 
     def _refresh(self) -> None:

@@ -51,6 +51,7 @@ from ..layer_stats import (
     exact_factors,
     expanded_diagonal,
     fisher_diagonal,
+    layer_numel,
 )
 from ..layers.base import expanded_kfac
 from ..layout import put, take
@@ -284,6 +285,8 @@ class KFAC(CurvatureOptimizer):
         index: Dict[Key, Tensor] = {}
         forward_only = self.config.fisher == FisherType.FORWARD_ONLY
         for name, (module, rule) in self._layers.items():
+            if self._tied.tied(name):  # a Kronecker block cannot hold a shared parameter
+                continue
             local = rule.kfac_index(module, self.layout.local_offsets(name))
             if local is not None:
                 for suffix, ix in local.items():
@@ -291,13 +294,14 @@ class KFAC(CurvatureOptimizer):
                         self._large[(name, suffix)] = ix  # too large to decompose: diagonal
                     else:
                         index[(name, suffix)] = ix
-            elif self._exact_ok(module):
-                index[(name, "")] = self.layout.module_index(module, name).view(1, -1, 1)
+            elif self._exact_ok(module, rule):
+                ix = self.layout.module_index(module, name, rule.param_names(module))
+                index[(name, "")] = ix.view(1, -1, 1)
         return index
 
-    def _exact_ok(self, module) -> bool:
-        n = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        return self.config.fisher != FisherType.FORWARD_ONLY and n <= MAX_EXACT_BLOCK
+    def _exact_ok(self, module, rule) -> bool:
+        forward_only = self.config.fisher == FisherType.FORWARD_ONLY
+        return not forward_only and layer_numel(module, rule) <= MAX_EXACT_BLOCK
 
     def _covered_names(self) -> List[str]:
         index = self._block_indices()
@@ -413,8 +417,10 @@ class KFAC(CurvatureOptimizer):
         """Flat positions of a diagonal block: a large Kronecker block or a whole layer."""
         if key in self._large:
             return self._large[key].reshape(-1)
-        module, _ = self._layers[key[0]]
-        return self.layout.module_index(module, key[0])
+        if key[0] not in self._layers:  # a group of tied layers
+            return self._tied.index(key[0])
+        module, rule = self._layers[key[0]]
+        return self.layout.module_index(module, key[0], rule.param_names(module))
 
     def _needs_refresh(self) -> bool:
         return any(k not in self._decomposed for k in self._blocks)
@@ -540,7 +546,7 @@ class KFAC(CurvatureOptimizer):
         return out
 
     def _layer_param(self, name: str):
-        module, _ = self._layers[name]
+        module, _ = self._layers.get(name) or self._layers[self._tied.first_layer(name)]
         return next(p for p in module.parameters() if p.requires_grad)
 
     # -- state ------------------------------------------------------------------------------------

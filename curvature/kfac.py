@@ -44,6 +44,7 @@ from .layer_stats import (
     expanded_diagonal,
     fisher_diagonal,
     layer_numel,
+    layer_positions,
     tied_fisher_diagonal,
 )
 from .layers.base import expanded_kfac
@@ -451,7 +452,7 @@ def _kfac(
 def _block_index(module, rule, name, suffix, layout: ParamLayout) -> Tensor:
     index = rule.kfac_index(module, layout.local_offsets(name))
     if index is None:  # exact block over the module's trainable parameters
-        return layout.module_index(module, name, rule.param_names(module)).view(1, -1, 1)
+        return layer_positions(layout, name, module, rule).view(1, -1, 1)
     return index[suffix]
 
 
@@ -556,10 +557,6 @@ def diag_ggn(
                 kron, parts = fisher_diagonal(rule, module, calls)
                 index = rule.kfac_index(module, layout.local_offsets(name)) if kron else None
                 for suffix, d in parts.items():
-                    ix = (
-                        index[suffix]
-                        if kron
-                        else layout.module_index(module, name, rule.param_names(module))
-                    )
+                    ix = index[suffix] if kron else layer_positions(layout, name, module, rule)
                     flat.index_add_(0, ix.reshape(-1).to(flat.device), w * d.reshape(-1).to(flat))
     return layout.unflatten_dict(flat)

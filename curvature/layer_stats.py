@@ -28,13 +28,18 @@ from torch import Tensor, nn
 
 from .edges import check_out_buffer
 from .layers import Call, LayerRule
-from .layout import ParamSharing
+from .layout import ParamLayout, ParamSharing
 
 #: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
 Layer = Tuple[str, nn.Module, LayerRule, List[Call]]
 
 #: Layers without a Kronecker rule get an exact block up to this many parameters.
 MAX_EXACT_BLOCK = 4096
+
+
+def layer_positions(layout: ParamLayout, name: str, module: nn.Module, rule: LayerRule) -> Tensor:
+    """``[P_l]`` flat positions of the parameters the rule covers, ``named_parameters`` order."""
+    return layout.module_index(module, name, rule.param_names(module))
 
 
 def layer_numel(module: nn.Module, rule: LayerRule) -> int:

@@ -286,7 +286,7 @@ class CurvatureOptimizer(Optimizer):
         return self.config.unsupported == Unsupported.DIAGONAL
 
     def _accumulate_layer(self, name, module, rule, calls, with_g: bool, emit) -> None:
-        """A layer's statistics (:meth:`_accumulate`); a tied layer's wait for its group."""
+        """A layer's statistics (:meth:`_accumulate`); a tied layer's calls join its group."""
         if not self._tied.tied(name):
             self._accumulate(name, module, rule, calls, with_g, emit)
         elif self._tied_diagonal and with_g:

@@ -459,6 +459,8 @@ class StatisticsCollector:
 
     def discard(self) -> None:
         """Drop this step's statistics (and a reduction in flight, after it completes)."""
+        if self._finish is not None and self._finish() is not None:
+            self._finish()(None)  # and what tied layers kept for the forward's end
         if self.pending is not None:
             finish_statistics_reduction(self.comm, self.pending)
             self.pending = None

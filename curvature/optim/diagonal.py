@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..blocks import DiagonalBlock
-from ..layer_stats import fisher_diagonal
+from ..layer_stats import fisher_diagonal, layer_positions
 from ..layout import put, take
 from ..options import FisherType, KFACApproxType
 from ..warn import warn
@@ -109,7 +109,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
                 index = rule.kfac_index(module, self.layout.local_offsets(name))
                 ix = torch.cat([index[s].reshape(-1) for s in parts])
             else:  # named_parameters order, the rule's parameters
-                ix = self.layout.module_index(module, name, rule.param_names(module))
+                ix = layer_positions(self.layout, name, module, rule)
             self._diagonals[name] = DiagonalBlock(name, ix)
         emit((name, self.diagonal_suffix), [d.to(stat_dtype(d))], ("g",))
 
@@ -154,9 +154,11 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         return {"diagonals": {k: b.state_dict() for k, b in self._diagonals.items()}}
 
     def _checked_curvature_state(self, state: Any) -> Dict[str, Any]:
-        candidates = {}
+        candidates = {g: [self._tied.index(g)] for g in self._tied.group_names()}
         for name, (module, rule) in self._layers.items():
-            plain = [self.layout.module_index(module, name)]
+            if self._tied.tied(name):  # in its group's diagonal
+                continue
+            plain = [layer_positions(self.layout, name, module, rule)]
             kron = rule.kfac_index(module, self.layout.local_offsets(name))
             if kron:  # Linear-family layers: laid out like their Kronecker blocks
                 plain.append(torch.cat([ix.reshape(-1) for ix in kron.values()]))

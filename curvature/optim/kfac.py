@@ -52,6 +52,7 @@ from ..layer_stats import (
     expanded_diagonal,
     fisher_diagonal,
     layer_numel,
+    layer_positions,
 )
 from ..layers.base import expanded_kfac
 from ..layout import put, take
@@ -295,8 +296,7 @@ class KFAC(CurvatureOptimizer):
                     else:
                         index[(name, suffix)] = ix
             elif self._exact_ok(module, rule):
-                ix = self.layout.module_index(module, name, rule.param_names(module))
-                index[(name, "")] = ix.view(1, -1, 1)
+                index[(name, "")] = layer_positions(self.layout, name, module, rule).view(1, -1, 1)
         return index
 
     def _exact_ok(self, module, rule) -> bool:
@@ -419,8 +419,7 @@ class KFAC(CurvatureOptimizer):
             return self._large[key].reshape(-1)
         if key[0] not in self._layers:  # a group of tied layers
             return self._tied.index(key[0])
-        module, rule = self._layers[key[0]]
-        return self.layout.module_index(module, key[0], rule.param_names(module))
+        return layer_positions(self.layout, key[0], *self._layers[key[0]])
 
     def _needs_refresh(self) -> bool:
         return any(k not in self._decomposed for k in self._blocks)
@@ -559,13 +558,13 @@ class KFAC(CurvatureOptimizer):
 
     def _checked_curvature_state(self, state: Any) -> Dict[str, Any]:
         diagonal = {k: ix.reshape(-1) for k, ix in self._large.items()}
-        for name, (module, _) in self._layers.items():
-            if self.config.unsupported == Unsupported.DIAGONAL and not any(
-                k[0] == name for k in (*self._index, *self._large)
-            ):
-                diagonal[(name, "")] = self.layout.module_index(module, name)
-        who = type(self).__name__
-        return check_kronecker_state(who, state, self._index, diagonal, self._layers)
+        groups = self._tied.group_names()  # tied layers: one diagonal per group
+        if self.config.unsupported == Unsupported.DIAGONAL:  # layers without a block
+            blocked = {k[0] for k in (*self._index, *self._large)}
+            free = [n for n in self._layers if n not in blocked and not self._tied.tied(n)]
+            diagonal.update({(n, ""): self._diag_index((n, "")) for n in free + groups})
+        who, layers = type(self).__name__, [*self._layers, *groups]
+        return check_kronecker_state(who, state, self._index, diagonal, layers)
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
         if not issubclass(self.block_type, EigenCorrectedBlock):

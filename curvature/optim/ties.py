@@ -101,6 +101,10 @@ class TiedLayers:
         d = d.to(torch.float64 if d.dtype == torch.float64 else torch.float32)
         group.emit((name, self.suffix), [d], ("g",))
 
+    def group_names(self) -> List[str]:
+        """The names of the groups of tied layers (``"emb+head"``)."""
+        return ["+".join(g) for g in self.sharing.groups]
+
     def first_layer(self, group: str) -> Optional[str]:
         """The first layer of the group named ``group`` (``None``: no such group)."""
         return next((g[0] for g in self.sharing.groups if "+".join(g) == group), None)

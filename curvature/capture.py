@@ -13,6 +13,7 @@ one record per call, paired call by call.
 
 from __future__ import annotations
 
+import contextvars
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -20,16 +21,37 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
+from .capture_quantities import PerSampleQuantities
 from .edges import CheckedView, WeakHook, assign_grads, leaves, output_edge
-from .layer_stats import empty_per_sample_grads, summed_per_sample_grads, tied_per_sample_grads
 from .layers import Call, LayerRule
-from .layers.base import current_shared_slots, gram_of
+from .layers.base import current_shared_slots
 from .layers.select import select_layers, unwrap_model
-from .layout import ParamSharing
 from .options import Unsupported, renamed
 
+#: Pulls of any capture in progress, process-wide: no capture's push hooks take their ``g``.
+_PULLS = [0]
+#: ``id`` of the capture that alone records forwards now (``0``: none), else ``None``.
+_EXCLUSIVE: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
+    "curvature_exclusive_capture", default=None
+)
 
-class Capture:
+
+@contextmanager
+def isolated(owner: Optional[Capture] = None) -> Iterator[None]:
+    """Inside, only ``owner`` records forwards (no capture at all if ``None``).
+
+    The library's own forwards (``kfac()``, ``per_sample_grads()``, the dense oracles) use
+    it, so that an optimizer attached to the same model neither records them nor runs
+    its callbacks on them. Pulls are isolated the same way, process-wide.
+    """
+    token = _EXCLUSIVE.set(0 if owner is None else id(owner))
+    try:
+        yield
+    finally:
+        _EXCLUSIVE.reset(token)
+
+
+class Capture(PerSampleQuantities):
     """Records layer inputs and output edges of one forward; pulls backprops after it.
 
     Use :func:`capture` to create one. After the ``with`` block, the per-sample methods
@@ -79,7 +101,7 @@ class Capture:
             calls.clear()
         for name, module, _ in self.layers:
             hook = WeakHook(self, "_on_forward", module, name)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
         self._recording = True
         return self
 
@@ -101,14 +123,30 @@ class Capture:
         may be garbage-collected while the model lives. ``end`` runs after every layer
         hook of the forward has recorded its call.
         """
-        for method, register in (
-            (start, self.model.register_forward_pre_hook),
-            (end, self.model.register_forward_hook),
-        ):
-            if method is None:
-                continue
-            hook = WeakHook(method.__self__, method.__func__.__name__, self.model)
-            self._handles.append(register(hook))
+        self._root = {
+            "start": None if start is None else weakref.WeakMethod(start),
+            "end": None if end is None else weakref.WeakMethod(end),
+        }
+        pre = WeakHook(self, "_root_start", self.model)
+        post = WeakHook(self, "_root_end", self.model)
+        self._handles.append(self.model.register_forward_pre_hook(pre))
+        self._handles.append(self.model.register_forward_hook(post))
+
+    @property
+    def suspended(self) -> bool:
+        """Whether another capture records exclusively now (see :func:`isolated`)."""
+        owner = _EXCLUSIVE.get()
+        return owner is not None and owner != id(self)
+
+    def _root_start(self, module: nn.Module, args: Any) -> None:
+        fn = self._root["start"]() if self._root["start"] is not None else None
+        if fn is not None and not self.suspended:
+            fn(module, args)
+
+    def _root_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        fn = self._root["end"]() if self._root["end"] is not None else None
+        if fn is not None and not self.suspended:
+            fn(module, args, output)
 
     @property
     def recording(self) -> bool:
@@ -122,7 +160,7 @@ class Capture:
     @property
     def pushing(self) -> bool:
         """Whether the user's backward stores ``g`` now (off while our own pulls run)."""
-        return self._push and self._pushing
+        return self._push and self._pushing and _PULLS[0] == 0
 
     @property
     def calls(self) -> Dict[str, List[Call]]:
@@ -142,7 +180,7 @@ class Capture:
             self.remove_hooks()
 
     def _on_forward(self, name: str, module: nn.Module, args, kwargs, output) -> None:
-        if self._recording:
+        if self._recording and not self.suspended:
             self._record(name, module, args, kwargs, output)
 
     def _record(self, name: str, module: nn.Module, args, kwargs, output) -> None:
@@ -377,6 +415,7 @@ class Capture:
                     grad_outputs = grad_outputs[0]
         self._recording = False
         self._pushing = False
+        _PULLS[0] += 1
         try:
             grads = torch.autograd.grad(
                 outputs,
@@ -397,6 +436,7 @@ class Capture:
                 ) from err
             raise
         finally:
+            _PULLS[0] -= 1
             self._recording = bool(self._handles)
             self._pushing = True
         for c in calls:
@@ -437,107 +477,6 @@ class Capture:
             for calls in self._calls.values():
                 for c in calls:
                     c.grads = None
-
-    def _pull_losses(self, losses: Tensor, retain_graph: bool) -> int:
-        """Check ``losses [N]``, pull ``sum_n l_n`` (unless ``N = 0``) and return ``N``."""
-        N = self.batch_size
-        if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] != N:
-            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses)
-            raise ValueError(
-                f"losses must be a 1-D tensor [N] = [{N}] of per-sample losses (e.g. "
-                f"`loss_func(reduction='none')` reduced over non-batch axes); got {shape}."
-            )
-        if N == 0:  # an empty batch: empty results, nothing to pull
-            return N
-        if losses.grad_fn is None:
-            raise ValueError(
-                "losses do not require grad: compute them from the captured model output "
-                "with gradients enabled."
-            )
-        self.pull(losses.sum(), retain_graph=retain_graph)
-        for name, _, _, calls in self.active():
-            for c in calls:
-                c.check_inputs_unchanged(name)
-        return N
-
-    def sharing(self) -> ParamSharing:
-        """Which parameters several captured layers use (tied weights), found by identity."""
-        return ParamSharing(self.model, [(n, m, r.param_names(m)) for n, m, r in self.layers])
-
-    # -- per-sample quantities ----------------------------------------------------------
-    def per_sample_grads(
-        self,
-        losses: Tensor,
-        *,
-        retain_graph: bool = True,
-        out: Optional[Dict[str, Tensor]] = None,
-    ) -> Dict[str, Tensor]:
-        """Per-sample gradients ``grad l_n`` of every captured parameter.
-
-        A parameter that several layers use (tied weights, e.g. ``head.weight =
-        emb.weight``) gets the sum of every layer's contribution, under its name in
-        ``model.named_parameters()`` (the first one).
-
-        Args:
-            losses: Per-sample losses ``[N]`` computed from the captured output.
-            retain_graph: Keep the graph for further pulls or a later ``backward()``.
-            out: Optional preallocated results, parameter name to ``[N, *p.shape]``
-                (contiguous, the parameter's dtype and device). Reusing buffers across
-                steps avoids the page faults of fresh allocations, which otherwise
-                dominate the cost on CPU for large layers.
-
-        Returns:
-            Parameter name (as in ``model.named_parameters()``) to ``[N, *p.shape]``.
-            Without ``out``, new tensors on the parameters' device, freed when you
-            drop them. For an empty batch (``N = 0``), ``[0, *p.shape]``.
-
-        """
-        N = self._pull_losses(losses, retain_graph)
-        sharing = self.sharing()
-        if N == 0:
-            return empty_per_sample_grads(self.model, sharing, out)
-        with self.computing():
-            res = summed_per_sample_grads(self.active(), sharing, N, out)
-        return {n: res[n] for n, _ in self.model.named_parameters() if n in res}
-
-    def per_sample_grad_norms(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
-        """L2 norms ``[N]`` of the per-sample gradients over all captured parameters.
-
-        Layers with a cheaper route (Linear without sharing: ``|a_n|^2 |g_n|^2``; with
-        sharing: the Gram trick over positions) never materialize ``[N, *p.shape]``.
-        Layers that share a parameter with another layer (tied weights) materialize
-        their per-sample gradients, summed per parameter: the norm is that of the sum.
-        """
-        N = self._pull_losses(losses, retain_graph)
-        if N == 0:
-            return losses.new_zeros(0)
-        sharing = self.sharing()
-        with self.computing():
-            tied = [layer for layer in self.active() if sharing.tied(layer[0])]
-            tied_grads = tied_per_sample_grads(tied, sharing.names)
-            sq = sum(g.reshape(N, -1).pow(2).sum(1) for g in tied_grads.values())
-            for name, module, rule, calls in self.active():
-                if not sharing.tied(name):
-                    sq = sq + rule.per_sample_sq_norms(module, calls)
-        return sq.sqrt()
-
-    def gram(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
-        """Gram matrix ``K[n, m] = <grad l_n, grad l_m>`` ``[N, N]`` of per-sample grads.
-
-        Tied parameters count once, with the sum of their layers' contributions (as in
-        :meth:`per_sample_grad_norms`).
-        """
-        N = self._pull_losses(losses, retain_graph)
-        if N == 0:
-            return losses.new_zeros(0, 0)
-        sharing = self.sharing()
-        with self.computing():
-            tied = [layer for layer in self.active() if sharing.tied(layer[0])]
-            total = gram_of(tied_per_sample_grads(tied, sharing.names)) if tied else 0
-            for name, module, rule, calls in self.active():
-                if not sharing.tied(name):
-                    total = total + rule.gram(module, calls)
-            return total
 
 
 def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, output_nr: int):

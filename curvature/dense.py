@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.func import hessian as _hessian
 
+from .capture import isolated
 from .layout import ParamLayout
 from .losses import backprop_sources, check_loss
 from .products import HessianVectorProducts, ggn_vp, hvp
@@ -52,7 +53,8 @@ def batch_weights(loss_func: nn.Module, bs: Sequence[Tuple[Tensor, Tensor]]) -> 
 
 
 def _forward(model: nn.Module, params: Dict[str, Tensor], X: Tensor) -> Tensor:
-    return functional_call(model, params, (X,))
+    with isolated():  # an optimizer attached to the model must not see these forwards
+        return functional_call(model, params, (X,))
 
 
 def _flat(layout: ParamLayout, tree: Dict[str, Tensor], lead: Tuple[int, ...]) -> Tensor:
@@ -93,7 +95,7 @@ def _loss(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor) -> Tenso
 
     Attention runs the math kernel: the fused CPU kernels cannot be differentiated twice.
     """
-    with torch.enable_grad(), _math_attention():
+    with torch.enable_grad(), _math_attention(), isolated():
         return loss_func(model(X), y)
 
 
@@ -197,7 +199,7 @@ def ggn_vector_product(
     bs = batches(data)
     total = None
     for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
-        with torch.enable_grad(), _math_attention():
+        with torch.enable_grad(), _math_attention(), isolated():
             out = model(X)
             flat = w * ggn_vp(out, lambda f, t=y: loss_func(f, t), layout, flat_v)
         total = flat if total is None else total + flat

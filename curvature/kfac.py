@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .blocks import DiagonalBlock, EigenCorrectedBlock, KroneckerBlock
-from .capture import capture
+from .capture import capture, isolated
 from .dense import Data, batch_weights, batches
 from .layer_stats import (
     MAX_EXACT_BLOCK,
@@ -49,7 +49,7 @@ from .layer_stats import (
 )
 from .layers.base import expanded_kfac
 from .layout import ParamLayout, tie_hint
-from .losses import backprop_sources, check_fisher, check_loss
+from .losses import backprop_sources, check_fisher, check_loss, require_tensor_output
 from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice, renamed
 from .warn import warn
 
@@ -213,8 +213,9 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac"):
             "samples), so there is no curvature to estimate. Pass at least one sample."
         )
     for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
-        with capture(model) as cap:
+        with capture(model) as cap, isolated(cap):
             out = model(X)
+        require_tensor_output(out, caller)
         if fisher != FisherType.FORWARD_ONLY:
             V = backprop_sources(
                 loss_func, out, y, fisher.value, mc_samples=mc_samples, generator=generator

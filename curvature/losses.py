@@ -70,6 +70,16 @@ def _ignored_mask(loss_func: nn.Module, output: Tensor, target: Tensor) -> Optio
     return (~ignored).unsqueeze(1).to(output.dtype)
 
 
+def require_tensor_output(out: object, caller: str) -> None:
+    """A ``ValueError`` unless the model output is a tensor (a dict, a tuple: not)."""
+    if not isinstance(out, Tensor):
+        raise ValueError(
+            f"{caller}: the model returned a {type(out).__name__}, not a tensor of outputs; "
+            "the loss module needs the tensor it is applied to. Pass a model whose forward "
+            "returns it, e.g. a wrapper module with forward(x) = model(x)['logits']."
+        )
+
+
 def reduction_scale(loss_func: nn.Module, batch_size: int) -> float:
     """``R`` in ``L = R * sum_n l_n``: ``1 / N`` for mean, ``1`` for sum."""
     return 1.0 / batch_size if loss_func.reduction == "mean" else 1.0

@@ -8,8 +8,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .capture import Capture
-from .losses import check_loss, per_sample_losses
+from .capture import Capture, isolated
+from .losses import check_loss, per_sample_losses, require_tensor_output
 from .options import renamed
 
 
@@ -42,8 +42,9 @@ def per_sample_grads(
     """
     check_loss(loss_func)
     unsupported, arg = renamed(unsupported, fallback, "unsupported", "fallback", "per_sample_grads")
-    with Capture(model, unsupported=unsupported) as cap:
+    with Capture(model, unsupported=unsupported) as cap, isolated(cap):
         out = model(*X) if isinstance(X, (tuple, list)) else model(X)
+    require_tensor_output(out, "per_sample_grads")
     return cap.per_sample_grads(per_sample_losses(loss_func, out, y), retain_graph=False)
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 from torch import Tensor, nn
 
+from .capture import isolated
 from .dense import Data, batches, empirical_fisher, ggn
 from .kfac import diag_ggn, ekfac, kfac
 from .layout import ParamLayout
@@ -164,7 +165,8 @@ def _gradient(layout: ParamLayout, model: nn.Module, loss_func: nn.Module, data:
     N = sum(X.shape[0] for X, _ in bs)
     for X, y in bs:
         w = X.shape[0] / N if loss_func.reduction == "mean" else 1.0
-        gs = torch.autograd.grad(loss_func(model(X), y), layout.params)
+        with isolated():  # not a training forward of an attached optimizer
+            gs = torch.autograd.grad(loss_func(model(X), y), layout.params)
         flat = w * layout.flatten(gs, what="the gradient")
         total = flat if total is None else total + flat
     return total.detach()

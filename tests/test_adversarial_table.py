@@ -1188,22 +1188,13 @@ def _full_backward_hook(est):
     exact(est, model, ce(), *batch())
 
 
-_REPLACED = (
-    "the engine's forward hook runs after the user's and records the output the user's hook "
-    "returned (or modified in place); gradients w.r.t. it miss the hook's Jacobian, so G, "
-    "the diagonals and per-sample gradients are off (factor 2 here) without a warning; "
-    "registering the engine's hook with prepend=True would record the layer's own output"
-)
-
-
 @row(
     "output-replacing-forward-hook",
     "A forward hook that returns a new output (`lambda m, a, out: 2 * out`)",
-    "Known issue: the layer's gradients are taken w.r.t. the replaced output (wrong by the "
-    "hook's factor). Until fixed: fold the change into the module's `forward`.",
+    "Exact: the engine records the layer's own output (its hook runs before yours), so the "
+    "hook's factor is part of the backpropagated gradient.",
     ALL,
-    outcome="known issue",
-    xfail=each(ALL, _REPLACED),
+    outcome="exact",
 )
 def _replacing_hook(est):
     model = mlp()
@@ -1214,12 +1205,9 @@ def _replacing_hook(est):
 @row(
     "in-place-output-hook",
     "A forward hook that scales the output in place (`out.mul_(2)`)",
-    "Known issue: as for an output-replacing hook.",
+    "Exact, as for an output-replacing hook.",
     ("KFAC-empirical", "DNG-type-2", "kfac()", "diag_ggn()", "per_sample_grads"),
-    outcome="known issue",
-    xfail=each(
-        ("KFAC-empirical", "DNG-type-2", "kfac()", "diag_ggn()", "per_sample_grads"), _REPLACED
-    ),
+    outcome="exact",
 )
 def _inplace_hook(est):
     model = mlp()
@@ -1432,11 +1420,13 @@ _DISCARDED = (
 @row(
     "backward-discarded-by-zero_grad",
     "An extra forward/backward (validation gradient, logging) before `optim.zero_grad()`",
-    "Known issue: its statistics still count in the next step. Until fixed: run such "
-    "passes under `torch.no_grad()`/`model.eval()`, or on a copy of the model.",
+    "Empirical Fisher: exact (`zero_grad()` drops the statistics of the gradients it "
+    "zeroes). Known issue for mc / type-2: the statistics belong to every training forward "
+    "since the last `step()`, so the extra forward counts; run such passes under "
+    "`torch.no_grad()`/`model.eval()`, or on a copy of the model.",
     OPT,
     outcome="known issue",
-    xfail=each(OPT, _DISCARDED),
+    xfail=each(tuple(e for e in OPT if "empirical" not in e), _DISCARDED),
 )
 def _discarded(est):
     X2, y2 = batch(7)
@@ -1536,24 +1526,15 @@ def _loss_times_zero(est):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-_DICT_FN = (
-    "a model returning a dict: the functions apply loss_func to the dict and crash inside "
-    "(AttributeError: 'dict' object has no attribute 'detach' / TypeError from "
-    "cross_entropy); expected a ValueError naming the output type and the way out (a "
-    "wrapper returning the logits)"
-)
-
-
 @row(
     "dict-output",
     "A model returning a dict, trained with `loss_func(out['logits'], y)`",
     "Optimizers: exact (the curvature backward starts at the tensor your `loss_func` call "
-    "received). Known issue for the functions: a crash inside instead of a clear error; "
-    "pass a wrapper that returns the logits.",
+    "received). The functions: a clear error naming the output type; pass a wrapper that "
+    "returns the logits.",
     ("KFAC-empirical", "KFAC-type-2", "EKFAC-type-2", "DNG-type-2", "KFAC-mc")
     + ("kfac()", "diag_ggn()", "per_sample_grads"),
-    outcome="known issue",
-    xfail=each(("kfac()", "diag_ggn()", "per_sample_grads"), _DICT_FN),
+    outcome="error",
 )
 def _dict_output(est):
     X, y = batch()
@@ -1618,25 +1599,14 @@ def _clip(est):
         close(p, q - 0.1 * d, "the step", rtol=1e-12, atol=1e-14)
 
 
-_ANALYSIS = (
-    "curvature.kfac()/per_sample_grads() on the model of a live optimizer: the optimizer's "
-    "hooks record the function's forward and batched pulls; empirical: the next backward "
-    "crashes in the optimizer's commit hook (RuntimeError: Batching rule not implemented for "
-    "aten::einsum, DiagonalNaturalGradient: aten::alias); type-2: the function's forward "
-    "counts in the next step (A of '0' off by 0.79), silently"
-)
-
-
 @row(
     "analysis-call-on-a-live-optimizers-model",
     "`curvature.kfac(model, ...)` / `per_sample_grads(model, ...)` (monitoring) on the model "
     "an optimizer is attached to",
-    "The functions: exact. Known issue for the optimizer: its next step counts (type-2) or "
-    "crashes on (empirical) the function's passes. Until fixed: analyse a `copy.deepcopy` "
-    "of the model.",
+    "Exact: the functions' own forwards and pulls are isolated from the optimizer's hooks "
+    "(`curvature.capture.isolated`), so the optimizer's next step is unaffected.",
     OPT + FN,
-    outcome="known issue",
-    xfail=each(OPT, _ANALYSIS),
+    outcome="exact",
 )
 def _analysis(est):
     X2, y2 = batch(8)
@@ -1657,25 +1627,13 @@ def _analysis(est):
     exact(est, mlp(), ce(), *batch(), train=train)
 
 
-_PRUNED = (
-    "a layer pruned with torch.nn.utils.prune (parameter weight_orig, weight a computed "
-    "attribute) crashes inside the engine: KeyError: 'weight' in LinearRule.kfac_index "
-    "(layers/base.py; optimizers, kfac(), ekfac(), diag_ggn()) and in "
-    "summed_per_sample_grads (layer_stats.py; per_sample_grads); expected exact results "
-    "(weight_orig's gradient is mask * grad W) or a clear error naming the layer and its "
-    "pruning"
-)
-
-
 @row(
     "pruned-layer",
     "A layer pruned with `torch.nn.utils.prune` (`weight_orig` and a mask)",
-    "Known issue: an unrelated crash (`KeyError: 'weight'`). Until fixed: compute "
-    "curvature before pruning, or after "
-    "`prune.remove(module, 'weight')` (which stops enforcing the mask).",
+    "A clear error naming the layer and its pruning: compute curvature before pruning, or "
+    "after `prune.remove(module, 'weight')` (which stops enforcing the mask).",
     ALL,
-    outcome="known issue",
-    xfail=each(ALL, _PRUNED),
+    outcome="error",
 )
 def _pruned(est):
     model = mlp()
@@ -1685,23 +1643,13 @@ def _pruned(est):
     )
 
 
-_PARAMETRIZED = (
-    "a parametrized weight (torch.nn.utils.parametrizations.weight_norm: parameters "
-    "parametrizations.weight.original0/1) crashes inside the engine (KFAC, EKFAC: KeyError: "
-    "'weight' in LinearRule.kfac_index; the others: IndexError: tuple index out of range in "
-    "layers/functional.py); expected exact results or a clear error naming the layer and "
-    "its parametrization"
-)
-
-
 @row(
     "parametrized-weight",
     "A parametrized weight (`torch.nn.utils.parametrizations.weight_norm`)",
-    "Known issue: an unrelated crash. Until fixed: keep such layers out of the model given "
-    "to curvature, or use plain weights.",
+    "A clear error naming the layer and its parametrization: use plain weights "
+    "(`parametrize.remove_parametrizations`) or freeze the layer.",
     ALL,
-    outcome="known issue",
-    xfail=each(ALL, _PARAMETRIZED),
+    outcome="error",
 )
 def _parametrized(est):
     model = mlp()
@@ -1761,22 +1709,14 @@ def _channels_last(est):
         compare(est, a, Oracle(conv(), ce(), X, y))
 
 
-_UNUSED_PSG = (
-    "per_sample_grads leaves out the parameters of a layer the forward never called "
-    "(its docstring promises every trainable parameter in named_parameters order); "
-    "expected zeros"
-)
-
-
 @row(
     "unused-layer",
     "A layer the forward never calls",
     "Its parameters get no curvature (zeros in `diag_ggn()`, `uncovered` in `kfac()`, "
-    "plain/zero gradient with a warning in the optimizers); the rest exact. Known issue: "
-    "`per_sample_grads` omits them instead of returning zeros.",
+    "plain/zero gradient with a warning in the optimizers, zeros in `per_sample_grads`); "
+    "the rest exact.",
     ("KFAC-type-2", "DNG-empirical") + FN,
     outcome="warning",
-    xfail={"per_sample_grads": _UNUSED_PSG},
 )
 def _unused(est):
     model, CE, (X, y) = Unused(), ce(), batch()
@@ -1797,23 +1737,13 @@ def _unused(est):
     assert warned(rec, r"spare"), [str(r.message) for r in rec]
 
 
-_DTYPE_EKFAC = (
-    "EKFAC after model.double() following construction: installing the new eigenbasis "
-    "mixes the float32 running corrections with the float64 basis and crashes "
-    "(RuntimeError: expected scalar type Float but found Double, blocks/kronecker.py "
-    "EigenCorrectedBlock.install); KFAC and DiagonalNaturalGradient follow the new dtype"
-)
-
-
 @row(
     "dtype-changed-after-construction",
     "`model.double()` after the optimizer was built on the float32 model",
-    "Exact to float32 accuracy: the optimizer follows the parameters (same objects). "
-    "Known issue: EKFAC then fails at its next refresh (float32 corrections, float64 "
-    "basis); build the optimizer after the conversion.",
+    "Exact to float32 accuracy: the optimizer follows the parameters (same objects), EKFAC's "
+    "corrections included.",
     OPT,
     outcome="warning",
-    xfail=each(("EKFAC-empirical", "EKFAC-type-2"), _DTYPE_EKFAC),
 )
 def _dtype_changed(est):
     model, CE = mlp(dtype=torch.float32), ce()
@@ -1902,7 +1832,7 @@ def test_the_table_is_large_enough_and_well_formed():
         assert (r.outcome == "known issue") == bool(r.xfail) or r.id in _PARTLY_OPEN, r.id
 
 
-_PARTLY_OPEN = {"ignore-index-mean", "unused-layer", "dtype-changed-after-construction"}
+_PARTLY_OPEN = {"ignore-index-mean", "backward-discarded-by-zero_grad"}
 
 
 # -- the report card -------------------------------------------------------------------------------

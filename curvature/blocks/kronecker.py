@@ -221,9 +221,9 @@ class EigenCorrectedBlock(KroneckerBlock):
         """
         old = self.basis()
         if self.corrections is not None and old is not None and isinstance(record, Eigen):
-            RA = (record.QA.mT @ old.QA).pow(2)
-            RG = (record.QG.mT @ old.QG).pow(2)
-            self.corrections = RG @ self.corrections @ RA.mT
+            RA = (record.QA.mT @ old.QA.to(record.QA.dtype)).pow(2)
+            RG = (record.QG.mT @ old.QG.to(record.QG.dtype)).pow(2)
+            self.corrections = RG @ self.corrections.to(RG.dtype) @ RA.mT
         super().install(record)
 
     def eigenvalues(self) -> Tensor:  # noqa: D102

@@ -6,6 +6,7 @@ import sys
 from typing import List, Tuple, Union
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..options import Unsupported, choice
 from .base import LayerRule
@@ -69,6 +70,7 @@ def select_layers(
             module.training or not module.track_running_stats
         ):
             raise batchnorm_train_error(name, module)
+        refuse_reparametrized(name, module)
         rule = registered_rule(module)
         if rule is None:
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
@@ -86,3 +88,32 @@ def select_layers(
             if rule.covers_children:
                 covered.append(name)
     return targets
+
+
+def refuse_reparametrized(name: str, module: nn.Module) -> None:
+    """A ``ValueError`` for a layer whose weight is computed from other tensors.
+
+    ``torch.nn.utils.parametrize`` (e.g. weight norm, orthogonal) and
+    ``torch.nn.utils.prune`` replace a parameter by a function of others (``original``,
+    ``weight_orig * weight_mask``): the layer rules' per-sample and Kronecker maths are
+    for the weight itself, so such a layer is refused by name, with the way out.
+    """
+    pruned = [
+        n[: -len("_orig")]
+        for n, _ in module.named_parameters(recurse=False)
+        if n.endswith("_orig") and hasattr(module, n[: -len("_orig")] + "_mask")
+    ]
+    trainable = any(p.requires_grad for p in module.parameters())
+    if trainable and (parametrize.is_parametrized(module) or pruned):
+        how = (
+            "pruned (torch.nn.utils.prune)"
+            if pruned
+            else "parametrized (torch.nn.utils.parametrize)"
+        )
+        raise ValueError(
+            f"Layer '{name}' ({type(module).__name__}) has a {how} weight: it is computed "
+            "from other tensors, which per-sample gradients and KFAC do not cover. Make it "
+            "a plain parameter first (torch.nn.utils.prune.remove(module, 'weight') or "
+            "torch.nn.utils.parametrize.remove_parametrizations(module, 'weight')), or "
+            "freeze the layer."
+        )

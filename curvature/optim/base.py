@@ -40,7 +40,7 @@ from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
-from .distributed import Communicator, check_not_sharded, is_ddp
+from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
 from .ties import TiedLayers
 from .updates import (
     ParamSlot,
@@ -293,6 +293,17 @@ class CurvatureOptimizer(Optimizer):
             self._tied.defer(name, module, rule, calls, emit)
 
     # -- lifecycle ---------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``; with ``"empirical"`` also this step's statistics.
+
+        The empirical statistics follow ``.grad``: gradients that are zeroed before
+        ``step()`` do not count. (For the other Fisher types the statistics belong to the
+        training forwards since the last ``step()``, whenever ``zero_grad`` runs.)
+        """
+        super().zero_grad(set_to_none=set_to_none)
+        if self.config.fisher == FisherType.EMPIRICAL and not self._closed:
+            self._collector.discard()
+
     def close(self) -> None:
         """Remove every hook (the optimizer can still ``step`` with plain gradients)."""
         if getattr(self, "_closed", True):
@@ -450,29 +461,8 @@ class CurvatureOptimizer(Optimizer):
 
     def _flat_grads(self) -> Optional[Tensor]:
         """The gradients as one flat vector (averaged over the ranks where we sync them)."""
-        sync = self._comm is not None and self.sync_grads
-        params = self.layout.params
-        ref = next((p.grad for p in params if p.grad is not None), None)
-        if ref is None and sync:  # every rank must join the all-reduce
-            ref = next(iter(params), None)
-        if ref is None:
-            return None
-        dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
-        flat = torch.zeros(self.layout.numel, dtype=dtype, device=ref.device)
-        for n, p in zip(self.layout.names, params):
-            if p.grad is not None:  # a sparse gradient (Embedding(sparse=True)) densified
-                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                flat[self.layout.span(n)] = grad.reshape(-1)
-        if sync:
-            self._comm.all_reduce([flat], "gradients")
-            flat /= self._comm.world
-            for n, p in zip(self.layout.names, params):
-                g = flat[self.layout.span(n)].view_as(p).to(p.dtype)
-                if p.grad is not None and not p.grad.is_sparse:
-                    p.grad.copy_(g)
-                elif p.grad is not None or g.any():  # unused here, used on another rank
-                    p.grad = g.clone()
-        return flat
+        comm = self._comm if self.sync_grads else None
+        return flat_gradients(self.layout, comm)
 
     def _group_damping(self, param: Tensor) -> float:
         for g in self.param_groups:

@@ -448,3 +448,35 @@ def owned_mask(
     if rank == 0:
         mask |= ~blocks
     return mask
+
+
+def flat_gradients(layout: Any, comm: Optional[Communicator]) -> Optional[Tensor]:
+    """The parameters' gradients as one flat ``[P]`` vector, averaged over ``comm``'s ranks.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are densified. With ``comm`` (a plain
+    model under ``torch.distributed``: data parallelism without DDP) the average is
+    written back into ``.grad``; a parameter unused here but used on another rank gets
+    a ``.grad``. ``None`` when no parameter has a gradient (and no rank must join).
+    """
+    params = layout.params
+    ref = next((p.grad for p in params if p.grad is not None), None)
+    if ref is None and comm is not None:  # every rank must join the all-reduce
+        ref = next(iter(params), None)
+    if ref is None:
+        return None
+    dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
+    flat = torch.zeros(layout.numel, dtype=dtype, device=ref.device)
+    for n, p in zip(layout.names, params):
+        if p.grad is not None:
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            flat[layout.span(n)] = grad.reshape(-1)
+    if comm is not None:
+        comm.all_reduce([flat], "gradients")
+        flat /= comm.world
+        for n, p in zip(layout.names, params):
+            g = flat[layout.span(n)].view_as(p).to(p.dtype)
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad.copy_(g)
+            elif p.grad is not None or g.any():  # unused here, used on another rank
+                p.grad = g.clone()
+    return flat

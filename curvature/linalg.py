@@ -139,16 +139,17 @@ def host_values(scalars: Sequence[Tensor]) -> list:
     return out
 
 
-def finite_flags(tensors: Sequence[Tensor]) -> List[bool]:
+def finite_flags(tensors: Sequence[Tensor], also: Sequence[Tensor] = ()) -> List[bool]:
     """Whether each tensor is free of NaN and infinity (one synchronization per device).
 
     A tensor's sum is finite iff every entry is (barring overflow of the sum, which runs
     in float32 for half-precision tensors and in the tensor's dtype otherwise: no float64,
-    which some devices lack).
+    which some devices lack). The values of the 0-d tensors ``also`` (e.g. flags of other
+    checks) are read in the same synchronization and appended.
     """
     low = (torch.float16, torch.bfloat16)
     sums = [t.sum(dtype=torch.float32) if t.dtype in low else t.sum() for t in tensors]
-    return host_values([s.isfinite() for s in sums])
+    return host_values([s.isfinite() for s in sums] + list(also))
 
 
 def damped_inverse(M: Tensor, shift, *, name: str = "matrix") -> Tensor:

@@ -649,23 +649,14 @@ def _ignore_index_sum(est):
     exact(est, mlp(), ce("sum"), *padded())
 
 
-_MEAN_PAD = (
-    "empirical statistics with reduction='mean' and ignored targets assume R = 1/N while the "
-    "loss averages over the kept targets: G is N/N_kept (8/5) times the empirical Fisher, "
-    "silently (type-2 raises the ignore_index ValueError)"
-)
-
-
 @row(
     "ignore-index-mean",
     "`nn.CrossEntropyLoss()` (mean) with padding targets",
     "Clear `ValueError` naming `ignore_index` and the way out, `reduction='sum'` (the mean "
-    "over the kept targets does not split into per-sample losses). Known issue: the "
-    "optimizers' `'empirical'` statistics accept it silently (G 8/5 too large here); use "
-    "`reduction='sum'`.",
+    "over the kept targets does not split into per-sample losses); for the empirical "
+    "Fisher at `step()`.",
     OPT + FN,
     outcome="error",
-    xfail=each(OPT_EMP, _MEAN_PAD),
 )
 def _ignore_index_mean(est):
     refused(est, r"ignore_index.*reduction='sum'", mlp(), ce(), *padded())
@@ -1832,7 +1823,7 @@ def test_the_table_is_large_enough_and_well_formed():
         assert (r.outcome == "known issue") == bool(r.xfail) or r.id in _PARTLY_OPEN, r.id
 
 
-_PARTLY_OPEN = {"ignore-index-mean", "backward-discarded-by-zero_grad"}
+_PARTLY_OPEN = {"backward-discarded-by-zero_grad"}
 
 
 # -- the report card -------------------------------------------------------------------------------

@@ -129,6 +129,8 @@ class StatisticsCollector:
         self.capture.on_forward(start=self._forward_start, end=self._forward_end)
         if self.pulls and auto_output and loss_func is not None:
             self.capture.watch_module(loss_func, end=self._loss_called)
+        if fisher == FisherType.EMPIRICAL and isinstance(loss_func, nn.CrossEntropyLoss):
+            self.capture.watch_module(loss_func, end=self._check_targets)
 
     @property
     def pulls(self) -> bool:
@@ -214,6 +216,29 @@ class StatisticsCollector:
         self.staged, self.waiting, self.mode = None, None, "loss"
         self.pull(values[0], module, values[1], keep_calls=False)
         self._launch_early()
+
+    def _check_targets(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """Empirical Fisher, ``CrossEntropyLoss(reduction="mean")``: no ignored targets.
+
+        The mean then runs over the kept positions only, so the user's gradient is not
+        ``R(N) sum_n grad l_n`` and the statistics' scale would be wrong; the check is
+        read with the next flush's synchronization.
+        """
+        if self.closed or self.evaluating or module.reduction != "mean":
+            return
+        if not (self.due and self.model.training and torch.is_grad_enabled()):
+            return
+        values = list(args) + [kwargs[k] for k in ("input", "target") if k in kwargs]
+        target = values[1] if len(values) > 1 else None
+        if not isinstance(target, Tensor) or target.is_floating_point():
+            return
+        self.stats.require_false(
+            (target == module.ignore_index).any(),
+            f"{self.who}(fisher='empirical'): the targets contain "
+            f"ignore_index={module.ignore_index} with CrossEntropyLoss(reduction='mean'): the "
+            "loss is then a mean over the non-ignored entries only, which the empirical "
+            "statistics cannot scale. Use reduction='sum' (and divide the learning rate).",
+        )
 
     def settle(self) -> None:
         """Finish the curvature backward of a forward whose ``loss_func`` call never came.

@@ -89,6 +89,7 @@ class StepStatistics:
         self.slots: Dict[StatKey, StepStat] = {}
         self.skipped = 0
         self._queue: list = []
+        self._checks: List[Tuple[Tensor, str]] = []
 
     def __bool__(self) -> bool:
         return bool(self.slots)
@@ -135,10 +136,15 @@ class StepStatistics:
         is counted in :attr:`skipped`; its slot stays (with zero counts) for the layout.
         """
         queue, self._queue = self._queue, []
-        if not queue:
+        checks, self._checks = self._checks, []
+        if not queue and not checks:
             return
         present = [[v for v in values if v is not None] for _, values, _, _ in queue]
-        flags = iter(finite_flags([v for vs in present for v in vs]))
+        read = finite_flags([v for vs in present for v in vs], [flag for flag, _ in checks])
+        failed = [msg for (_, msg), bad in zip(checks, read[len(read) - len(checks) :]) if bad]
+        if failed:
+            raise ValueError(failed[0])
+        flags = iter(read[: len(read) - len(checks)])
         finite = [all([next(flags) for _ in vs]) for vs in present]  # consumes every flag
         for (slot, values, rows, N), ok in zip(queue, finite):
             if not ok:
@@ -151,6 +157,13 @@ class StepStatistics:
             slot.rows += rows
             slot.samples += N
 
+    def require_false(self, flag: Tensor, message: str) -> None:
+        """Raise ``ValueError(message)`` at the next flush if the 0-d ``flag`` is true.
+
+        A check on the device read in the flush's one host synchronization.
+        """
+        self._checks.append((flag, message))
+
     def absorb(self, other: StepStatistics) -> None:
         """Add the (flushed) sums and skip count of ``other`` into this step's."""
         for key, st in other.slots.items():
@@ -160,6 +173,7 @@ class StepStatistics:
     def drop_queue(self) -> None:
         """Forget contributions that were queued but not flushed (after an error)."""
         self._queue = []
+        self._checks = []
 
     def take(self) -> Dict[StatKey, StepStat]:
         """The slots (this step's statistics), leaving this object empty."""

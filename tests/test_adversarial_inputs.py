@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
+from cases import torch_state
 from torch import Tensor, nn
 
 import curvature
@@ -34,16 +35,8 @@ N = 4
 
 @pytest.fixture(autouse=True)
 def _float64_one_thread():
-    old_dtype, old_threads = torch.get_default_dtype(), torch.get_num_threads()
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            yield
-    finally:
-        torch.set_default_dtype(old_dtype)
-        torch.set_num_threads(old_threads)
+    with torch_state(dtype=torch.float64):
+        yield
 
 
 # -- hostile models --------------------------------------------------------------------------------

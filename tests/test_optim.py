@@ -23,6 +23,7 @@ from functools import cache
 
 import pytest
 import torch
+from cases import torch_state
 from optimizer_info import optimizer_params, variants
 from torch import nn
 
@@ -33,17 +34,8 @@ KFAC, EKFAC = curvature.KFAC, curvature.EKFAC
 
 @pytest.fixture(autouse=True)
 def _float64_seed_one_thread():
-    # tiny matrices: one intra-op thread is faster (and far faster on a loaded machine)
-    old_dtype, old_threads = torch.get_default_dtype(), torch.get_num_threads()
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            yield
-    finally:
-        torch.set_default_dtype(old_dtype)
-        torch.set_num_threads(old_threads)
+    with torch_state(dtype=torch.float64):
+        yield
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import io
 
 import pytest
 import torch
+from cases import torch_state
 from optimizer_info import (
     ALL_FISHERS,
     FISHERS,
@@ -34,15 +35,8 @@ pytestmark = pytest.mark.filterwarnings("error")
 
 @pytest.fixture(autouse=True)
 def _one_thread_seeded():
-    # tiny matrices: one intra-op thread is faster (and far faster on a loaded machine)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            yield
-    finally:
-        torch.set_num_threads(old)
+    with torch_state():
+        yield
 
 
 # -- helpers ---------------------------------------------------------------------------------------

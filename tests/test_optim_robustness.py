@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from cases import TinyTransformer
+from cases import TinyTransformer, torch_state
 from optimizer_info import optimizer_params, variants
 from torch import nn
 
@@ -27,15 +27,8 @@ CE = nn.CrossEntropyLoss()
 
 @pytest.fixture(autouse=True)
 def _seed_one_thread():
-    old_dtype, old_threads = torch.get_default_dtype(), torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is faster, also on a loaded machine
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            yield
-    finally:
-        torch.set_default_dtype(old_dtype)
-        torch.set_num_threads(old_threads)
+    with torch_state():
+        yield
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict
 
 import pytest
 import torch
+from cases import torch_state
 from optimizer_info import OPTIMIZERS, layer_groups, optimizer_params, tiny_batch, tiny_mlp
 from torch import nn
 
@@ -41,12 +42,8 @@ WAY_OUT = "load only the model's state_dict and build a new optimizer"
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_state(seed=None):
         yield
-    finally:
-        torch.set_num_threads(old)
 
 
 # -- helpers ---------------------------------------------------------------------------------------

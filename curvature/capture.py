@@ -87,6 +87,7 @@ class Capture(PerSampleQuantities):
         self._param_handles: List[Any] = []  # push mode: post-accumulate hooks (commits)
         self._on_commit: Optional[Callable[..., Any]] = None
         self.late_gradients = 0  # gradients that reached a call after it was handed out
+        self.graph_gradients = 0  # gradients with a graph (a create_graph=True backward)
 
     # -- hooks -------------------------------------------------------------------------
     def attach(self) -> Capture:
@@ -487,6 +488,8 @@ def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, outpu
         g = grad_outputs[output_nr]
         if g is None:
             return None
+        if g.requires_grad:  # a create_graph=True pass (a gradient penalty, an HVP)
+            cap.graph_gradients += 1
         if call.pending is None:  # handed out already: a second backward through it
             cap.late_gradients += 1
         else:  # this pass's gradient; committed when the layer's .grad accumulates

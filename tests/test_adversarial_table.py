@@ -1317,23 +1317,14 @@ def _input_requires_grad(est):
     )
 
 
-_PENALTY = (
-    "with an input-gradient penalty (autograd.grad(loss, x, create_graph=True), then "
-    "(loss + penalty).backward()) the empirical statistics are neither the loss's empirical "
-    "Fisher nor the total's, silently (G of '0' off by 0.02, the diagonal by 0.03); "
-    "expected the loss's empirical Fisher or a warning naming the double backward"
-)
-
-
 @row(
     "input-gradient-penalty",
     "An input-gradient penalty: `gx = autograd.grad(loss, x, create_graph=True)`, then "
     "`(loss + gx.pow(2).sum()).backward()`",
-    "type-2: exact (the curvature of `loss_func`). Known issue for `'empirical'`: the "
-    "statistics mix in the penalty's backward silently; use `fisher='type-2'`.",
+    "type-2: exact (the curvature of `loss_func`). `'empirical'`: a warning that the "
+    "statistics include the penalty's backward (use `fisher='type-2'`).",
     OPT,
-    outcome="known issue",
-    xfail=each(OPT_EMP, _PENALTY),
+    outcome="warning",
 )
 def _penalty(est):
     def train(opt, model, loss_func, X, y):

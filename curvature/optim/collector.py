@@ -122,6 +122,7 @@ class StatisticsCollector:
         self.staged_rng: Optional[Tensor] = None
         self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
         self.late_warned = False
+        self.graph_warned = False
         self.capture = Capture(model, unsupported="functorch")
         self.capture.attach()
         if fisher == FisherType.EMPIRICAL:
@@ -367,13 +368,27 @@ class StatisticsCollector:
         self._consume([(name, module, rule, calls)], "user", flush=False)
 
     def warn_late(self) -> None:
-        """One warning when a second backward pass reached calls already folded."""
+        """One warning each for two kinds of backward the empirical statistics cannot split.
+
+        A second backward pass through a forward already folded; a ``create_graph=True``
+        pass through the model (a gradient penalty): the following ``backward()`` then
+        also carries the penalty's gradients at the layer outputs.
+        """
         if self.capture.late_gradients and not self.late_warned:
             self.late_warned = True
             warn(
                 f"{self.who}(fisher='empirical'): a second backward pass ran through a "
                 "forward whose gradients were already used; the curvature uses each "
                 "forward's first backward only. Sum the losses and call backward() once."
+            )
+        if self.capture.graph_gradients and not self.graph_warned:
+            self.graph_warned = True
+            warn(
+                f"{self.who}(fisher='empirical'): a backward with create_graph=True (e.g. a "
+                "gradient penalty) ran through the model: the statistics then include the "
+                "gradients at the layer outputs of everything your backward() differentiates, "
+                "not of loss_func alone. Use fisher='mc' or 'type-2' for the curvature of "
+                "loss_func."
             )
 
     def _consume(

@@ -294,6 +294,27 @@ class Capture(PerSampleQuantities):
             out.append((name, module, rule, done))
         return out
 
+    def watch_accumulation(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback()`` when a backward accumulates a captured layer's ``.grad``.
+
+        Post-accumulate-grad hooks on the layers' trainable parameters (removed by
+        :meth:`remove_hooks`); ``callback`` is a bound method, held weakly. A
+        ``torch.autograd.grad`` call never triggers it.
+        """
+        method = weakref.WeakMethod(callback)
+
+        def hook(param: Tensor) -> None:
+            fn = method()
+            if fn is not None:
+                fn()
+
+        seen = set()
+        for _, module, _ in self.layers:
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self._param_handles.append(p.register_post_accumulate_grad_hook(hook))
+
     def watch_module(self, module: nn.Module, end: Callable[..., Any]) -> None:
         """Call ``end(module, args, kwargs, output)`` after each call of ``module``.
 

@@ -1391,24 +1391,13 @@ def _set_to_none_false(est):
     exact(est, mlp(), ce(), *batch(), train=train)
 
 
-_DISCARDED = (
-    "a forward/backward whose gradient optim.zero_grad() then discards (a validation or "
-    "logging backward) still counts in the next step's statistics (A of '0' off by 0.46, "
-    "the diagonal by 0.23), silently, for every Fisher type; expected: zero_grad() drops "
-    "the statistics of the forwards and backwards that already ran"
-)
-
-
 @row(
     "backward-discarded-by-zero_grad",
     "An extra forward/backward (validation gradient, logging) before `optim.zero_grad()`",
-    "Empirical Fisher: exact (`zero_grad()` drops the statistics of the gradients it "
-    "zeroes). Known issue for mc / type-2: the statistics belong to every training forward "
-    "since the last `step()`, so the extra forward counts; run such passes under "
-    "`torch.no_grad()`/`model.eval()`, or on a copy of the model.",
+    "Exact: `zero_grad()` drops the statistics of the gradients it zeroes (a forward whose "
+    "backward ran before it); a forward whose backward comes after `zero_grad()` counts.",
     OPT,
-    outcome="known issue",
-    xfail=each(tuple(e for e in OPT if "empirical" not in e), _DISCARDED),
+    outcome="exact",
 )
 def _discarded(est):
     X2, y2 = batch(7)
@@ -1814,7 +1803,7 @@ def test_the_table_is_large_enough_and_well_formed():
         assert (r.outcome == "known issue") == bool(r.xfail) or r.id in _PARTLY_OPEN, r.id
 
 
-_PARTLY_OPEN = {"backward-discarded-by-zero_grad"}
+_PARTLY_OPEN: set = set()
 
 
 # -- the report card -------------------------------------------------------------------------------

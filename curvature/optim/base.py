@@ -294,15 +294,15 @@ class CurvatureOptimizer(Optimizer):
 
     # -- lifecycle ---------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``torch.optim.Optimizer.zero_grad``; with ``"empirical"`` also this step's statistics.
+        """``torch.optim.Optimizer.zero_grad``, and the statistics of the zeroed gradients.
 
-        The empirical statistics follow ``.grad``: gradients that are zeroed before
-        ``step()`` do not count. (For the other Fisher types the statistics belong to the
-        training forwards since the last ``step()``, whenever ``zero_grad`` runs.)
+        The statistics follow ``.grad``: a forward whose backward ran before
+        ``zero_grad()`` does not count in the next step (a forward whose backward comes
+        after it does; under DDP the automatic curvature backward counts at once).
         """
         super().zero_grad(set_to_none=set_to_none)
-        if self.config.fisher == FisherType.EMPIRICAL and not self._closed:
-            self._collector.discard()
+        if not self._closed:
+            self._collector.gradients_zeroed()
 
     def close(self) -> None:
         """Remove every hook (the optimizer can still ``step`` with plain gradients)."""

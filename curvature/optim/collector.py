@@ -122,6 +122,7 @@ class StatisticsCollector:
         self.staged_rng: Optional[Tensor] = None
         self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
         self.late_warned = False
+        self.backward_seen = False
         self.graph_warned = False
         self.capture = Capture(model, unsupported="functorch")
         self.capture.attach()
@@ -130,6 +131,11 @@ class StatisticsCollector:
         self.capture.on_forward(start=self._forward_start, end=self._forward_end)
         if self.pulls and auto_output and loss_func is not None:
             self.capture.watch_module(loss_func, end=self._loss_called)
+        # automatic pulls wait for their forward's backward: zero_grad() before it drops them
+        self.unconfirmed = StepStatistics()
+        self.confirming = self.pulls and auto_output and ddp is None
+        if self.confirming:
+            self.capture.watch_accumulation(self._accumulated)
         if fisher == FisherType.EMPIRICAL and isinstance(loss_func, nn.CrossEntropyLoss):
             self.capture.watch_module(loss_func, end=self._check_targets)
 
@@ -199,6 +205,7 @@ class StatisticsCollector:
         if self.mode == "unknown" and isinstance(output, Tensor) and output.grad_fn is not None:
             self.staged = StepStatistics()
             self.staged_rng = self.generator.get_state()  # restored if it is replaced
+            self.backward_seen = False
             self.pull(output, self.loss_func, None, keep_calls=True, stats=self.staged)
 
     def _loss_called(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -215,7 +222,7 @@ class StatisticsCollector:
         if self.staged is not None:  # the staged pull never happened, draws included
             self.generator.set_state(self.staged_rng)
         self.staged, self.waiting, self.mode = None, None, "loss"
-        self.pull(values[0], module, values[1], keep_calls=False)
+        self.pull(values[0], module, values[1], keep_calls=False, stats=self._auto_stats())
         self._launch_early()
 
     def _check_targets(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -254,7 +261,8 @@ class StatisticsCollector:
             self.staged = None
             return
         if self.staged is not None:
-            self.stats.absorb(self.staged)
+            seen = self.backward_seen or not self.confirming
+            (self.stats if seen else self.unconfirmed).absorb(self.staged)
             self.staged = None
             self.capture.clear()  # the staged forward's calls
             self.mode = "output"
@@ -283,8 +291,35 @@ class StatisticsCollector:
                 "loss_func(out.logits, y)), or name the curvature outputs with "
                 "optim.register_output(output, loss_func) and pass auto_output=False."
             )
-        self.pull(output, self.loss_func, None, keep_calls=False)
+        self.pull(output, self.loss_func, None, keep_calls=False, stats=self._auto_stats())
         self._launch_early()
+
+    def _auto_stats(self) -> StepStatistics:
+        """Where an automatic pull's statistics go: held until the user's backward."""
+        return self.unconfirmed if self.confirming else self.stats
+
+    def _accumulated(self) -> None:
+        """The user's backward accumulated gradients: its forwards' statistics count."""
+        self.backward_seen = True
+        if self.unconfirmed:
+            self.stats.absorb(self.unconfirmed)
+            self.unconfirmed = StepStatistics()
+
+    def gradients_zeroed(self) -> None:
+        """``zero_grad()``: drop the statistics whose gradients were just zeroed.
+
+        Empirical: everything folded so far. The automatic pulls of mc / type-2 /
+        rademacher: those of forwards whose backward already ran (a forward whose backward
+        comes after ``zero_grad()`` still counts).
+        """
+        if self.fisher == FisherType.EMPIRICAL:
+            self.discard()
+        elif self.confirming:
+            self.stats.drop_queue()
+            self.stats.take()
+            if self.staged is not None and self.backward_seen:
+                self.staged, self.waiting = None, None
+                self.capture.clear()
 
     def _loss_scale(self) -> float:
         """The AMP loss scale of the current forward (1 without a grad scaler)."""
@@ -450,6 +485,7 @@ class StatisticsCollector:
         if self.fisher == FisherType.EMPIRICAL:
             self.consume_pushed()
         self.settle()  # a forward whose loss_func call never came
+        self._accumulated()  # forwards without a backward count too
         self.stats.flush()
         self.capture.clear()  # calls whose backward never came (or kept for registration)
 
@@ -506,6 +542,7 @@ class StatisticsCollector:
             self.pending = None
         self.stats.drop_queue()
         self.stats.take()
+        self.unconfirmed = StepStatistics()
 
     def default_dtype(self) -> torch.dtype:
         """float64 for float64 models, else float32."""

@@ -183,8 +183,11 @@ class KFACApprox:
 
 # -- collecting statistics ---------------------------------------------------------------
 def _check_args(
-    loss_func, fisher, kfac_approx, mc_samples, unsupported, caller="kfac", arg="unsupported"
+    loss_func, fisher, kfac_approx, mc_samples, unsupported, on_unsupported, max_factor_size, caller
 ):
+    """The validated arguments shared by :func:`kfac` and :func:`ekfac`."""
+    unsupported, arg = renamed(unsupported, on_unsupported, "unsupported", "on_unsupported", caller)
+    _check_max_factor_size(max_factor_size, caller)
     check_loss(loss_func)
     fisher = check_fisher(fisher)
     kfac_approx = choice(KFACApproxType, kfac_approx, f"{caller}(kfac_approx")
@@ -267,11 +270,16 @@ def kfac(
         A :class:`KFACApprox`.
 
     """
-    unsupported, arg = renamed(unsupported, on_unsupported, "unsupported", "on_unsupported", "kfac")
     fisher, kfac_approx, unsupported = _check_args(
-        loss_func, fisher, kfac_approx, mc_samples, unsupported, arg=arg
+        loss_func,
+        fisher,
+        kfac_approx,
+        mc_samples,
+        unsupported,
+        on_unsupported,
+        max_factor_size,
+        "kfac",
     )
-    _check_max_factor_size(max_factor_size, "kfac")
     return _kfac(
         model,
         loss_func,
@@ -481,13 +489,16 @@ def ekfac(
     """
     if fisher == FisherType.FORWARD_ONLY:
         raise ValueError("ekfac(fisher='forward-only') is undefined: there are no gradients.")
-    unsupported, arg = renamed(
-        unsupported, on_unsupported, "unsupported", "on_unsupported", "ekfac"
-    )
     fisher, kfac_approx, unsupported = _check_args(
-        loss_func, fisher, kfac_approx, mc_samples, unsupported, caller="ekfac", arg=arg
+        loss_func,
+        fisher,
+        kfac_approx,
+        mc_samples,
+        unsupported,
+        on_unsupported,
+        max_factor_size,
+        "ekfac",
     )
-    _check_max_factor_size(max_factor_size, "ekfac")
     approx = _kfac(
         model,
         loss_func,

@@ -8,7 +8,7 @@ at once.
 
 ========================  ==========================================================
 :class:`KroneckerBlock`   KFAC ``kron(G, A)``, pi or exact damping; exact small blocks
-                          (:func:`exact_block`, ``A = [[1]]``)
+                          (``A = [[1]]``)
 :class:`EigenCorrectedBlock`  EKFAC: the Kronecker eigenbasis with corrected eigenvalues
 :class:`KroneckerSumBlock`    a sum of Kronecker products (terms), inverted exactly
 :class:`DiagonalBlock`    a Fisher diagonal
@@ -16,7 +16,7 @@ at once.
 """
 
 from .diagonal import DiagonalBlock
-from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, exact_block, mean_diagonal
+from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, mean_diagonal
 from .records import (
     DampedInverses,
     Eigen,
@@ -45,7 +45,6 @@ __all__ = [
     "RefreshStatus",
     "eigendecompositions",
     "ema",
-    "exact_block",
     "invert",
     "mean_diagonal",
     "snapshots",

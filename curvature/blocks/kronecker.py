@@ -13,7 +13,7 @@ the flat positions ``index [C, D_out, D]`` (``C`` groups of a grouped convolutio
 with ``pi = sqrt(mean eig(A) / mean eig(G))`` (Martens & Grosse, 2015) and ``Lambda`` the
 second moments of the per-sample gradients in the Kronecker eigenbasis (George et al.,
 2018). A layer without Kronecker structure is an exact block: ``A = [[1]]``, ``D = 1``
-and ``G`` its dense curvature (:func:`exact_block`).
+and ``G`` its dense curvature (``curvature.layer_stats.exact_factors``).
 """
 
 from __future__ import annotations
@@ -261,13 +261,3 @@ class EigenCorrectedBlock(KroneckerBlock):
         super().load_state_dict(state)
         c = state.get("corrections")
         self.corrections = None if c is None else c.clone()
-
-
-def exact_block(name: str, index: Tensor, G: Tensor, cls: type = KroneckerBlock) -> KroneckerBlock:
-    """A layer without Kronecker structure as one exact block ``G [1, P_l, P_l]``, ``A = [[1]]``.
-
-    ``index`` is ``[1, P_l, 1]``; every product of :class:`KroneckerBlock` then acts with
-    the dense curvature ``G`` of the layer's ``P_l`` parameters.
-    """
-    one = torch.ones(1, 1, 1, dtype=G.dtype, device=G.device)
-    return cls(name, index, one, G)

@@ -579,8 +579,3 @@ class CurvatureOptimizer(Optimizer):
 def stat_dtype(t: Tensor) -> torch.dtype:
     """The statistics dtype for a value computed in ``t.dtype``: float64 or float32."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def is_forward_only(fisher: FisherType) -> bool:
-    """Whether the Fisher type has no backward (``G = I``)."""
-    return fisher == FisherType.FORWARD_ONLY

@@ -400,9 +400,7 @@ def plot(results: Dict[str, Dict[str, Any]], path: str, title: str, target: floa
     per_epoch = next(iter(results.values()), {}).get("steps_per_epoch")
     a2.set_xlabel(f"step ({per_epoch} per epoch)" if per_epoch else "step")
     for a in (a1, a2):
-        a.axhline(
-            target, color="gray", linestyle=":", linewidth=1, label=f"target loss {target:g}"
-        )
+        a.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"target loss {target:g}")
         a.set_ylabel("training loss")
         a.grid(True, which="both", alpha=0.3)
         a.legend()
@@ -492,9 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-samples", type=int, default=10000, help="training samples for the loss curves"
     )
     p.add_argument("--figure", default="curvature_demo.png", help="PNG path; '' for none")
-    p.add_argument(
-        "--json", default=None, help="write the results (curves included) to this path"
-    )
+    p.add_argument("--json", default=None, help="write the results (curves included) to this path")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialization and batches")
     p.add_argument(

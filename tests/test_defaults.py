@@ -5,8 +5,8 @@ train the residual CNN on which the plain defaults diverge (issue: defaults that
   constructors' signatures, and ``curvature.kfac``'s ``fisher`` default against
   docs/curvature.md;
 - a small residual CNN without BatchNorm on the 8x8 digits: with the README's constructor
-  arguments (``kl_clip=1e-3``) every optimizer stays finite for 30 steps and KFAC/EKFAC
-  lower the loss; without the clip KFAC diverges, and its skipped updates give one
+  arguments (``kl_clip=1e-3``) every optimizer stays finite for 30 steps and lowers the
+  loss; without the clip KFAC diverges, and its skipped updates give one
   warning, not one per parameter per step.
 """
 
@@ -145,10 +145,7 @@ def test_the_readme_settings_train_the_residual_cnn(cls):
     assert not [w for w in caught if "non-finite" in str(w.message)]  # no skipped update
     assert all(math.isfinite(v) and v < 5 for v in losses), losses
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    if cls is curvature.DiagonalNaturalGradient:  # slow at this lr, but never worse
-        assert after < before + 0.02, (before, after)
-    else:
-        assert after < before - 0.05, (before, after)
+    assert after < before - 0.05, (before, after)  # 2.31 to 2.16, 1.62, 2.22 here
 
 
 def test_without_the_clip_kfac_diverges_with_one_warning():

@@ -13,7 +13,7 @@ whose per-sample norms come from :func:`curvature.capture` on the training forwa
 itself (no second forward, no per-sample gradients materialized); Adam;
 ``curvature.KFAC`` and ``curvature.EKFAC``. It shows progress bars (with ``tqdm``),
 prints a table (final training loss, test accuracy, wall time, time to a target training
-loss) and saves a figure of the loss curves against wall time and epochs (with
+loss) and saves a figure of the loss curves against wall time and steps (with
 ``matplotlib``). ``--device auto`` trains on the GPU when there is one.
 """
 
@@ -303,12 +303,13 @@ def train(name: str, data: Data, args, device: torch.device) -> Dict[str, Any]:
     n, batch = len(ytr), args.batch
     steps_per_epoch = -(-n // batch)
     eval_every = max(1, steps_per_epoch // 4)
-    history: Dict[str, List[float]] = {"epoch": [], "time": [], "loss": []}
+    history: Dict[str, List[float]] = {"step": [], "epoch": [], "time": [], "loss": []}
     clipped: List[float] = []
     elapsed = 0.0
 
     def record(step: int) -> float:
         loss = evaluate(model, Xev, yev)[0]
+        history["step"].append(step)
         history["epoch"].append(step / steps_per_epoch)
         history["time"].append(elapsed)
         history["loss"].append(loss)
@@ -355,6 +356,7 @@ def train(name: str, data: Data, args, device: torch.device) -> Dict[str, Any]:
         "time_to_target": reached[0] if reached else None,
         "epochs_to_target": reached_epoch[0] if reached_epoch else None,
         "clipped": sum(clipped) / len(clipped) if clipped else None,
+        "steps_per_epoch": steps_per_epoch,
         "history": history,
     }
 
@@ -381,7 +383,7 @@ def table(results: Dict[str, Dict[str, Any]], target: float) -> str:
 
 
 def plot(results: Dict[str, Dict[str, Any]], path: str, title: str, target: float) -> bool:
-    """Save the loss curves against wall time and epochs; ``False`` without matplotlib."""
+    """Save the loss curves against wall time and steps; ``False`` without matplotlib."""
     try:
         import matplotlib
 
@@ -393,11 +395,12 @@ def plot(results: Dict[str, Dict[str, Any]], path: str, title: str, target: floa
     for r in results.values():
         h = r["history"]
         a1.semilogy(h["time"], h["loss"], label=r["optimizer"])
-        a2.semilogy(h["epoch"], h["loss"], label=r["optimizer"])
+        a2.semilogy(h["step"], h["loss"], label=r["optimizer"])
     a1.set_xlabel("wall time (s, training only)")
-    a2.set_xlabel("epoch")
+    per_epoch = next(iter(results.values()), {}).get("steps_per_epoch")
+    a2.set_xlabel(f"step ({per_epoch} per epoch)" if per_epoch else "step")
     for a in (a1, a2):
-        a.axhline(target, color="gray", linestyle=":", linewidth=1)
+        a.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"target loss {target:g}")
         a.set_ylabel("training loss")
         a.grid(True, which="both", alpha=0.3)
         a.legend()
@@ -418,36 +421,90 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """The demo's command line (dataset-dependent defaults filled in)."""
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` where the default is a value, not ``None`` or a flag's."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line: every option with help and its default."""
     p = argparse.ArgumentParser(
         prog="python -m curvature.demo",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("--dataset", choices=sorted(DEFAULTS), default="digits")
-    p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
+    dig, fm = DEFAULTS["digits"], DEFAULTS["fashion-mnist"]
+
+    def per_dataset(what: str, key: str) -> str:
+        return f"{what} (default: {dig[key]} for digits, {fm[key]} for fashion-mnist)"
+
     p.add_argument(
-        "--subsample", type=int, default=None, help="training samples (fashion 20000; 0: all)"
+        "--dataset",
+        choices=sorted(DEFAULTS),
+        default="digits",
+        help="digits: scikit-learn's bundled 8x8 digits; fashion-mnist: 28x28 images from "
+        "--data-dir or the Debian package dataset-fashion-mnist",
     )
-    p.add_argument("--optimizers", nargs="+", choices=list(OPTIMIZERS), default=list(OPTIMIZERS))
-    p.add_argument("--epochs", type=int, default=None, help="digits 10, fashion-mnist 3")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=None, help="digits 128, fashion-mnist 256")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help=f"folder with the Fashion-MNIST IDX files (default: {FASHION_DIR})",
+    )
+    p.add_argument(
+        "--subsample",
+        type=int,
+        default=None,
+        help="training samples to keep, 0 for all (default: all for digits, "
+        f"{fm['subsample']} for fashion-mnist)",
+    )
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=list(OPTIMIZERS),
+        default=list(OPTIMIZERS),
+        metavar="NAME",
+        help=f"optimizers to compare, from {', '.join(OPTIMIZERS)}",
+    )
+    p.add_argument("--epochs", type=int, default=None, help=per_dataset("epochs", "epochs"))
+    p.add_argument("--batch", type=int, default=64, help="batch size")
+    p.add_argument("--hidden", type=int, default=None, help=per_dataset("hidden width", "hidden"))
+    p.add_argument("--lr", type=float, default=0.1, help="SGD's learning rate (momentum 0.9)")
     p.add_argument("--clip", type=float, default=1.0, help="per-sample gradient norm bound")
-    p.add_argument("--adam-lr", type=float, default=1e-2)
-    p.add_argument("--kfac-lr", type=float, default=3e-2, help="KFAC and EKFAC")
-    p.add_argument("--damping", type=float, default=1e-3, help="KFAC and EKFAC")
-    p.add_argument("--kl-clip", type=float, default=1e-3, help="KFAC and EKFAC; 0: none")
-    p.add_argument("--target-loss", type=float, default=None, help="digits 0.1, fashion-mnist 0.4")
-    p.add_argument("--eval-samples", type=int, default=10000, help="for the loss curves")
+    p.add_argument("--adam-lr", type=float, default=1e-2, help="Adam's learning rate")
+    p.add_argument("--kfac-lr", type=float, default=3e-2, help="KFAC's and EKFAC's learning rate")
+    p.add_argument("--damping", type=float, default=1e-3, help="KFAC's and EKFAC's damping")
+    p.add_argument(
+        "--kl-clip", type=float, default=1e-3, help="KFAC's and EKFAC's KL clipping; 0: none"
+    )
+    p.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help=per_dataset("the training loss whose first crossing is timed", "target"),
+    )
+    p.add_argument(
+        "--eval-samples", type=int, default=10000, help="training samples for the loss curves"
+    )
     p.add_argument("--figure", default="curvature_demo.png", help="PNG path; '' for none")
-    p.add_argument("--json", default=None, help="write the results (curves included)")
+    p.add_argument("--json", default=None, help="write the results (curves included) to this path")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    args = p.parse_args(argv)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialization and batches")
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bars (nor the plain per-epoch lines printed without tqdm)",
+    )
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The demo's command line (dataset-dependent defaults filled in)."""
+    args = build_parser().parse_args(argv)
     d = DEFAULTS[args.dataset]
     args.epochs = args.epochs if args.epochs is not None else d["epochs"]
     args.hidden = args.hidden if args.hidden is not None else d["hidden"]

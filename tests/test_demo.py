@@ -49,6 +49,7 @@ def test_demo_runs_on_digits(tmp_path, capsys):
     for r in results.values():
         h = r["history"]
         assert h["epoch"][0] == 0 and h["epoch"][-1] == pytest.approx(1.0)
+        assert h["step"][0] == 0 and h["step"][-1] == r["steps_per_epoch"]
         assert len(h["time"]) == len(h["loss"]) >= 3 and h["time"] == sorted(h["time"])
         assert 0 <= r["test_acc"] <= 1 and np.isfinite(r["train_loss"])
         if r["time_to_target"] is not None:
@@ -141,3 +142,32 @@ def test_progress_without_tqdm(monkeypatch, capsys):
     bar.close()
     out = capsys.readouterr().out.splitlines()
     assert out == ["KFAC: epoch 1, step 3/6 loss 0.5", "KFAC: epoch 2, step 6/6 loss 0.5"]
+
+
+def test_help_documents_every_option_with_its_real_default(capsys):
+    """Every option has help text; no default is shown as None (the dataset-dependent ones
+    name their values)."""
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--help"])
+    out = capsys.readouterr().out
+    parser_help = out.split("options:", 1)[1]
+    assert "None" not in parser_help
+    options = [a for a in demo.build_parser()._actions if a.option_strings]
+    assert all(a.help for a in options), [a.option_strings for a in options if not a.help]
+    for text in ("(default: 10 for digits, 3 for fashion-mnist)", "(default: 64)", "0: none"):
+        assert text in " ".join(parser_help.split())
+
+
+def test_figure_labels_the_target_and_plots_against_steps(tmp_path, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    shown = {}
+    monkeypatch.setattr(plt, "close", lambda fig: shown.setdefault("fig", fig))
+    h = {"step": [0, 5, 10], "epoch": [0, 0.5, 1], "time": [0, 0.1, 0.2], "loss": [2, 1, 0.5]}
+    results = {"kfac": {"optimizer": "KFAC", "history": h, "steps_per_epoch": 10}}
+    assert demo.plot(results, str(tmp_path / "f.png"), "title", target=0.7)
+    wall, steps = shown["fig"].axes
+    assert steps.get_xlabel() == "step (10 per epoch)" and "wall time" in wall.get_xlabel()
+    for ax in (wall, steps):
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels == ["KFAC", "target loss 0.7"]
+    assert list(steps.get_lines()[0].get_xdata()) == [0, 5, 10]

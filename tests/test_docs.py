@@ -66,4 +66,10 @@ def test_docs_build_strict(tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "WARNING" not in log, log
-    assert (tmp_path / "api" / "optim" / "index.html").exists()
+    api = (tmp_path / "api" / "optim" / "index.html").read_text()
+    # doctest examples render as code, not as nested block quotes of run-on prose
+    assert '<code class="language-python">&gt;&gt;&gt; optim = curvature.KFAC(' in api
+    for page in (tmp_path / "api").rglob("*.html"):
+        assert "<blockquote>" not in page.read_text(), page
+    # wide tables: the stylesheet that wraps cells and scrolls what is still too wide
+    assert (tmp_path / "css" / "extra.css").exists() and "css/extra.css" in api

@@ -203,6 +203,31 @@ def wide_mlp(seed=0, dtype=torch.float32):
     return nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
 
 
+def no_bias_mlp(seed=0, dtype=torch.float32):
+    """:func:`tiny_mlp`'s widths, the first layer without a bias (``A`` is ``[4, 4]``)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6, bias=False), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+
+
+def deep_mlp(seed=0, dtype=torch.float32):
+    """:func:`tiny_mlp` with one more layer (block ``"4"``)."""
+    plain = tiny_mlp(seed, dtype)
+    return nn.Sequential(*plain, nn.Tanh(), nn.Linear(3, 3).to(dtype))
+
+
+def small_cnn(channels=3, seed=0, dtype=torch.float32):
+    """:func:`tiny_batch`'s ``[N, 4]`` as ``[N, 1, 2, 2]`` images, padded, then
+    ``Conv2d(1, channels, 3)`` (block ``"2"``) and ``Linear(4 channels, 3)`` (block ``"4"``)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 2, 2)),
+        nn.ConstantPad2d(1, 0.0),
+        nn.Conv2d(1, channels, 3),
+        nn.Flatten(),
+        nn.Linear(4 * channels, 3),
+    ).to(dtype)
+
+
 def tensor_to_list(state):
     state["curvature"]["blocks"][("0", "")]["A"] = state["curvature"]["blocks"][("0", "")][
         "A"
@@ -295,6 +320,77 @@ MISMATCHES = [
         ekfac(),
         ekfac(),
         r"block '0' G has saved shape \[1, 6, 6\], expected \[1, 7, 7\]",
+        loader_model=wide_mlp,
+    ),
+    Mismatch(
+        "KFAC-narrower-model",
+        kfac(),
+        kfac(),
+        r"block '0' G has saved shape \[1, 7, 7\], expected \[1, 6, 6\] \(a model of other layer",
+        saver_model=wide_mlp,
+    ),
+    Mismatch(
+        "EKFAC-wider-model-into-KFAC",
+        ekfac(),
+        kfac(),
+        r"block '0' G has saved shape \[1, 6, 6\], expected \[1, 7, 7\]",
+        loader_model=wide_mlp,
+    ),
+    Mismatch(
+        "KFAC-wider-model-into-EKFAC",
+        kfac(),
+        ekfac(),
+        r"block '0' G has saved shape \[1, 6, 6\], expected \[1, 7, 7\]",
+        loader_model=wide_mlp,
+    ),
+    Mismatch(
+        "EKFAC-corrections-shape-into-KFAC",
+        ekfac(),
+        kfac(),
+        r"block '2' corrections has saved shape \[1, 3, 6\], expected \[1, 3, 7\]",
+        transform=bad_corrections,
+    ),
+    Mismatch(
+        "KFAC-exact-wider-model",
+        kfac(damping_mode="exact"),
+        kfac(damping_mode="exact"),
+        r"block '0' G has saved shape \[1, 6, 6\], expected \[1, 7, 7\]",
+        loader_model=wide_mlp,
+    ),
+    Mismatch(
+        "KFAC-a-layer-without-bias",
+        kfac(),
+        kfac(),
+        r"param group 0 has 4 saved parameter\(s\), this optimizer's 3",
+        loader_model=no_bias_mlp,
+    ),
+    Mismatch(
+        "KFAC-deeper-model-into-shallower",
+        kfac(),
+        kfac(),
+        r"param group 0 has 6 saved parameter\(s\), this optimizer's 4",
+        saver_model=deep_mlp,
+    ),
+    Mismatch(
+        "KFAC-conv-other-channels",
+        kfac(),
+        kfac(),
+        r"block '2' G has saved shape \[1, 3, 3\], expected \[1, 5, 5\]",
+        saver_model=lambda: small_cnn(3),
+        loader_model=lambda: small_cnn(5),
+    ),
+    Mismatch(
+        "Diagonal-wider-model-into-KFAC",
+        diagonal(),
+        kfac(),
+        r"saved by DiagonalNaturalGradient.*loads only into DiagonalNaturalGradient",
+        loader_model=wide_mlp,
+    ),
+    Mismatch(
+        "KFAC-wider-model-into-Diagonal",
+        kfac(),
+        diagonal(),
+        r"saved by KFAC.*loads only into KFAC or EKFAC",
         loader_model=wide_mlp,
     ),
     Mismatch(

@@ -49,6 +49,7 @@ from .updates import (
     line_search,
     loss_only,
     reduction_ratio,
+    skipped_message,
 )
 
 
@@ -97,6 +98,7 @@ class CurvatureOptimizer(Optimizer):
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
         self.last_kl_scale = 1.0
+        self.skipped_updates = 0  # steps whose update was skipped (non-finite) for a parameter
         self.generator = torch.Generator().manual_seed(config.seed)
         self.steps = 0
         self._skipped_before = 0
@@ -408,9 +410,14 @@ class CurvatureOptimizer(Optimizer):
                 )
             else:
                 slots = [s for s in self._slots() if s.param.grad is not None]
-                self.last_kl_scale = apply_update(
-                    slots, directions, grads, self.state, cfg.kl_clip, type(self).__name__
+                self.last_kl_scale, skipped = apply_update(
+                    slots, directions, grads, self.state, cfg.kl_clip
                 )
+                if skipped:
+                    self.skipped_updates += 1
+                    if self.skipped_updates == 1:  # once per optimizer; later ones counted
+                        who = type(self).__name__
+                        warn(skipped_message(who, skipped, len(slots), self.steps))
         if adapt:
             delta = self.layout.flat_params(torch.float64) - before
             self._adapt_damping(closure, float(loss.detach()), grads, delta)

@@ -71,7 +71,7 @@ class KFAC(CurvatureOptimizer):
     """Kronecker-factored natural gradient (Martens & Grosse, 2015).
 
     Example:
-        >>> optim = curvature.KFAC(model, lr=1e-2, damping=1e-3)  # doctest: +SKIP
+        >>> optim = curvature.KFAC(model, lr=1e-2, damping=1e-3, kl_clip=1e-3)  # doctest: +SKIP
         >>> for X, y in loader:
         ...     optim.zero_grad()
         ...     loss_func(model(X), y).backward()
@@ -100,7 +100,7 @@ class KFAC(CurvatureOptimizer):
             eigendecompositions (``"exact"``, EKFAC) every this many steps (default 10).
         kl_clip (float | None): KL clipping (Ba, Grosse & Martens, 2017): the update
             ``-lr d`` is scaled by ``nu = min(1, sqrt(kl_clip / sum_p lr_p^2 d_p^T g_p))``
-            (default None: off).
+            (default None: off; ``kl_clip=1e-3`` is a safe start, see docs/optimizers.md).
         damping_mode (str): ``"pi"`` (default; Tikhonov damping of each factor with the pi
             heuristic, more conservative in directions where one factor is large; the
             damped factors are inverted by Cholesky) or

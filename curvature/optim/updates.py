@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -55,13 +55,12 @@ def apply_update(
     grads: Tensor,
     state: Dict[Tensor, Dict[str, Any]],
     kl_clip: Optional[float],
-    who: str,
-) -> float:
-    """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay; returns ``nu``.
+) -> Tuple[float, List[str]]:
+    """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay.
 
     One host synchronization reads the finiteness of the directions and, with
     ``kl_clip``, the KL factor ``nu`` (:func:`kl_scale`). A parameter whose update is not
-    finite is left unchanged, with a warning naming it.
+    finite is left unchanged; the caller warns (once: :func:`skipped_message`).
 
     Args:
         slots: The parameters with a gradient, their groups and flat spans.
@@ -69,7 +68,9 @@ def apply_update(
         grads: ``[P]`` gradient ``g``.
         state: The optimizer's per-parameter state (``momentum_buffer``).
         kl_clip: The KL clipping bound, or ``None``.
-        who: The optimizer's name for messages.
+
+    Returns:
+        ``nu`` and the names of the parameters whose update was skipped.
 
     """
     checks = [directions.sum()]
@@ -78,11 +79,12 @@ def apply_update(
     total, *kl = torch.stack(checks).tolist()
     nu = kl[0] if kl else 1.0
     all_finite = math.isfinite(total)
+    skipped: List[str] = []
     for s in slots:
         p, g = s.param, s.group
         d = (nu * directions[s.span]).view_as(p).to(p.dtype)
         if not all_finite and not torch.isfinite(d).all():
-            warn(f"{who}: non-finite update for '{s.name}' skipped (NaN/inf gradients?).")
+            skipped.append(s.name)
             continue
         if g["weight_decay"]:
             p.mul_(1 - g["lr"] * g["weight_decay"])
@@ -95,7 +97,22 @@ def apply_update(
                 buf.mul_(g["momentum"]).add_(d)
             d = buf
         p.add_(d, alpha=-g["lr"])
-    return nu
+    return nu, skipped
+
+
+def skipped_message(who: str, names: Sequence[str], of: int, step: int) -> str:
+    """The warning for the first step whose update was skipped for the parameters ``names``.
+
+    One warning per optimizer, not one per parameter per step: later skipped steps are only
+    counted (``optim.skipped_updates``).
+    """
+    shown = ", ".join(f"'{n}'" for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    return (
+        f"{who}: non-finite update at step {step} for {len(names)} of {of} parameter(s) "
+        f"({shown}) skipped: NaN/inf gradients, or a diverging run (try a smaller lr, a larger "
+        "damping or kl_clip=1e-3). Further skipped steps are counted in "
+        "optim.skipped_updates without another warning."
+    )
 
 
 def line_search(
@@ -186,4 +203,5 @@ __all__: List[str] = [
     "line_search",
     "loss_only",
     "reduction_ratio",
+    "skipped_message",
 ]

@@ -5,7 +5,9 @@ The package's Google-style docstrings name other objects with Sphinx roles
 as ``.. math::`` directives. mkdocstrings reads neither, so this extension rewrites
 each role into an optional autorefs link to the object's canonical path (a link where
 the object is rendered in the API reference, plain code otherwise) and each math
-directive into a code block of its LaTeX source; doctest flags are dropped. It changes
+directive into a code block of its LaTeX source; doctest examples (``>>>`` lines, their
+``...`` continuations and output) become fenced Python code blocks, which Markdown would
+otherwise read as nested block quotes, and their doctest flags are dropped. It changes
 only the docs build, never the package.
 """
 
@@ -18,6 +20,7 @@ import griffe
 
 DOCTEST = re.compile(r"\s*# doctest: \+\w+")
 MATH = re.compile(r"^(\s*)\.\. math::(.*)$")
+PROMPT = re.compile(r"^(\s*)>>>( |$)")
 ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj):`(~?)([\w.]+)(?:\(\))?`")
 
 
@@ -60,10 +63,30 @@ def _math_blocks(text: str) -> str:
     return "\n".join(out)
 
 
+def _doctest_blocks(text: str) -> str:
+    """A doctest example (from a ``>>>`` line to the next blank or less indented line) to a
+    fenced ``python`` block, prompts and output kept.
+    """
+    lines, out, i = text.split("\n"), [], 0
+    while i < len(lines):
+        match = PROMPT.match(lines[i])
+        if not match:
+            out.append(lines[i])
+            i += 1
+            continue
+        indent, body = match.group(1), []
+        while i < len(lines) and lines[i].strip() and lines[i].startswith(indent):
+            body.append(lines[i][len(indent) :])
+            i += 1
+        out += [f"{indent}```python", *(indent + b for b in body), f"{indent}```", ""]
+    return "\n".join(out)
+
+
 def _rewrite(obj: griffe.Object, loader: griffe.GriffeLoader) -> None:
     if obj.docstring is None:
         return
-    obj.docstring.value = DOCTEST.sub("", _math_blocks(obj.docstring.value))
+    text = _doctest_blocks(_math_blocks(obj.docstring.value))
+    obj.docstring.value = DOCTEST.sub("", text)
 
     def replace(match: re.Match) -> str:
         short, name = match.group(1), match.group(2).lstrip(".")

@@ -124,7 +124,8 @@ class StatisticsCollector:
         self.late_warned = False
         self.backward_seen = False
         self.graph_warned = False
-        self.capture = Capture(model, unsupported="functorch")
+        # BatchNorm in train mode: left out, its parameters get the plain gradient
+        self.capture = Capture(model, unsupported="functorch", skip_batch_statistics=True)
         self.capture.attach()
         if fisher == FisherType.EMPIRICAL:
             self.capture.watch_backward(True, on_commit=self._committed)

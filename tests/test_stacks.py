@@ -339,6 +339,30 @@ def test_resnet18_full_width_constructs_and_takes_a_step():
     assert len(opt.blocks) == 21
 
 
+def test_a_loop_that_calls_a_submodule_is_told_for_pulled_fishers():
+    """Built on a wrapper whose submodule the loop calls (a LightningModule's self.net):
+    the empirical Fisher records the layers; mc gets one warning naming the way out."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+    for fisher in ("empirical", "mc"):
+        model = Wrapper()
+        opt = curvature.KFAC(model, lr=0.1, damping=1e-2, fisher=fisher, loss_func=CE)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for seed in range(3):
+                train_step(opt, model.net, *batch(seed))
+        messages = [str(w.message) for w in caught]
+        if fisher == "empirical":
+            assert messages == [] and set(opt.factors()) == {"net.0", "net.2"}
+        else:
+            assert sum("was never called" in m for m in messages) == 1, messages
+            assert "KFAC(self.net)" in messages[0]
+
+
 # -- PyTorch Lightning ---------------------------------------------------------------------------
 def _missing(module: str) -> bool:
     return importlib.util.find_spec(module) is None

@@ -331,12 +331,13 @@ def test_resnet18_full_width_constructs_and_takes_a_step():
     model = resnet18(num_classes=10)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = curvature.KFAC(model, lr=1e-3, damping=1e-3, inverse_every=1000)
+        opt = curvature.KFAC(model)  # the defaults
     assert any("20 BatchNorm layer" in str(w.message) for w in caught)
     opt.zero_grad()
     CE(model(torch.randn(2, 3, 32, 32)), torch.tensor([1, 2])).backward()
     opt.step()
-    assert len(opt.blocks) == 21
+    assert len(opt.blocks) == 21 and len(opt.factors()) == 18  # 3 convs: 4608 > 4096
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_a_loop_that_calls_a_submodule_is_told_for_pulled_fishers():

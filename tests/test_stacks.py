@@ -503,6 +503,32 @@ def test_dict_output_model_with_mc_in_a_plain_loop():
 
 
 @pytest.mark.skipif(HF_ABSENT, reason=NO_TRANSFORMERS)
+def test_model_computed_loss_with_a_registered_output():
+    """The model computes its own loss (labels given); register_output(out.logits, ...)
+    names what fisher='mc' samples from: the same factors as calling loss_func."""
+    ids, labels = _token_task()
+    factors = []
+    for register in (True, False):
+        model = _tiny_bert()
+        opt = curvature.KFAC(model, lr=0.1, damping=1e-2, fisher="mc", loss_func=CE, seed=3)
+        for i in range(2):
+            opt.zero_grad()
+            X, t = ids[16 * i : 16 * i + 16], labels[16 * i : 16 * i + 16]
+            if register:
+                out = model(input_ids=X, labels=t)
+                opt.register_output(out.logits, CE, t)
+                loss = out.loss
+            else:
+                loss = CE(model(input_ids=X).logits, t)
+            loss.backward()
+            opt.step()
+        factors.append(opt.factors())
+    assert set(factors[0]) == set(factors[1]) and "classifier" in factors[0]
+    for name in factors[0]:
+        torch.testing.assert_close(factors[0][name], factors[1][name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(HF_ABSENT, reason=NO_TRANSFORMERS)
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
 def test_transformers_trainer_collects_curvature(fisher, tmp_path):
     from transformers import Trainer

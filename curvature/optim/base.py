@@ -104,8 +104,9 @@ class CurvatureOptimizer(Optimizer):
         self._skipped_before = 0
         self._closed = False
         # The hooks go when this optimizer is collected. A finalizer on this object, not
-        # ``__del__``: an object sharing its attributes (Lightning's LightningOptimizer, a
-        # ``copy.copy``) inherits ``__del__`` and would remove the hooks of the live one.
+        # ``__del__``: an object of a subclass that shares or forwards its attributes
+        # (Lightning's LightningOptimizer) inherits ``__del__`` and would remove the hooks
+        # of the live optimizer when it is collected.
         self._live = [None]  # the current collector (replaced by a rebuild)
         weakref.finalize(self, _close_collector, self._live)
         self._build()

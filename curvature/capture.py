@@ -25,6 +25,7 @@ from .capture_quantities import PerSampleQuantities
 from .edges import CheckedView, WeakHook, assign_grads, leaves, output_edge
 from .layers import Call, LayerRule
 from .layers.base import current_shared_slots
+from .layers.norm import uses_batch_statistics
 from .layers.select import select_layers, unwrap_model
 from .options import Unsupported, renamed
 
@@ -60,6 +61,9 @@ class Capture(PerSampleQuantities):
     Attributes:
         model: The captured model (DDP wrappers removed).
         layers: ``(name, module, rule)`` of the covered layers.
+        batch_statistics: With ``skip_batch_statistics=True`` (the optimizers), the names
+            of the BatchNorm layers left out because they normalize with batch statistics
+            (train mode); with the default ``False`` such a layer is refused.
 
     """
 
@@ -69,10 +73,15 @@ class Capture(PerSampleQuantities):
         *,
         unsupported: Union[str, Unsupported] = "functorch",
         fallback: Optional[str] = None,
+        skip_batch_statistics: bool = False,
     ):
         unsupported, arg = renamed(unsupported, fallback, "unsupported", "fallback", "capture")
         self.model = unwrap_model(model)
-        self.layers = select_layers(self.model, unsupported, arg=arg)
+        self.layers = select_layers(
+            self.model, unsupported, arg=arg, skip_batch_statistics=skip_batch_statistics
+        )
+        skipped = self.model.named_modules() if skip_batch_statistics else ()
+        self.batch_statistics = [n for n, m in skipped if uses_batch_statistics(m)]
         if not self.layers:
             raise ValueError(
                 f"capture({type(self.model).__name__}): the model has no trainable "
@@ -81,10 +90,13 @@ class Capture(PerSampleQuantities):
         self._calls: Dict[str, List[Call]] = {name: [] for name, _, _ in self.layers}
         self._rules: Dict[str, LayerRule] = {name: rule for name, _, rule in self.layers}
         self._handles: List[Any] = []
+        self._param_handles: List[Any] = []  # push mode: post-accumulate hooks (commits)
+        # the hooks go when this capture is collected; a finalizer, not ``__del__``: an
+        # object sharing these lists (a ``copy.copy``) can then not remove them
+        weakref.finalize(self, _remove_handles, self._handles, self._param_handles)
         self._recording = False
         self._push = False  # push mode: node pre-hooks store g during the user's backward
         self._pushing = True  # off while our own pulls run
-        self._param_handles: List[Any] = []  # push mode: post-accumulate hooks (commits)
         self._on_commit: Optional[Callable[..., Any]] = None
         self.late_gradients = 0  # gradients that reached a call after it was handed out
         self.graph_gradients = 0  # gradients with a graph (a create_graph=True backward)
@@ -171,14 +183,7 @@ class Capture(PerSampleQuantities):
     def remove_hooks(self) -> None:
         """Remove every hook this capture registered (idempotent)."""
         self._recording = False
-        for handle in self._handles + self._param_handles:
-            handle.remove()
-        self._handles.clear()
-        self._param_handles = []
-
-    def __del__(self) -> None:
-        if hasattr(self, "_handles"):
-            self.remove_hooks()
+        _remove_handles(self._handles, self._param_handles)
 
     def _on_forward(self, name: str, module: nn.Module, args, kwargs, output) -> None:
         if self._recording and not self.suspended:
@@ -244,9 +249,7 @@ class Capture(PerSampleQuantities):
         """
         self._push = enabled
         self._on_commit = None if on_commit is None else weakref.WeakMethod(on_commit)
-        for handle in self._param_handles:
-            handle.remove()
-        self._param_handles = []
+        _remove_handles(self._param_handles)
         if not enabled:
             return
         ref = weakref.ref(self)
@@ -499,6 +502,14 @@ class Capture(PerSampleQuantities):
             for calls in self._calls.values():
                 for c in calls:
                     c.grads = None
+
+
+def _remove_handles(*lists: List[Any]) -> None:
+    """Remove the hooks of ``lists`` and empty them (the lists stay the same objects)."""
+    for handles in lists:
+        for handle in handles:
+            handle.remove()
+        handles.clear()
 
 
 def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, output_nr: int):

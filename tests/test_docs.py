@@ -1,6 +1,7 @@
 """Every Python snippet in the README and docs/ runs (blocks of a page share a namespace),
 and the documentation site builds without a warning."""
 
+import importlib
 import importlib.util
 import pathlib
 import re
@@ -22,12 +23,35 @@ def page_id(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+def required(block: str) -> list:
+    """The packages a block needs: its first line ``# requires: lightning transformers``."""
+    first = re.match(r"#\s*requires:(.*)\n", block)
+    return first.group(1).split() if first else []
+
+
+def importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # absent, or installed for another torch
+        return False
+    return True
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=page_id)
 def test_doc_snippets_run(page):
+    """A block whose first line is ``# requires: pkg ...`` is skipped when one of them does
+    not import (the page's other blocks still run; the test then reports a skip)."""
     namespace: dict = {"__name__": f"doc_{page.stem}"}
+    skipped = []
     for i, block in enumerate(python_blocks(page)):
+        missing = [m for m in required(block) if not importable(m)]
+        if missing:
+            skipped.append(f"block {i} needs {', '.join(missing)}")
+            continue
         code = compile(block, f"{page.name}[block {i}]", "exec")
         exec(code, namespace)
+    if skipped:
+        pytest.skip(f"{page.name}: the other blocks ran; skipped: {'; '.join(skipped)}")
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=page_id)
@@ -73,3 +97,12 @@ def test_docs_build_strict(tmp_path):
         assert "<blockquote>" not in page.read_text(), page
     # wide tables: the stylesheet that wraps cells and scrolls what is still too wide
     assert (tmp_path / "css" / "extra.css").exists() and "css/extra.css" in api
+
+
+def test_required_packages_of_a_block():
+    assert required("# requires: lightning transformers\nimport lightning\n") == [
+        "lightning",
+        "transformers",
+    ]
+    assert required("import torch\n# requires: lightning\n") == []
+    assert not importable("curvature_no_such_module")

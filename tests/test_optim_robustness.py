@@ -485,9 +485,11 @@ def _bn_model():
 
 
 @pytest.mark.parametrize("info", optimizer_params())
-def test_batchnorm_in_train_mode_is_refused_at_construction(info):
-    with pytest.raises(ValueError, match=r"'1' \(BatchNorm1d\).*\.eval\(\)"):
-        info.cls(_bn_model(), lr=0.1, damping=1e-2)
+def test_batchnorm_in_train_mode_is_refused_with_unsupported_error(info):
+    """Accepted by default (plain gradient, tests/test_stacks.py); refused by name with
+    unsupported='error', since its parameters get no curvature."""
+    with pytest.raises(ValueError, match=r"BatchNorm layer\(s\) \('1'\).*eval mode"):
+        info.cls(_bn_model(), lr=0.1, damping=1e-2, unsupported="error")
 
 
 def test_batchnorm_in_eval_mode_is_supported():

@@ -6,7 +6,8 @@ are stored by the forward), ``y = gamma * xhat + beta`` and the per-sample gradi
 the positions ``s`` that share the parameter.
 
 BatchNorm is supported in eval mode only (running statistics); in train mode it mixes
-samples and per-sample quantities are undefined.
+samples and per-sample quantities are undefined. The optimizers accept it in train mode
+(see :func:`uses_batch_statistics`): its parameters then get the plain gradient.
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ from torch import Tensor, nn
 
 from .base import LayerRule
 from .registry import register
+
+
+def uses_batch_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm that normalizes with the statistics of the batch.
+
+    True in train mode and for ``track_running_stats=False``: the output of one sample
+    then depends on every sample of the batch.
+    """
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+        module.training or not module.track_running_stats
+    )
 
 
 def batchnorm_train_error(name: str, module: nn.Module) -> ValueError:

@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 from ..options import Unsupported, choice
 from .base import LayerRule
 from .functional import FunctionalRule
-from .norm import batchnorm_train_error
+from .norm import batchnorm_train_error, uses_batch_statistics
 from .registry import registered_rule
 
 _FUNCTIONAL = FunctionalRule()
@@ -38,6 +38,7 @@ def select_layers(
     unsupported: Union[str, Unsupported] = "functorch",
     *,
     arg: str = "unsupported",
+    skip_batch_statistics: bool = False,
 ) -> List[Tuple[str, nn.Module, LayerRule]]:
     """The layers that carry trainable parameters, each with the rule that covers it.
 
@@ -46,13 +47,16 @@ def select_layers(
         unsupported: ``"functorch"`` covers parameterized layers without a registered
             rule with the ``torch.func`` replay; ``"error"`` refuses them.
         arg: The argument's name as the user wrote it (for the error message).
+        skip_batch_statistics: Leave out BatchNorm layers that normalize with batch
+            statistics instead of refusing them (the optimizers: the statistics of the
+            other layers need no per-sample quantity of these).
 
     Returns:
         ``(name, module, rule)`` triples in ``named_modules`` order.
 
     Raises:
-        ValueError: For a BatchNorm layer in train mode, an uncovered layer with
-            ``unsupported="error"``, or an unknown ``unsupported``.
+        ValueError: For a BatchNorm layer in train mode (unless skipped), an uncovered
+            layer with ``unsupported="error"``, or an unknown ``unsupported``.
 
     """
     fallback = choice(
@@ -66,9 +70,9 @@ def select_layers(
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix in covered):
             continue
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
-            module.training or not module.track_running_stats
-        ):
+        if uses_batch_statistics(module):
+            if skip_batch_statistics:
+                continue
             raise batchnorm_train_error(name, module)
         refuse_reparametrized(name, module)
         rule = registered_rule(module)

@@ -26,6 +26,7 @@ the local mean).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -40,6 +41,7 @@ from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
+from .coverage import owner, report_batch_statistics
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
 from .ties import TiedLayers
 from .updates import (
@@ -103,6 +105,12 @@ class CurvatureOptimizer(Optimizer):
         self.steps = 0
         self._skipped_before = 0
         self._closed = False
+        # The hooks go when this optimizer is collected. A finalizer on this object, not
+        # ``__del__``: an object of a subclass that shares or forwards its attributes
+        # (Lightning's LightningOptimizer) inherits ``__del__`` and would remove the hooks
+        # of the live optimizer when it is collected.
+        self._live = [None]  # the current collector (replaced by a rebuild)
+        weakref.finalize(self, _close_collector, self._live)
         self._build()
         self._check_coverage()
         self._reseed()
@@ -177,6 +185,7 @@ class CurvatureOptimizer(Optimizer):
             finish=self._tied.finish,
         )
         self._skipped_before += skipped
+        self._live[0] = self._collector
         self._layers = self._collector.layers
         self._tied.sharing = ParamSharing(
             self.model, [(n, m, r.param_names(m)) for n, (m, r) in self._layers.items()]
@@ -261,6 +270,12 @@ class CurvatureOptimizer(Optimizer):
         if not bare:
             return
         self.uncovered = sorted(set(self.uncovered) | set(bare))
+        batch_norms = set(self._collector.capture.batch_statistics)
+        who, unsupported = type(self).__name__, self.config.unsupported
+        if report_batch_statistics(who, [n for n in bare if owner(n) in batch_norms], unsupported):
+            bare = [n for n in bare if owner(n) not in batch_norms]
+            if not bare:
+                return
         sharing, forward_only = self._tied.sharing, self.config.fisher == FisherType.FORWARD_ONLY
         blocked = {n for n, local in sharing.names.items() if set(local.values()) <= self._covered}
         reasons = no_block_reasons(self._layers, sharing, blocked, forward_only)
@@ -318,12 +333,6 @@ class CurvatureOptimizer(Optimizer):
 
     def __exit__(self, *exc):
         self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
     # -- statistics ------------------------------------------------------------------------
     def register_output(
@@ -581,6 +590,12 @@ class CurvatureOptimizer(Optimizer):
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
         raise NotImplementedError
+
+
+def _close_collector(live: List[Any]) -> None:
+    """The finalizer of an optimizer: remove the hooks of its collector."""
+    if live[0] is not None:
+        live[0].close()
 
 
 def stat_dtype(t: Tensor) -> torch.dtype:

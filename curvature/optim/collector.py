@@ -124,7 +124,10 @@ class StatisticsCollector:
         self.late_warned = False
         self.backward_seen = False
         self.graph_warned = False
-        self.capture = Capture(model, unsupported="functorch")
+        self.root_seen = False  # a forward of the model itself ran
+        self.root_warned = False
+        # BatchNorm in train mode: left out, its parameters get the plain gradient
+        self.capture = Capture(model, unsupported="functorch", skip_batch_statistics=True)
         self.capture.attach()
         if fisher == FisherType.EMPIRICAL:
             self.capture.watch_backward(True, on_commit=self._committed)
@@ -161,6 +164,7 @@ class StatisticsCollector:
 
     # -- forward callbacks -------------------------------------------------------------
     def _forward_start(self, module: nn.Module, args: Any) -> None:
+        self.root_seen = True
         if self.closed:
             return
         if self.evaluating:
@@ -484,10 +488,30 @@ class StatisticsCollector:
         """At ``step()``: fold the last backward's calls and forget the rest."""
         if self.fisher == FisherType.EMPIRICAL:
             self.consume_pushed()
+        self.warn_no_root()
         self.settle()  # a forward whose loss_func call never came
         self._accumulated()  # forwards without a backward count too
         self.stats.flush()
         self.capture.clear()  # calls whose backward never came (or kept for registration)
+
+    def warn_no_root(self) -> None:
+        """One warning when layers ran but the model never did (mc, type-2, rademacher).
+
+        Their curvature backward starts at the end of a forward of the model the
+        optimizer was built on; a loop that calls a submodule instead (a LightningModule
+        whose ``training_step`` calls ``self.net(x)``) would get no statistics.
+        """
+        if self.root_seen or self.root_warned or self.registered or not self.pulls:
+            return
+        if self.auto_output and any(self.capture.calls.values()):
+            self.root_warned = True
+            warn(
+                f"{self.who}(fisher={self.fisher.value!r}): the layers ran but the model "
+                f"the optimizer was built on ({type(self.model).__name__}) was never "
+                "called, so no curvature backward ran. Build the optimizer on the module "
+                "you call (e.g. KFAC(self.net) when training_step calls self.net(x)), or "
+                "call that model."
+            )
 
     def finalize(self, default_dtype: torch.dtype) -> Dict[Any, list]:
         """The step's statistics, reduced over the ranks and normalized (then reset).

@@ -1,0 +1,63 @@
+"""What the optimizers say about parameters that get no curvature.
+
+BatchNorm layers that normalize with batch statistics (train mode) are left out of the
+statistics: the output of one sample depends on the whole batch, so per-sample quantities
+of their parameters (a per-sample Fisher diagonal, an exact block) are undefined. Their
+parameters get the plain gradient through the usual ``lr`` / ``momentum`` /
+``weight_decay`` path. The other layers keep their curvature: their statistics need only
+their own inputs and output gradients, which are defined with BatchNorm in train mode
+too; as in kfac-pytorch, the rows of the batch's output gradient stand in for per-sample
+gradients.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from ..options import Unsupported
+from ..warn import warn
+
+
+def owner(param_name: str) -> str:
+    """The name of the module that owns the parameter ``param_name``."""
+    return param_name.rpartition(".")[0]
+
+
+def report_batch_statistics(who: str, names: List[str], unsupported: Unsupported) -> bool:
+    """Warn about (or refuse) the parameters ``names`` of BatchNorm layers in train mode.
+
+    Args:
+        who: The optimizer's name.
+        names: Parameter names (of BatchNorm layers left out of the statistics).
+        unsupported: The optimizer's policy; only ``"error"`` changes anything here (a
+            per-sample diagonal is undefined for these parameters).
+
+    Returns:
+        Whether ``names`` was not empty (one warning was given).
+
+    Raises:
+        ValueError: With ``unsupported="error"``, naming the layers and the ways out.
+
+    """
+    if not names:
+        return False
+    layers = sorted({owner(n) for n in names})
+    shown = ", ".join(repr(n) for n in layers[:4]) + (
+        f" and {len(layers) - 4} more" if len(layers) > 4 else ""
+    )
+    msg = (
+        f"{who}: {len(layers)} BatchNorm layer(s) ({shown}) normalize with batch statistics "
+        "(train mode), which mix the samples: per-sample quantities of their parameters are "
+        "undefined, so they get no curvature"
+    )
+    if unsupported == Unsupported.ERROR:
+        raise ValueError(
+            msg + ". Pass unsupported='warn' to update them with the plain gradient, put them "
+            "in eval mode before building the optimizer (running statistics), or replace "
+            "them by nn.GroupNorm."
+        )
+    warn(
+        msg + " and are updated with the plain gradient (lr, momentum, weight_decay); every "
+        "other layer gets its curvature as usual."
+    )
+    return True

@@ -35,13 +35,13 @@ from torch.optim import Optimizer
 
 from ..capture import unwrap_model
 from ..layer_stats import no_block_reasons
-from ..layout import ParamLayout, ParamSharing, tie_hint
+from ..layout import ParamLayout, ParamSharing
 from ..options import FisherType, Unsupported
 from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
-from .coverage import owner, report_batch_statistics
+from .coverage import owner, report_batch_statistics, report_uncovered
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
 from .ties import TiedLayers
 from .updates import (
@@ -279,20 +279,8 @@ class CurvatureOptimizer(Optimizer):
         sharing, forward_only = self._tied.sharing, self.config.fisher == FisherType.FORWARD_ONLY
         blocked = {n for n, local in sharing.names.items() if set(local.values()) <= self._covered}
         reasons = no_block_reasons(self._layers, sharing, blocked, forward_only)
-        listed = "[" + ", ".join(reasons.get(n, repr(n)) for n in bare) + "]"
-        diagonal = self.config.unsupported == Unsupported.DIAGONAL
-        msg = f"{type(self).__name__}: no curvature rule covers {listed}; " + (
-            "they are preconditioned by their per-sample Fisher diagonal."
-            if diagonal
-            else "they are updated with the plain gradient."
-        )
-        if any(n in sharing.tie_reasons() for n in bare):
-            msg += " " + tie_hint("use DiagonalNaturalGradient, or unsupported='diagonal'")
-        if self.config.unsupported == Unsupported.ERROR:
-            raise ValueError(
-                msg.replace("they are updated", "pass unsupported='warn' to update them")
-            )
-        warn(msg)
+        tied = any(n in sharing.tie_reasons() for n in bare)
+        report_uncovered(who, [reasons.get(n, repr(n)) for n in bare], unsupported, tied)
 
     #: The suffix of the statistics key of a group of tied layers' diagonal.
     diagonal_suffix = ""

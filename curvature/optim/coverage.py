@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import List
 
+from ..layout import tie_hint
 from ..options import Unsupported
 from ..warn import warn
 
@@ -61,3 +62,30 @@ def report_batch_statistics(who: str, names: List[str], unsupported: Unsupported
         "other layer gets its curvature as usual."
     )
     return True
+
+
+def report_uncovered(who: str, listed: List[str], unsupported: Unsupported, tied: bool) -> None:
+    """Warn about (or refuse) parameters that no curvature rule covers.
+
+    Args:
+        who: The optimizer's name.
+        listed: One entry per parameter: its name, with the reason where one is known.
+        unsupported: The optimizer's policy (``"diagonal"`` changes the message,
+            ``"error"`` raises).
+        tied: Whether some of them are tied weights (adds how to precondition them).
+
+    Raises:
+        ValueError: With ``unsupported="error"``.
+
+    """
+    diagonal = unsupported == Unsupported.DIAGONAL
+    msg = f"{who}: no curvature rule covers [{', '.join(listed)}]; " + (
+        "they are preconditioned by their per-sample Fisher diagonal."
+        if diagonal
+        else "they are updated with the plain gradient."
+    )
+    if tied:
+        msg += " " + tie_hint("use DiagonalNaturalGradient, or unsupported='diagonal'")
+    if unsupported == Unsupported.ERROR:
+        raise ValueError(msg.replace("they are updated", "pass unsupported='warn' to update them"))
+    warn(msg)

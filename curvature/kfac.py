@@ -32,7 +32,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .blocks import DiagonalBlock, EigenCorrectedBlock, KroneckerBlock
+from .blocks import DiagonalBlock, EigenCorrectedBlock, KroneckerBlock, eigendecompositions
 from .capture import capture, isolated
 from .dense import Data, batch_weights, batches
 from .layer_stats import (
@@ -405,10 +405,12 @@ def _kfac(
                         None if G_sum is None else (w * G_sum if s[1] is None else s[1] + w * G_sum)
                     )
                     s[2] += count
-    blocks = []
+    blocks, host_index = [], []  # the host's index tensors: coverage without a device read
     for (name, suffix), (A_sum, G_sum, count) in stats.items():
         module, rule = layers[name]
-        index = _block_index(module, rule, name, suffix, layout).to(A_sum.device)
+        index = _block_index(module, rule, name, suffix, layout)
+        host_index.append(index.reshape(-1))
+        index = index.to(A_sum.device)
         A = A_sum / count
         if G_sum is None:
             G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device)
@@ -418,6 +420,7 @@ def _kfac(
         blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
     for (name, suffix), (d_sum, count) in diag_stats.items():
         index = large[name][suffix]
+        host_index.append(index.reshape(-1))
         d = (d_sum if count is None else d_sum / count).expand(index.shape)
         blocks.append(DiagonalBlock(block_name(name, suffix), index.to(d.device), d))
     if diag_stats:
@@ -434,9 +437,7 @@ def _kfac(
             f"max_factor_size={largest} to keep their factors (memory ~ size^2, "
             "inversion ~ size^3)."
         )
-    covered = set()
-    for b in blocks:
-        covered.update(b.index.reshape(-1).tolist())
+    covered = set(torch.cat(host_index).tolist()) if host_index else set()
     uncovered = [
         n
         for n, p in zip(layout.names, layout.params)
@@ -512,6 +513,11 @@ def ekfac(
         max_factor_size=max_factor_size,
     )
     kron = [b for b in approx.blocks if isinstance(b, EigenCorrectedBlock)]
+    outcomes, _ = eigendecompositions(kron, lambda b: 0.0)  # two synchronizations for all
+    for b in kron:
+        if outcomes[b].record is None:
+            raise RuntimeError(outcomes[b].cause)
+        b.install(outcomes[b].record)
     bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in kron}
     evals: Dict[str, Tensor] = {}
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "ekfac"):

@@ -34,13 +34,16 @@ from torch.optim import Optimizer
 
 from ..capture import unwrap_model
 from ..layer_stats import no_block_reasons
-from ..layout import ParamLayout, ParamSharing, tie_hint
+from ..layout import DeviceIndices, ParamLayout, ParamSharing, tie_hint
+from ..linalg import host_values
 from ..options import FisherType, Unsupported
 from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
+from .deferred import DeferredReads
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
+from .rng import SamplingGenerators
 from .ties import TiedLayers
 from .updates import (
     ParamSlot,
@@ -96,8 +99,11 @@ class CurvatureOptimizer(Optimizer):
         super().__init__(groups, defaults)  # checks each group with add_param_group
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
-        self.last_kl_scale = 1.0
+        self._kl_scale: Any = 1.0
+        self._reads = DeferredReads(type(self).__name__)  # device values read later
+        self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
         self.generator = torch.Generator().manual_seed(config.seed)
+        self._generators = SamplingGenerators(self.generator)  # one per device
         self.steps = 0
         self._skipped_before = 0
         self._closed = False
@@ -116,12 +122,19 @@ class CurvatureOptimizer(Optimizer):
 
     @property
     def skipped_statistics(self) -> int:
-        """Contributions skipped so far because they were not finite."""
+        """Contributions skipped so far because they were not finite.
+
+        Counted on the device: reading it synchronizes with the device once, and raises
+        the pending warnings about skipped updates (see :meth:`step`).
+        """
+        self._reads.settle_updates(host_values([ok for _, ok in self._reads.updates]))
         return self._skipped_before + self._collector.stats.skipped
 
-    @skipped_statistics.setter
-    def skipped_statistics(self, value: int) -> None:
-        self._skipped_before = int(value) - self._collector.stats.skipped
+    @property
+    def last_kl_scale(self) -> float:
+        """The KL-clipping factor ``nu`` of the last update (read from the device)."""
+        nu = self._kl_scale
+        return float(nu) if isinstance(nu, Tensor) else nu
 
     # -- distributed -----------------------------------------------------------------------
     @property
@@ -147,7 +160,7 @@ class CurvatureOptimizer(Optimizer):
         """
         if self._comm is not None:
             mixed = ((self.config.seed * 1_000_003 + self.steps) * 4099 + self._comm.rank) % 2**62
-            self.generator.manual_seed(mixed)
+            self._generators.manual_seed(mixed)
 
     def _global_loss(self, value: float) -> float:
         """A closure's loss, averaged over the ranks (identical decisions everywhere)."""
@@ -168,7 +181,7 @@ class CurvatureOptimizer(Optimizer):
             self.config.mc_samples,
             self.config.auto_output,
             self._accumulate_layer,
-            self.generator,
+            self._generators,
             self._comm,
             self._ddp,
             self.config.grad_scaler,
@@ -408,9 +421,10 @@ class CurvatureOptimizer(Optimizer):
                 )
             else:
                 slots = [s for s in self._slots() if s.param.grad is not None]
-                self.last_kl_scale = apply_update(
+                self._kl_scale, ok = apply_update(
                     slots, directions, grads, self.state, cfg.kl_clip, type(self).__name__
                 )
+                self._reads.record_update(tuple(s.name for s in slots), ok)
         if adapt:
             delta = self.layout.flat_params(torch.float64) - before
             self._adapt_damping(closure, float(loss.detach()), grads, delta)
@@ -502,6 +516,7 @@ class CurvatureOptimizer(Optimizer):
             "steps": self.steps,
             "skipped_statistics": self.skipped_statistics,
             "generator": self.generator.get_state(),
+            "device_generators": self._generators.device_states(),
             **self._curvature_state(),
         }
         return sd
@@ -532,7 +547,7 @@ class CurvatureOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self.steps = curv["steps"]
         self.skipped_statistics = curv["skipped_statistics"]
-        self.generator.set_state(curv["generator"])
+        self._generators.set_state({**curv.get("device_generators", {}), "cpu": curv["generator"]})
         self._load_curvature_state(curv)
         self._reseed()
         self._collector.due = self.steps % self.config.factor_every == 0

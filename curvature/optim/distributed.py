@@ -338,7 +338,7 @@ def start_statistics_reduction(
                 [None] * len(kinds), kinds, reduction=reduction, empirical=empirical
             )
         st.shapes = list(shapes)
-        counts_cpu[i, 0], counts_cpu[i, 1] = st.rows, st.samples
+        counts_cpu[i, 0], counts_cpu[i, 1] = st.kept_counts()  # kept contributions only
         for j, (shape, kind) in enumerate(zip(shapes, kinds)):
             if shape is None:
                 continue
@@ -361,7 +361,7 @@ def finish_statistics_reduction(
     for (st, j, shape, sym, dev), flat in zip(pending.plan, pending.flats):
         st.values[j] = unpack(flat, shape, sym).to(dev)
     for (key, _), (rows, samples) in zip(pending.layout, pending.counts.tolist()):
-        pending.stats[key].rows, pending.stats[key].samples = rows, samples
+        pending.stats[key].counts_reduced(rows, samples)
     return pending.stats
 
 

@@ -13,9 +13,8 @@ the trainable parameters, :class:`~curvature.layout.ParamLayout` order):
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -56,12 +55,13 @@ def apply_update(
     state: Dict[Tensor, Dict[str, Any]],
     kl_clip: Optional[float],
     who: str,
-) -> float:
-    """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay; returns ``nu``.
+) -> Tuple[Union[float, Tensor], Tensor]:
+    """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay.
 
-    One host synchronization reads the finiteness of the directions and, with
-    ``kl_clip``, the KL factor ``nu`` (:func:`kl_scale`). A parameter whose update is not
-    finite is left unchanged, with a warning naming it.
+    Everything runs on the device, without a host synchronization: a parameter whose
+    direction is not finite is left unchanged (its weight decay, momentum buffer and
+    update are selected away with ``torch.where``), and the KL factor ``nu``
+    (:func:`kl_scale`, from the finite directions) is applied as a tensor.
 
     Args:
         slots: The parameters with a gradient, their groups and flat spans.
@@ -71,31 +71,76 @@ def apply_update(
         kl_clip: The KL clipping bound, or ``None``.
         who: The optimizer's name for messages.
 
+    Returns:
+        ``nu`` (``1.0`` without ``kl_clip``, else a 0-d tensor) and ``ok [len(slots)]``
+        (device bool: the parameter's update was finite and applied), for the caller to
+        read when it reads its counters.
+
     """
-    checks = [directions.sum()]
+    if not slots:
+        return 1.0, directions.new_ones(0, dtype=torch.bool)
+    views = [directions[s.span] for s in slots]
+    ok = torch.stack(torch._foreach_norm(views, float("inf"))).isfinite()
+    sizes = [v.numel() for v in views]
+    tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
+    tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
+    if tiled:  # one select over the flat vector
+        rep = ok.repeat_interleave(_sizes(sizes, ok.device), output_size=directions.numel())
+        clean = torch.where(rep, directions, 0.0)
+        views = [clean[s.span] for s in slots]
+    else:
+        clean = None
+        views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(views)]
+    nu: Union[float, Tensor] = 1.0
     if kl_clip is not None:
-        checks.append(kl_scale(slots, directions, grads, kl_clip).to(directions.dtype))
-    total, *kl = torch.stack(checks).tolist()
-    nu = kl[0] if kl else 1.0
-    all_finite = math.isfinite(total)
-    for s in slots:
-        p, g = s.param, s.group
-        d = (nu * directions[s.span]).view_as(p).to(p.dtype)
-        if not all_finite and not torch.isfinite(d).all():
-            warn(f"{who}: non-finite update for '{s.name}' skipped (NaN/inf gradients?).")
-            continue
+        full = clean if clean is not None else directions.new_zeros(directions.shape)
+        if clean is None:
+            for s, v in zip(slots, views):
+                full[s.span] = v
+        nu = kl_scale(slots, full, grads, kl_clip).to(directions.dtype)
+        if clean is not None:
+            clean = clean * nu
+            views = [clean[s.span] for s in slots]
+        else:
+            views = torch._foreach_mul(views, nu)
+    groups: Dict[int, List[int]] = {}
+    for i, s in enumerate(slots):
+        groups.setdefault(id(s.group), []).append(i)
+    okf = None
+    for idx in groups.values():
+        g = slots[idx[0]].group
+        params = [slots[i].param for i in idx]
+        upd = [views[i].view_as(p).to(p.dtype) for i, p in zip(idx, params)]
         if g["weight_decay"]:
-            p.mul_(1 - g["lr"] * g["weight_decay"])
+            keep = 1 - g["lr"] * g["weight_decay"]
+            factors = torch.full_like(ok, keep, dtype=params[0].dtype).where(ok, 1.0)
+            torch._foreach_mul_(params, [factors[i] for i in idx])
         if g["momentum"]:
-            st = state[p]
-            buf = st.get("momentum_buffer")
-            if buf is None:
-                buf = st["momentum_buffer"] = d.clone()
-            else:
-                buf.mul_(g["momentum"]).add_(d)
-            d = buf
-        p.add_(d, alpha=-g["lr"])
-    return nu
+            if okf is None:
+                okf = ok.to(directions.dtype)
+            bufs = []
+            for p, d in zip(params, upd):
+                st = state[p]
+                if st.get("momentum_buffer") is None:
+                    st["momentum_buffer"] = torch.zeros_like(d)
+                bufs.append(st["momentum_buffer"])
+            decay = torch.full_like(ok, g["momentum"], dtype=bufs[0].dtype).where(ok, 1.0)
+            torch._foreach_mul_(bufs, [decay[i] for i in idx])
+            torch._foreach_add_(bufs, upd)
+            upd = torch._foreach_mul(bufs, [okf[i].to(b.dtype) for i, b in zip(idx, bufs)])
+        torch._foreach_add_(params, upd, alpha=-g["lr"])
+    return nu, ok
+
+
+_SIZES: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _sizes(sizes: List[int], device: torch.device) -> Tensor:
+    """The parameters' sizes as a device tensor, built once per layout and device."""
+    key = (tuple(sizes), device)
+    if key not in _SIZES:
+        _SIZES[key] = torch.tensor(sizes, device=device)
+    return _SIZES[key]
 
 
 def line_search(

@@ -130,6 +130,10 @@ class CurvatureOptimizer(Optimizer):
         self._reads.settle_updates(host_values([ok for _, ok in self._reads.updates]))
         return self._skipped_before + self._collector.stats.skipped
 
+    @skipped_statistics.setter
+    def skipped_statistics(self, value: int) -> None:
+        self._skipped_before = int(value) - self._collector.stats.skipped
+
     @property
     def last_kl_scale(self) -> float:
         """The KL-clipping factor ``nu`` of the last update (read from the device)."""

@@ -126,31 +126,32 @@ class StepStatistics:
         self.failed: Dict[str, Tensor] = {}
         self._queue: list = []
         self._checks: List[Tuple[Tensor, str]] = []
-        self._skipped: List[Tensor] = []  # 0-d counts on the devices, summed lazily
+        self._skipped: List[Tensor] = []  # device bools "kept" per contribution, read lazily
         self._skipped_host = 0
 
     @property
     def skipped(self) -> int:
         """Contributions skipped as non-finite so far (one host synchronization to read)."""
         if self._skipped:
-            self._skipped_host += int(sum(host_values([c.to(torch.int64) for c in self._skipped])))
+            kept = host_values(self._skipped)
+            self._skipped_host += sum(len(k) - sum(k) if isinstance(k, list) else -k for k in kept)
             self._skipped = []
-        return self._skipped_host
+        return int(self._skipped_host)
 
     @skipped.setter
     def skipped(self, value: int) -> None:
         self._skipped, self._skipped_host = [], int(value)
 
-    def skipped_counts(self) -> List[Tensor]:
-        """The unread skip counts (0-d device tensors), for a read with other values."""
-        return list(self._skipped)
+    def skip_records(self) -> Tuple[List[Tensor], int]:
+        """The unread device records of :attr:`skipped` and the count already read."""
+        return list(self._skipped), self._skipped_host
 
-    def _count_skipped(self, count: Tensor) -> None:
-        same = [c for c in self._skipped if c.device == count.device]
-        if same:  # one running count per device
-            self._skipped = [c for c in self._skipped if c.device != count.device]
-            count = same[0] + count
-        self._skipped.append(count)
+    def _count_skipped(self, kept: Tensor) -> None:
+        """Keep ``kept [K]`` (device bools) to count later; summed on the device now and then."""
+        self._skipped.append(kept)
+        if len(self._skipped) > 64:  # a 0-d entry holds minus a skip count
+            counts = [k.numel() - k.sum() if k.dim() else -k for k in self._skipped]
+            self._skipped = [-torch.stack([c.to(counts[0].device) for c in counts]).sum()]
 
     def __bool__(self) -> bool:
         return bool(self.slots)
@@ -211,13 +212,15 @@ class StepStatistics:
         where: Dict[int, Tuple[torch.device, int]] = {}
         for dev, idx in by_device.items():
             norms = torch._foreach_norm([present[i] for i in idx], float("inf"))
-            flags[dev] = torch.stack([n.float() for n in norms]).isfinite()
+            flags[dev] = torch.stack([n.float() for n in norms]).mul(0).eq(0)  # finite
             for j, i in enumerate(idx):
                 where[i] = (dev, j)
         bad: Optional[Tensor] = None
         for flag, msg in checks:
             self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
             bad = flag if bad is None else bad | flag
+        if bad is not None:  # a failed check: every contribution is skipped
+            flags = {dev: f & ~bad.to(dev) for dev, f in flags.items()}
         i = 0
         skipped: Dict[torch.device, List[Tensor]] = {}
         for slot, values, rows, N in queue:
@@ -227,10 +230,9 @@ class StepStatistics:
             dev, j = where[i]
             ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
             i += n
-            if bad is not None:
-                ok = ok & ~bad.to(ok.device)
             skipped.setdefault(dev, []).append(ok)
-            kept = [None if v is None else torch.where(ok, v, 0.0) for v in values]
+            drop = ~ok
+            kept = [None if v is None else v.masked_fill(drop, 0.0) for v in values]
             slot.values = [
                 a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, kept)
             ]
@@ -239,7 +241,7 @@ class StepStatistics:
             slot.samples += N
             slot.parts.append((ok, rows, N))
         for oks in skipped.values():
-            self._count_skipped(len(oks) - torch.stack(oks).sum())
+            self._count_skipped(torch.stack(oks))
 
     def require_false(self, flag: Tensor, message: str) -> None:
         """A check on the device: if the 0-d ``flag`` is true, the next flush skips its
@@ -260,9 +262,10 @@ class StepStatistics:
         """Add the (flushed) sums and skip count of ``other`` into this step's."""
         for key, st in other.slots.items():
             self.slots[key] = self.slots[key].merge(st) if key in self.slots else st
-        for count in other.skipped_counts():
-            self._count_skipped(count)
-        self._skipped_host += other._skipped_host
+        unread, read = other.skip_records()
+        for kept in unread:
+            self._count_skipped(kept)
+        self._skipped_host += read
         for msg, flag in other.failed.items():
             self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
 

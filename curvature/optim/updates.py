@@ -80,13 +80,13 @@ def apply_update(
     if not slots:
         return 1.0, directions.new_ones(0, dtype=torch.bool)
     views = [directions[s.span] for s in slots]
-    ok = torch.stack(torch._foreach_norm(views, float("inf"))).isfinite()
+    ok = torch.stack(torch._foreach_norm(views, float("inf"))).mul(0).eq(0)  # finite
     sizes = [v.numel() for v in views]
     tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
     if tiled:  # one select over the flat vector
         rep = ok.repeat_interleave(_sizes(sizes, ok.device), output_size=directions.numel())
-        clean = torch.where(rep, directions, 0.0)
+        clean = directions.masked_fill(~rep, 0.0)
         views = [clean[s.span] for s in slots]
     else:
         clean = None

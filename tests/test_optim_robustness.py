@@ -225,8 +225,10 @@ def test_a_step_synchronizes_the_host_a_fixed_number_of_times(cls, kwargs, monke
         monkeypatch.undo()
         return count[0] / 3
 
+    # none without a refresh (the statistics' and updates' checks stay on the device), at
+    # most two at a refresh; all of them are counted in tests/test_optim_syncs.py
     shallow, deep = syncs_per_step(1), syncs_per_step(6)
-    assert shallow == deep <= 6
+    assert shallow == deep <= (2 if kwargs["inverse_every"] == 1 else 0)
 
 
 # -- degenerate layers and batches -----------------------------------------------------------------

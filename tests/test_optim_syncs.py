@@ -225,3 +225,74 @@ def test_aten_calls_per_step_do_not_grow(name):
     adamw = aten_calls_per_step(lambda m: torch.optim.AdamW(m.parameters(), foreach=True))
     ours = aten_calls_per_step(make)
     assert ours / adamw <= limit, (ours, adamw)
+
+
+# -- sampling on the device ------------------------------------------------------------------------
+def _mc_run(device, steps, state=None):
+    model = mlp().to(device)
+    opt = curvature.KFAC(model, lr=0.05, loss_func=CE, fisher="mc", inverse_every=2, seed=3)
+    if state is not None:
+        model.load_state_dict(state[0])
+        opt.load_state_dict(state[1])
+    g = torch.Generator().manual_seed(7)
+    data = [
+        (torch.randn(5, 6, generator=g), torch.randint(0, 4, (5,), generator=g)) for _ in range(6)
+    ]
+    for X, y in data[len(data) - steps :] if state is not None else data[:steps]:
+        opt.zero_grad()
+        CE(model(X.to(device)), y.to(device)).backward()
+        opt.step()
+    return model, opt
+
+
+def test_the_labels_are_drawn_from_the_optimizers_seeded_generators():
+    # the optimizers hand the losses an object whose on(device) is that device's generator;
+    # on CPU it is the optimizer's own generator, as before
+    model = mlp()
+    opt = curvature.KFAC(model, loss_func=CE, fisher="mc", seed=4)
+    out, y = model(torch.randn(5, 6)), torch.randint(0, 4, (5,))
+    sources = curvature.losses.backprop_sources
+    state = opt.generator.get_state()
+    generators = curvature.optim.rng.SamplingGenerators(opt.generator)
+    with_object = sources(CE, out, y, "mc", generator=generators)
+    opt.generator.set_state(state)
+    with_generator = sources(CE, out, y, "mc", generator=opt.generator)
+    assert torch.equal(with_object, with_generator)
+    assert opt.state_dict()["curvature"]["device_generators"] == {}
+
+
+def test_a_state_without_device_generators_loads():
+    model, opt = _mc_run("cpu", 3)
+    state = opt.state_dict()
+    del state["curvature"]["device_generators"]  # saved by an earlier version
+    other = curvature.KFAC(mlp(), loss_func=CE, fisher="mc", inverse_every=2, seed=3)
+    other.load_state_dict(state)
+    assert torch.equal(other.generator.get_state(), opt.generator.get_state())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_without_refresh_on_cuda_passes_the_sync_debug_mode():
+    model, opt = _mc_run("cuda", 3)  # steps 0-2; the next refresh is at step 4
+    X, y = torch.randn(5, 6, device="cuda"), torch.randint(0, 4, (5,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.zero_grad()
+        CE(model(X), y).backward()
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mc_steps_on_cuda_sync_nothing_and_resume_bit_for_bit():
+    model, opt = _mc_run("cuda", 3)
+    state = (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        opt.state_dict(),
+    )
+    assert list(state[1]["curvature"]["device_generators"]) == ["cuda:0"]
+    full, _ = _mc_run("cuda", 6)
+    resumed, _ = _mc_run("cuda", 3, state)
+    for p, q in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)

@@ -49,7 +49,13 @@ from .layer_stats import (
 )
 from .layers.base import expanded_kfac
 from .layout import ParamLayout, tie_hint
-from .losses import backprop_sources, check_fisher, check_loss, require_tensor_output
+from .losses import (
+    backprop_sources,
+    check_fisher,
+    check_loss,
+    hessian_sqrt_chunks,
+    require_tensor_output,
+)
 from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice, renamed
 from .warn import warn
 
@@ -202,11 +208,17 @@ def _check_args(
     return fisher, kfac_approx, unsupported
 
 
-def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac"):
+#: Entries of the type-2 vectors pulled at once by :func:`diag_ggn` (a sum over them):
+#: per-position losses on ``[N, T, C]`` have ``T C`` vectors of ``N T C`` entries.
+MAX_SOURCES_NUMEL = 1 << 26
+
+
+def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
 
     Empty batches (``N = 0``) are skipped: they hold no samples; data without any
-    sample is a ``ValueError``.
+    sample is a ``ValueError``. ``chunked`` (type-2, for sums over the vectors): yield
+    once per chunk of at most :data:`MAX_SOURCES_NUMEL` entries of vectors.
     """
     generator = torch.Generator().manual_seed(seed)
     bs = [(X, y) for X, y in batches(data) if not _empty(X, y)]
@@ -219,6 +231,12 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac"):
         with capture(model) as cap, isolated(cap):
             out = model(X)
         require_tensor_output(out, caller)
+        many = out.dim() > 0 and out[0].numel() * out.numel() > MAX_SOURCES_NUMEL
+        if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
+            for V in hessian_sqrt_chunks(loss_func, out, y, MAX_SOURCES_NUMEL):
+                cap.pull(out, V, is_grads_batched=True, retain_graph=True)
+                yield w, cap
+            continue
         if fisher != FisherType.FORWARD_ONLY:
             V = backprop_sources(
                 loss_func, out, y, fisher.value, mc_samples=mc_samples, generator=generator
@@ -563,7 +581,7 @@ def diag_ggn(
     layout = ParamLayout.of(model)
     ref = layout.params[0]
     flat = torch.zeros(layout.numel, dtype=ref.dtype, device=ref.device)
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn"):
+    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):
         sharing = cap.sharing()
         with cap.computing():
             tied = [layer for layer in cap.active() if sharing.tied(layer[0])]

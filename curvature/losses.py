@@ -9,7 +9,7 @@ is ``L = R * sum_n l_n`` with ``R = 1/N`` for ``reduction="mean"`` and ``R = 1``
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -202,7 +202,30 @@ def hessian_sqrt(
     (no host synchronization; the caller checks them with :func:`ignored_targets`).
     """
     check_loss(loss_func)
-    out = output.detach()
+    return next(_sqrt_columns(loss_func, output.detach(), target, check_targets, None))
+
+
+def hessian_sqrt_chunks(
+    loss_func: nn.Module,
+    output: Tensor,
+    target: Tensor,
+    max_numel: int,
+    *,
+    check_targets: bool = True,
+) -> Iterator[Tensor]:
+    """The columns of :func:`hessian_sqrt` in chunks of at most ``max_numel`` entries.
+
+    Each chunk is ``[K_i, *output.shape]`` (at least one column, or one position of
+    CrossEntropy's ``C`` columns); together they are the columns of :func:`hessian_sqrt`
+    (CrossEntropy over positions: grouped by position). For sums over the columns (a
+    diagonal, a trace) without the whole ``[K, *output.shape]`` tensor, which for
+    per-position losses on ``[N, T, C]`` holds ``N (T C)^2`` entries.
+    """
+    check_loss(loss_func)
+    yield from _sqrt_columns(loss_func, output.detach(), target, check_targets, max_numel)
+
+
+def _sqrt_columns(loss_func, out, target, check_targets, max_numel) -> Iterator[Tensor]:
     r = _element_scale(loss_func, out, target)
     if isinstance(loss_func, nn.CrossEntropyLoss):
         ax = _softmax_axis(out)
@@ -219,11 +242,19 @@ def hessian_sqrt(
             S = S * mask
         pos = out.shape[2:]
         if not pos:
-            return S
+            yield S
+            return
         # the Hessian is block-diagonal over positions: one column per (class, position)
         P = math.prod(pos)
         onehot = torch.eye(P, dtype=out.dtype, device=out.device).view(1, P, 1, 1, *pos)
-        return (S.unsqueeze(1) * onehot).reshape(C * P, *out.shape)
+        if max_numel is None:
+            yield (S.unsqueeze(1) * onehot).reshape(C * P, *out.shape)
+            return
+        step = max(1, max_numel // (C * out.numel()))
+        for p0 in range(0, P, step):
+            part = onehot[:, p0 : p0 + step]
+            yield (S.unsqueeze(1) * part).reshape(C * part.shape[1], *out.shape)
+        return
     if isinstance(loss_func, nn.MSELoss):
         diag = torch.full_like(out, 2.0 * r)
     else:
@@ -240,17 +271,24 @@ def hessian_sqrt(
         if loss_func.weight is not None:
             h = h * loss_func.weight
         diag = (r * h).expand_as(out)
-    return _diag_columns(diag.sqrt())
+    d = diag.sqrt()
+    K = d[0].numel()
+    step = max(K, 1) if max_numel is None else max(1, max_numel // max(d.numel(), 1))
+    for j0 in range(0, K, step):
+        yield _diag_columns(d, j0, min(K, j0 + step))
 
 
-def _diag_columns(d: Tensor) -> Tensor:
-    """``[K, *d.shape]`` with ``K = d[0].numel()``: column ``j`` is ``d`` on element ``j``."""
+def _diag_columns(d: Tensor, start: int = 0, stop: Optional[int] = None) -> Tensor:
+    """``[k, *d.shape]``: column ``j`` (``start <= j < stop``, elements of a sample) is ``d``
+    on element ``j``, zero elsewhere.
+    """
     N = d.shape[0]
     K = d[0].numel()
-    cols = torch.zeros(K, N, K, dtype=d.dtype, device=d.device)
-    idx = torch.arange(K, device=d.device)
-    cols[idx, :, idx] = d.reshape(N, K).T
-    return cols.view(K, *d.shape)
+    stop = K if stop is None else stop
+    cols = torch.zeros(stop - start, N, K, dtype=d.dtype, device=d.device)
+    idx = torch.arange(stop - start, device=d.device)
+    cols[idx, :, idx + start] = d.reshape(N, K)[:, start:stop].T
+    return cols.view(stop - start, *d.shape)
 
 
 def backprop_sources(

@@ -207,13 +207,19 @@ class KroneckerBlock:
         """``(block + damping)^{-1} M``, damped ``"exact"``-ly or by the ``"pi"`` heuristic."""
         if mode == "pi":
             inv = self.pi_inverses(damping)
-            return inv.Ginv.to(M.dtype) @ M @ inv.Ainv.to(M.dtype)
+            Ginv, Ainv = inv.Ginv.to(M.dtype), inv.Ainv.to(M.dtype)
+            if M.shape[0] == 1:  # one group: two plain GEMMs
+                return (Ginv[0] @ M[0] @ Ainv[0]).unsqueeze(0)
+            return Ginv @ M @ Ainv
         return self.in_eigenbasis(M, lambda rot: rot / (self.eigenvalues().to(M.dtype) + damping))
 
     def in_eigenbasis(self, M: Tensor, scale) -> Tensor:
         """``QG scale(QG^T M QA) QA^T``: apply ``scale`` in the Kronecker eigenbasis."""
         r = self.eigen()
         QA, QG = r.QA.to(M.dtype), r.QG.to(M.dtype)
+        if M.shape[0] == 1:  # one group: plain GEMMs
+            QA, QG = QA[0], QG[0]
+            return (QG @ scale((QG.mT @ M[0] @ QA).unsqueeze(0))[0] @ QA.mT).unsqueeze(0)
         return QG @ scale(QG.mT @ M @ QA) @ QA.mT
 
     def trace(self) -> Tensor:

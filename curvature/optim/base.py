@@ -99,7 +99,7 @@ class CurvatureOptimizer(Optimizer):
         super().__init__(groups, defaults)  # checks each group with add_param_group
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
-        self._kl_scale: Any = 1.0
+        self._kl_scale, self._damping_cache = 1.0, (None, None)  # device values, read lazily
         self._reads = DeferredReads(type(self).__name__)  # device values read later
         self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -122,11 +122,7 @@ class CurvatureOptimizer(Optimizer):
 
     @property
     def skipped_statistics(self) -> int:
-        """Contributions skipped so far because they were not finite.
-
-        Counted on the device: reading it synchronizes with the device once, and raises
-        the pending warnings about skipped updates (see :meth:`step`).
-        """
+        """Contributions skipped as non-finite (a device read; warns of skipped updates)."""
         self._reads.settle_updates(host_values([ok for _, ok in self._reads.updates]))
         return self._skipped_before + self._collector.stats.skipped
 
@@ -134,11 +130,9 @@ class CurvatureOptimizer(Optimizer):
     def skipped_statistics(self, value: int) -> None:
         self._skipped_before = int(value) - self._collector.stats.skipped
 
-    @property
-    def last_kl_scale(self) -> float:
-        """The KL-clipping factor ``nu`` of the last update (read from the device)."""
-        nu = self._kl_scale
-        return float(nu) if isinstance(nu, Tensor) else nu
+    last_kl_scale = property(
+        lambda self: float(self._kl_scale), doc="The KL factor ``nu`` of the last update (a read)."
+    )
 
     # -- distributed -----------------------------------------------------------------------
     @property
@@ -471,11 +465,15 @@ class CurvatureOptimizer(Optimizer):
             g["damping"] = g["damping"] * factor
 
     def _damping_vector(self, like: Tensor) -> Tensor:
-        """``[P]``: each position's group damping."""
-        out = torch.full_like(like, self.param_groups[0]["damping"])
-        for s in self._slots():
-            out[s.span] = s.group["damping"]
-        return out
+        """``[P]``: each position's group damping (built once per set of dampings)."""
+        spans = [(s.span.start, s.span.stop, s.group["damping"]) for s in self._slots()]
+        key = (tuple(spans), self.param_groups[0]["damping"], like.dtype, like.device)
+        if self._damping_cache[0] != key:
+            out = torch.full_like(like, self.param_groups[0]["damping"])
+            for start, stop, damping in spans:
+                out[start:stop] = damping
+            self._damping_cache = (key, out)
+        return self._damping_cache[1]
 
     def _flat_grads(self) -> Optional[Tensor]:
         """The gradients as one flat vector (averaged over the ranks where we sync them)."""

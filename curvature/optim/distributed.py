@@ -465,11 +465,15 @@ def flat_gradients(layout: Any, comm: Optional[Communicator]) -> Optional[Tensor
     if ref is None:
         return None
     dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
-    flat = torch.zeros(layout.numel, dtype=dtype, device=ref.device)
-    for n, p in zip(layout.names, params):
-        if p.grad is not None:
-            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-            flat[layout.span(n)] = grad.reshape(-1)
+    grads = [p.grad for p in params]
+    if all(g is not None and not g.is_sparse and g.device == ref.device for g in grads):
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])  # one copy (layout order)
+    else:
+        flat = torch.zeros(layout.numel, dtype=dtype, device=ref.device)
+        for n, p in zip(layout.names, params):
+            if p.grad is not None:
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                flat[layout.span(n)] = grad.reshape(-1)
     if comm is not None:
         comm.all_reduce([flat], "gradients")
         flat /= comm.world

@@ -45,7 +45,7 @@ class DiagonalBlock:
             self.d = d.reshape(-1)
             self.fresh = None if valid is None else ~valid
             return
-        w, self.fresh = update_weight(valid, self.fresh, decay)
+        w, self.fresh = update_weight(valid, self.fresh, decay, self.d.dtype)
         self.d = ema(self.d, d.reshape(-1), decay, w)
 
     def flags(self) -> List[Tensor]:

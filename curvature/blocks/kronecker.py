@@ -37,28 +37,31 @@ def ema(
     """
     if old is None:
         return new
-    if weight is not None:
-        return old.lerp_(new, weight)
+    if weight is not None:  # (in the running value's dtype, as mul_/add_ would)
+        return old.lerp_(new.to(old.dtype), weight.to(old.dtype))
     return old.mul_(decay).add_(new, alpha=1 - decay)
 
 
 def update_weight(
-    valid: Optional[Tensor], fresh: Optional[Tensor], decay: float
+    valid: Optional[Tensor],
+    fresh: Optional[Tensor],
+    decay: float,
+    dtype: torch.dtype = torch.float64,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The weight of the new value in a running update, and the running value's new flag.
 
     ``valid`` (0-d device bool, ``None``: true) says whether the new statistics hold a
     finite contribution (else they are zeros); ``fresh`` (``None``: false) whether the
-    running value has never had one. The weight is ``0`` for invalid statistics, ``1``
-    for the first valid ones, else ``1 - decay`` (``None`` when that is known on the
-    host): no host synchronization.
+    running value has never had one. The weight (``dtype``, that of the running value) is
+    ``0`` for invalid statistics, ``1`` for the first valid ones, else ``1 - decay``
+    (``None`` when that is known on the host): no host synchronization.
     """
     if valid is None:
-        return (None if fresh is None else torch.where(fresh, 1.0, 1 - decay)), None
-    w = valid.to(torch.float64) * (1 - decay)
+        return (None if fresh is None else torch.where(fresh, 1.0, 1 - decay).to(dtype)), None
+    w = valid.to(dtype) * (1 - decay)
     if fresh is None:
         return w, None
-    return torch.where(fresh, valid.to(torch.float64), w), fresh & ~valid
+    return torch.where(fresh, valid.to(dtype), w), fresh & ~valid
 
 
 def mean_diagonal(M: Tensor) -> Tensor:
@@ -116,7 +119,7 @@ class KroneckerBlock:
             self.A, self.G = A, G.clone()
             self.fresh = None if valid is None else ~valid
             return
-        w, self.fresh = update_weight(valid, self.fresh, decay)
+        w, self.fresh = update_weight(valid, self.fresh, decay, self.A.dtype)
         self.A = ema(self.A, A, decay, w)
         self.G = ema(self.G, G, decay, w)
 
@@ -277,7 +280,9 @@ class EigenCorrectedBlock(KroneckerBlock):
             self.corrections = corrections
             self.corrections_fresh = None if valid is None else ~valid
             return
-        w, self.corrections_fresh = update_weight(valid, self.corrections_fresh, decay)
+        w, self.corrections_fresh = update_weight(
+            valid, self.corrections_fresh, decay, self.corrections.dtype
+        )
         self.corrections = ema(self.corrections, corrections, decay, w)
 
     def flags(self) -> List[Tensor]:  # noqa: D102

@@ -70,7 +70,7 @@ class KroneckerSumBlock:
         if old is None:
             self.terms[term] = [A, G.clone()]
         else:
-            w, _ = update_weight(valid, None, decay)
+            w, _ = update_weight(valid, None, decay, old[0].dtype)
             self.terms[term] = [ema(old[0], A, decay, w), ema(old[1], G, decay, w)]
 
     def two_terms(self) -> Tuple[List[Tensor], List[Tensor]]:

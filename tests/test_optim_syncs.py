@@ -296,3 +296,18 @@ def test_mc_steps_on_cuda_sync_nothing_and_resume_bit_for_bit():
     resumed, _ = _mc_run("cuda", 3, state)
     for p, q in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_block_with_only_non_finite_statistics_is_not_saved():
+    model = mlp()
+    opt = curvature.KFAC(model, lr=0.1, loss_func=CE)
+    X, y = torch.randn(5, 6), torch.randint(0, 4, (5,))
+    X[0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        CE(model(X), y).backward()
+        opt.step()
+    assert opt.factors() == {} and opt.state_dict()["curvature"]["blocks"] == {}
+    other = curvature.KFAC(mlp(), lr=0.1, loss_func=CE)
+    other.load_state_dict(opt.state_dict())
+    assert other.factors() == {}

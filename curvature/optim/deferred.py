@@ -78,3 +78,8 @@ def read_flags(waiting: Sequence[Tuple[Any, List[Tensor]]], values: Sequence[Any
     for block, flags in waiting:
         block.read_flags(list(values[at : at + len(flags)]))
         at += len(flags)
+
+
+def has_statistics(block: Any) -> bool:
+    """Whether ``block`` has had finite statistics (reads its flag if still unknown)."""
+    return getattr(block, "has_statistics", lambda: True)()

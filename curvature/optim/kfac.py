@@ -61,7 +61,7 @@ from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
 from .checkpoint import check_kronecker_state, warn_dropped_corrections
 from .config import CurvatureConfig
-from .deferred import read_flags, waiting_flags
+from .deferred import has_statistics, read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
 
 Key = Tuple[str, str]
@@ -325,7 +325,7 @@ class KFAC(CurvatureOptimizer):
         """
         out: Dict[str, Any] = {}
         for key, block in self._blocks.items():
-            if not getattr(block, "has_statistics", lambda: True)():
+            if not has_statistics(block):
                 continue  # only non-finite statistics so far
             if isinstance(block, KroneckerSumBlock):
                 terms = [block.terms[t] for t in sorted(block.terms)]
@@ -552,7 +552,7 @@ class KFAC(CurvatureOptimizer):
     # -- state ------------------------------------------------------------------------------------
     def _curvature_state(self) -> Dict[str, Any]:
         return {
-            "blocks": {k: block_state(b) for k, b in self._blocks.items()},
+            "blocks": {k: block_state(b) for k, b in self._blocks.items() if has_statistics(b)},
             "diag": {k: b.state_dict() for k, b in self._diag.items()},
             "terms": dict(self._term_of),
         }

@@ -192,9 +192,8 @@ class StepStatistics:
     def flush(self) -> None:
         """Fold the queued contributions into their slots, skipping non-finite ones.
 
-        A contribution is finite iff the largest absolute entry of each of its values
-        is; the maxima of all queued values are taken in one batched call
-        (``torch._foreach_norm``) and judged on the device: a non-finite contribution is
+        A contribution is finite iff the sum of each of its values is (barring overflow
+        of the sum); the sums are stacked and judged on the device: a non-finite one is
         replaced by zeros, flagged in its slot's ``parts`` and counted in
         :attr:`skipped`, all without a host synchronization. A failed
         :meth:`require_false` check skips every queued contribution and is kept in
@@ -210,9 +209,11 @@ class StepStatistics:
         for i, v in enumerate(present):
             by_device.setdefault(v.device, []).append(i)
         where: Dict[int, Tuple[torch.device, int]] = {}
+        low = (torch.float16, torch.bfloat16)
         for dev, idx in by_device.items():
-            norms = torch._foreach_norm([present[i] for i in idx], float("inf"))
-            flags[dev] = torch.stack([n.float() for n in norms]).mul(0).eq(0)  # finite
+            vs = [present[i] for i in idx]
+            sums = [v.sum(dtype=torch.float32) if v.dtype in low else v.sum() for v in vs]
+            flags[dev] = torch.stack(sums).mul(0).eq(0)  # finite (barring overflow of a sum)
             for j, i in enumerate(idx):
                 where[i] = (dev, j)
         bad: Optional[Tensor] = None

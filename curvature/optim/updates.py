@@ -80,13 +80,12 @@ def apply_update(
     if not slots:
         return 1.0, directions.new_ones(0, dtype=torch.bool)
     views = [directions[s.span] for s in slots]
-    ok = torch.stack(torch._foreach_norm(views, float("inf"))).mul(0).eq(0)  # finite
+    ok = torch.stack([v.sum() for v in views]).mul(0).eq(0)  # finite (barring overflow)
     sizes = [v.numel() for v in views]
     tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
     if tiled:  # one select over the flat vector
-        rep = ok.repeat_interleave(_sizes(sizes, ok.device), output_size=directions.numel())
-        clean = directions.masked_fill(~rep, 0.0)
+        clean = directions.masked_fill(~ok.index_select(0, _segments(sizes, ok.device)), 0.0)
         views = [clean[s.span] for s in slots]
     else:
         clean = None
@@ -132,15 +131,16 @@ def apply_update(
     return nu, ok
 
 
-_SIZES: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
+_SEGMENTS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
 
 
-def _sizes(sizes: List[int], device: torch.device) -> Tensor:
-    """The parameters' sizes as a device tensor, built once per layout and device."""
+def _segments(sizes: List[int], device: torch.device) -> Tensor:
+    """``[P]``: the parameter of each flat position, built once per layout and device."""
     key = (tuple(sizes), device)
-    if key not in _SIZES:
-        _SIZES[key] = torch.tensor(sizes, device=device)
-    return _SIZES[key]
+    if key not in _SEGMENTS:
+        ids = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
+        _SEGMENTS[key] = ids.to(device)
+    return _SEGMENTS[key]
 
 
 def line_search(

@@ -32,7 +32,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .blocks import DiagonalBlock, EigenCorrectedBlock, KroneckerBlock
+from .blocks import DiagonalBlock, EigenCorrectedBlock, KroneckerBlock, eigendecompositions
 from .capture import capture, isolated
 from .dense import Data, batch_weights, batches
 from .layer_stats import (
@@ -49,7 +49,13 @@ from .layer_stats import (
 )
 from .layers.base import expanded_kfac
 from .layout import ParamLayout, tie_hint
-from .losses import backprop_sources, check_fisher, check_loss, require_tensor_output
+from .losses import (
+    backprop_sources,
+    check_fisher,
+    check_loss,
+    hessian_sqrt_chunks,
+    require_tensor_output,
+)
 from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice, renamed
 from .warn import warn
 
@@ -202,11 +208,17 @@ def _check_args(
     return fisher, kfac_approx, unsupported
 
 
-def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac"):
+#: Entries of the type-2 vectors pulled at once by :func:`diag_ggn` (a sum over them):
+#: per-position losses on ``[N, T, C]`` have ``T C`` vectors of ``N T C`` entries.
+MAX_SOURCES_NUMEL = 1 << 26
+
+
+def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
 
     Empty batches (``N = 0``) are skipped: they hold no samples; data without any
-    sample is a ``ValueError``.
+    sample is a ``ValueError``. ``chunked`` (type-2, for sums over the vectors): yield
+    once per chunk of at most :data:`MAX_SOURCES_NUMEL` entries of vectors.
     """
     generator = torch.Generator().manual_seed(seed)
     bs = [(X, y) for X, y in batches(data) if not _empty(X, y)]
@@ -219,6 +231,12 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac"):
         with capture(model) as cap, isolated(cap):
             out = model(X)
         require_tensor_output(out, caller)
+        many = out.dim() > 0 and out[0].numel() * out.numel() > MAX_SOURCES_NUMEL
+        if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
+            for V in hessian_sqrt_chunks(loss_func, out, y, MAX_SOURCES_NUMEL):
+                cap.pull(out, V, is_grads_batched=True, retain_graph=True)
+                yield w, cap
+            continue
         if fisher != FisherType.FORWARD_ONLY:
             V = backprop_sources(
                 loss_func, out, y, fisher.value, mc_samples=mc_samples, generator=generator
@@ -405,10 +423,12 @@ def _kfac(
                         None if G_sum is None else (w * G_sum if s[1] is None else s[1] + w * G_sum)
                     )
                     s[2] += count
-    blocks = []
+    blocks, host_index = [], []  # the host's index tensors: coverage without a device read
     for (name, suffix), (A_sum, G_sum, count) in stats.items():
         module, rule = layers[name]
-        index = _block_index(module, rule, name, suffix, layout).to(A_sum.device)
+        index = _block_index(module, rule, name, suffix, layout)
+        host_index.append(index.reshape(-1))
+        index = index.to(A_sum.device)
         A = A_sum / count
         if G_sum is None:
             G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device)
@@ -418,6 +438,7 @@ def _kfac(
         blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
     for (name, suffix), (d_sum, count) in diag_stats.items():
         index = large[name][suffix]
+        host_index.append(index.reshape(-1))
         d = (d_sum if count is None else d_sum / count).expand(index.shape)
         blocks.append(DiagonalBlock(block_name(name, suffix), index.to(d.device), d))
     if diag_stats:
@@ -434,9 +455,7 @@ def _kfac(
             f"max_factor_size={largest} to keep their factors (memory ~ size^2, "
             "inversion ~ size^3)."
         )
-    covered = set()
-    for b in blocks:
-        covered.update(b.index.reshape(-1).tolist())
+    covered = set(torch.cat(host_index).tolist()) if host_index else set()
     uncovered = [
         n
         for n, p in zip(layout.names, layout.params)
@@ -512,6 +531,11 @@ def ekfac(
         max_factor_size=max_factor_size,
     )
     kron = [b for b in approx.blocks if isinstance(b, EigenCorrectedBlock)]
+    outcomes, _ = eigendecompositions(kron, lambda b: 0.0)  # two synchronizations for all
+    for b in kron:
+        if outcomes[b].record is None:
+            raise RuntimeError(outcomes[b].cause)
+        b.install(outcomes[b].record)
     bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in kron}
     evals: Dict[str, Tensor] = {}
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "ekfac"):
@@ -557,7 +581,7 @@ def diag_ggn(
     layout = ParamLayout.of(model)
     ref = layout.params[0]
     flat = torch.zeros(layout.numel, dtype=ref.dtype, device=ref.device)
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn"):
+    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):
         sharing = cap.sharing()
         with cap.computing():
             tied = [layer for layer in cap.active() if sharing.tied(layer[0])]

@@ -264,6 +264,13 @@ def exact_factors(rule: LayerRule, module: nn.Module, calls) -> Dict[str, tuple]
 
 def expanded_diagonal(a: Tensor, g: Tensor) -> Tensor:
     """``sum_{k,n} (sum_s g a^T)^2`` ``[C, D_out, D]``; ``(g^2)^T (a^2)`` without sharing."""
+    if a.shape[1] == 1 and a.shape[2] == 1:  # one position, one group: one plain GEMM
+        g2 = (
+            g.pow(2).sum(0).reshape(-1, g.shape[-1])
+            if g.shape[0] > 1
+            else g.reshape(-1, g.shape[-1]).pow(2)
+        )
+        return (g2.mT @ a.reshape(-1, a.shape[-1]).pow(2)).unsqueeze(0)
     if a.shape[1] == 1:
         return torch.einsum("knco,nci->coi", g[:, :, 0].pow(2), a[:, 0].pow(2))
     d = None
@@ -344,6 +351,12 @@ def eigenvalue_corrections(
 
 def rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Tensor:
     """``sum_{k,n} (QG^T grad_nk QA)^2`` ``[C, D_out, D]`` from expanded ``a`` and ``g``."""
+    plain = a.shape[-1] == QA.shape[-1] and g.shape[-1] == QG.shape[-1]  # (a stale basis: not)
+    if plain and a.shape[1] == 1 and a.shape[2] == 1:  # one position, one group: plain GEMMs
+        ar = a.reshape(-1, a.shape[-1]).to(QA.dtype) @ QA[0]
+        gr = (g.reshape(-1, g.shape[-1]).to(QG.dtype) @ QG[0]).pow(2)
+        gr = gr.view(g.shape[0], -1, gr.shape[-1]).sum(0) if g.shape[0] > 1 else gr
+        return (gr.mT @ ar.pow(2)).unsqueeze(0)
     ar = torch.einsum("nsci,cij->nscj", a.to(QA.dtype), QA)
     gr = torch.einsum("knsco,cop->knscp", g.to(QG.dtype), QG)
     if a.shape[1] == 1:  # no sharing: sum_{k,n} (gr^2)(ar^2)^T, one GEMM, no [N, D_out, D]

@@ -460,6 +460,26 @@ def tie_hint(alternatives: str) -> str:
     )
 
 
+class DeviceIndices:
+    """Index tensors copied to a device once: no host-to-device copy per call.
+
+    ``indices(index, device)`` is ``index.to(device)``, kept for the next call (the
+    entry holds ``index`` itself, so its id stays its own).
+    """
+
+    def __init__(self) -> None:
+        self.copies: Dict[Tuple[int, str], Tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, index: Tensor, device: torch.device) -> Tensor:
+        if index.device == device:
+            return index
+        key = (id(index), str(device))
+        hit = self.copies.get(key)
+        if hit is None or hit[0] is not index:
+            hit = self.copies[key] = (index, index.to(device))
+        return hit[1]
+
+
 def take(flat: Tensor, index: Tensor) -> Tensor:
     """``flat[index]`` shaped like ``index`` (``index_select``: several times faster)."""
     return flat.index_select(0, index.reshape(-1)).view(index.shape)

@@ -44,12 +44,15 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
     return res
 
 
-def eighs(mats: Sequence[Tensor], names: Sequence[str]) -> List[Any]:
+def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] = ()) -> List[Any]:
     """:func:`eigh` of several matrices, with two host synchronizations for all of them.
 
     Every matrix's finiteness is read at once, and so is every first attempt's result
     (in the matrix's dtype); only a matrix whose first attempt fails pays for its
     retries (float64, then with jitter) one by one.
+
+    The values of the tensors ``also`` are read in the first synchronization and
+    appended to the returned list (:func:`host_values`).
 
     Returns:
         Per matrix ``(evals, evecs)`` as from :func:`eigh`, or the ``RuntimeError`` that
@@ -58,13 +61,15 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str]) -> List[Any]:
     """
     out: List[Any] = [None] * len(mats)
     first: Dict[int, Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]] = {}
-    for i, (M, ok, name) in enumerate(zip(mats, finite_flags(mats), names)):
+    read = finite_flags(mats, also)
+    extra = read[len(mats) :]
+    for i, (M, ok, name) in enumerate(zip(mats, read, names)):
         if not ok:
             out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
             continue
         first[i] = _first_eigh(M)
     tried = [i for i, (_, _, res) in first.items() if res is not None]
-    flags = finite_flags([t for i in tried for t in first[i][2]])
+    flags = finite_flags([t for i in tried for t in first[i][2]]) if tried else []
     for j, i in enumerate(tried):
         evals, evecs = first[i][2]
         if flags[2 * j] and flags[2 * j + 1]:
@@ -72,7 +77,7 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str]) -> List[Any]:
     for i, (S, dtype, _) in first.items():
         if out[i] is None:
             out[i] = _eigh_retries(S, dtype, names[i])
-    return out
+    return out + extra
 
 
 def _first_eigh(M: Tensor) -> Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]:
@@ -123,19 +128,24 @@ def non_finite_message(what: str) -> str:
     )
 
 
-def host_values(scalars: Sequence[Tensor]) -> list:
-    """The Python values of 0-d tensors, one host synchronization per device.
+def host_values(tensors: Sequence[Tensor]) -> list:
+    """The Python values of tensors, one host synchronization per device.
 
     On a GPU each ``bool(t)`` or ``float(t)`` would wait for the device. Values on one
-    device are promoted to a common dtype (``True`` next to floats reads as ``1.0``).
+    device are promoted to a common dtype (``True`` next to floats reads as ``1.0``); a
+    0-d tensor gives a number, any other a flat list.
     """
     per_device: Dict[torch.device, List[int]] = {}
-    for i, t in enumerate(scalars):
+    for i, t in enumerate(tensors):
         per_device.setdefault(t.device, []).append(i)
-    out: list = [None] * len(scalars)
+    out: list = [None] * len(tensors)
     for idx in per_device.values():
-        for i, v in zip(idx, torch.stack([scalars[i] for i in idx]).tolist()):
-            out[i] = v
+        values = torch.cat([tensors[i].reshape(-1) for i in idx]).tolist()
+        at = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = values[at] if tensors[i].dim() == 0 else values[at : at + n]
+            at += n
     return out
 
 
@@ -144,8 +154,8 @@ def finite_flags(tensors: Sequence[Tensor], also: Sequence[Tensor] = ()) -> List
 
     A tensor's sum is finite iff every entry is (barring overflow of the sum, which runs
     in float32 for half-precision tensors and in the tensor's dtype otherwise: no float64,
-    which some devices lack). The values of the 0-d tensors ``also`` (e.g. flags of other
-    checks) are read in the same synchronization and appended.
+    which some devices lack). The values of the tensors ``also`` (e.g. flags of other
+    checks; see :func:`host_values`) are read in the same synchronization and appended.
     """
     low = (torch.float16, torch.bfloat16)
     sums = [t.sum(dtype=torch.float32) if t.dtype in low else t.sum() for t in tensors]

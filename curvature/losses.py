@@ -9,7 +9,7 @@ is ``L = R * sum_n l_n`` with ``R = 1/N`` for ``reduction="mean"`` and ``R = 1``
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +46,16 @@ def check_loss(loss_func: nn.Module) -> None:
         )
 
 
-def _ignored_mask(loss_func: nn.Module, output: Tensor, target: Tensor) -> Optional[Tensor]:
+def _ignored_mask(
+    loss_func: nn.Module, output: Tensor, target: Tensor, check: bool = True
+) -> Optional[Tensor]:
     """For CrossEntropy with class targets: ``[N, 1, *pos]`` 0/1 mask of kept positions.
 
     Raises for ignored targets with ``reduction="mean"`` (the mean then runs over the
-    kept entries only and does not split into per-sample losses).
+    kept entries only and does not split into per-sample losses). ``check=False``: no
+    host synchronization; the caller checks the targets of a mean loss itself
+    (:func:`ignored_targets`), and the mask of a sum is applied whether or not it
+    ignores anything.
     """
     if (
         not isinstance(loss_func, nn.CrossEntropyLoss)
@@ -59,15 +64,39 @@ def _ignored_mask(loss_func: nn.Module, output: Tensor, target: Tensor) -> Optio
     ):
         return None
     ignored = target == loss_func.ignore_index
+    if not check:
+        return None if loss_func.reduction == "mean" else (~ignored).unsqueeze(1).to(output.dtype)
     if not bool(ignored.any()):
         return None
     if loss_func.reduction == "mean":
-        raise ValueError(
-            f"target contains ignore_index={loss_func.ignore_index} with reduction "
-            "'mean': the batch mean then runs over the non-ignored entries only and "
-            "does not split into per-sample losses. Use reduction='sum'."
-        )
+        raise ValueError(ignored_targets_message(loss_func))
     return (~ignored).unsqueeze(1).to(output.dtype)
+
+
+def ignored_targets(loss_func: nn.Module, target: Optional[Tensor]) -> Optional[Tensor]:
+    """A 0-d device bool: ``target`` holds ``ignore_index`` for a mean CrossEntropy.
+
+    ``None`` where that cannot happen (another loss, a sum, probability targets). The
+    curvature of such a batch does not split into per-sample losses: see
+    :func:`ignored_targets_message`.
+    """
+    if (
+        not isinstance(loss_func, nn.CrossEntropyLoss)
+        or loss_func.reduction != "mean"
+        or not isinstance(target, Tensor)
+        or target.is_floating_point()
+    ):
+        return None
+    return (target == loss_func.ignore_index).any()
+
+
+def ignored_targets_message(loss_func: nn.Module) -> str:
+    """The error for ignored targets with a mean CrossEntropy (see :func:`ignored_targets`)."""
+    return (
+        f"target contains ignore_index={loss_func.ignore_index} with reduction "
+        "'mean': the batch mean then runs over the non-ignored entries only and "
+        "does not split into per-sample losses. Use reduction='sum'."
+    )
 
 
 def require_tensor_output(out: object, caller: str) -> None:
@@ -152,7 +181,9 @@ def _softmax_axis(output: Tensor) -> int:
     return 1 if output.dim() > 1 else 0
 
 
-def hessian_sqrt(loss_func: nn.Module, output: Tensor, target: Tensor) -> Tensor:
+def hessian_sqrt(
+    loss_func: nn.Module, output: Tensor, target: Tensor, *, check_targets: bool = True
+) -> Tensor:
     """Columns ``S [K, *output.shape]`` with ``sum_k S_k S_k^T = d^2 L / d output^2``.
 
     ``L`` is the loss module's scalar (reduction included); the Hessian is block-diagonal
@@ -167,9 +198,34 @@ def hessian_sqrt(loss_func: nn.Module, output: Tensor, target: Tensor) -> Tensor
       ``S_j = sqrt(r w (pos_weight y + 1 - y) sigma (1 - sigma)) e_j``.
 
     ``r`` is ``1 / #loss elements`` for mean reduction and ``1`` for sum.
+    ``check_targets=False``: ignored targets of a mean CrossEntropy are not looked for
+    (no host synchronization; the caller checks them with :func:`ignored_targets`).
     """
     check_loss(loss_func)
-    out = output.detach()
+    return next(_sqrt_columns(loss_func, output.detach(), target, check_targets, None))
+
+
+def hessian_sqrt_chunks(
+    loss_func: nn.Module,
+    output: Tensor,
+    target: Tensor,
+    max_numel: int,
+    *,
+    check_targets: bool = True,
+) -> Iterator[Tensor]:
+    """The columns of :func:`hessian_sqrt` in chunks of at most ``max_numel`` entries.
+
+    Each chunk is ``[K_i, *output.shape]`` (at least one column, or one position of
+    CrossEntropy's ``C`` columns); together they are the columns of :func:`hessian_sqrt`
+    (CrossEntropy over positions: grouped by position). For sums over the columns (a
+    diagonal, a trace) without the whole ``[K, *output.shape]`` tensor, which for
+    per-position losses on ``[N, T, C]`` holds ``N (T C)^2`` entries.
+    """
+    check_loss(loss_func)
+    yield from _sqrt_columns(loss_func, output.detach(), target, check_targets, max_numel)
+
+
+def _sqrt_columns(loss_func, out, target, check_targets, max_numel) -> Iterator[Tensor]:
     r = _element_scale(loss_func, out, target)
     if isinstance(loss_func, nn.CrossEntropyLoss):
         ax = _softmax_axis(out)
@@ -181,16 +237,24 @@ def hessian_sqrt(loss_func: nn.Module, output: Tensor, target: Tensor) -> Tensor
         e = eye.view(shape)  # [C, 1, C, 1...]: e_c along the class axis
         coef = (r * p.movedim(ax, 0)).sqrt().unsqueeze(1 + ax)  # sqrt(r p_c) per column c
         S = coef * (e - p.unsqueeze(0))  # [C, N, C, *pos]: column c at every position
-        mask = _ignored_mask(loss_func, out, target) if out.dim() > 1 else None
+        mask = _ignored_mask(loss_func, out, target, check_targets) if out.dim() > 1 else None
         if mask is not None:  # ignored positions have a zero loss Hessian
             S = S * mask
         pos = out.shape[2:]
         if not pos:
-            return S
+            yield S
+            return
         # the Hessian is block-diagonal over positions: one column per (class, position)
         P = math.prod(pos)
         onehot = torch.eye(P, dtype=out.dtype, device=out.device).view(1, P, 1, 1, *pos)
-        return (S.unsqueeze(1) * onehot).reshape(C * P, *out.shape)
+        if max_numel is None:
+            yield (S.unsqueeze(1) * onehot).reshape(C * P, *out.shape)
+            return
+        step = max(1, max_numel // (C * out.numel()))
+        for p0 in range(0, P, step):
+            part = onehot[:, p0 : p0 + step]
+            yield (S.unsqueeze(1) * part).reshape(C * part.shape[1], *out.shape)
+        return
     if isinstance(loss_func, nn.MSELoss):
         diag = torch.full_like(out, 2.0 * r)
     else:
@@ -207,17 +271,24 @@ def hessian_sqrt(loss_func: nn.Module, output: Tensor, target: Tensor) -> Tensor
         if loss_func.weight is not None:
             h = h * loss_func.weight
         diag = (r * h).expand_as(out)
-    return _diag_columns(diag.sqrt())
+    d = diag.sqrt()
+    K = d[0].numel()
+    step = max(K, 1) if max_numel is None else max(1, max_numel // max(d.numel(), 1))
+    for j0 in range(0, K, step):
+        yield _diag_columns(d, j0, min(K, j0 + step))
 
 
-def _diag_columns(d: Tensor) -> Tensor:
-    """``[K, *d.shape]`` with ``K = d[0].numel()``: column ``j`` is ``d`` on element ``j``."""
+def _diag_columns(d: Tensor, start: int = 0, stop: Optional[int] = None) -> Tensor:
+    """``[k, *d.shape]``: column ``j`` (``start <= j < stop``, elements of a sample) is ``d``
+    on element ``j``, zero elsewhere.
+    """
     N = d.shape[0]
     K = d[0].numel()
-    cols = torch.zeros(K, N, K, dtype=d.dtype, device=d.device)
-    idx = torch.arange(K, device=d.device)
-    cols[idx, :, idx] = d.reshape(N, K).T
-    return cols.view(K, *d.shape)
+    stop = K if stop is None else stop
+    cols = torch.zeros(stop - start, N, K, dtype=d.dtype, device=d.device)
+    idx = torch.arange(stop - start, device=d.device)
+    cols[idx, :, idx + start] = d.reshape(N, K)[:, start:stop].T
+    return cols.view(stop - start, *d.shape)
 
 
 def backprop_sources(
@@ -228,6 +299,7 @@ def backprop_sources(
     *,
     mc_samples: int = 1,
     generator: Optional[torch.Generator] = None,
+    check_targets: bool = True,
 ) -> Tensor:
     """Vectors ``V [K, *output.shape]`` to inject at the output for a Fisher type.
 
@@ -244,6 +316,11 @@ def backprop_sources(
       ``sum J^T V V^T J = R sum_n grad l_n grad l_n^T``, the empirical Fisher.
 
     ``"forward-only"`` has no backward (``G = I``) and raises here.
+
+    Random draws come from ``generator``: a ``torch.Generator`` (on another device
+    than ``output``, the draws are made there and copied), or an object with a method
+    ``on(device)`` giving the generator of ``output``'s device (the optimizers': the
+    draws then stay on the device). ``check_targets=False``: see :func:`hessian_sqrt`.
     """
     check_loss(loss_func)
     check_fisher(fisher)
@@ -252,10 +329,12 @@ def backprop_sources(
     out = output.detach()
     if fisher == "forward-only":
         raise ValueError("fisher='forward-only' uses G = I and backpropagates nothing.")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        generator = generator.on(out.device)
     if fisher == "type-2":
-        return hessian_sqrt(loss_func, out, target)
+        return hessian_sqrt(loss_func, out, target, check_targets=check_targets)
     if fisher == "rademacher":
-        return _rademacher_sources(loss_func, out, target, mc_samples, generator)
+        return _rademacher_sources(loss_func, out, target, mc_samples, generator, check_targets)
     if fisher == "empirical":
         f = out.requires_grad_(True)
         with torch.enable_grad():
@@ -263,16 +342,22 @@ def backprop_sources(
             (grad,) = torch.autograd.grad(total, f)
         scale = 1.0 / out.shape[0] if loss_func.reduction == "mean" else 1.0
         return (scale**0.5 * grad).unsqueeze(0)
-    return _mc_sources(loss_func, out, target, mc_samples, generator)
+    return _mc_sources(loss_func, out, target, mc_samples, generator, check_targets)
+
+
+def _where(generator: Optional[torch.Generator], like: Tensor) -> torch.device:
+    """The device random draws are made on: the generator's, else the tensor's."""
+    return generator.device if generator is not None else like.device
 
 
 def _rademacher(shape, generator, like: Tensor) -> Tensor:
-    return (torch.randint(0, 2, tuple(shape), generator=generator) * 2 - 1).to(like)
+    signs = torch.randint(0, 2, tuple(shape), generator=generator, device=_where(generator, like))
+    return (signs * 2 - 1).to(like)
 
 
-def _rademacher_sources(loss_func, out, target, M, generator):
+def _rademacher_sources(loss_func, out, target, M, generator, check_targets=True):
     """``v_m = M^{-1/2} sum_k eps_mk S_k`` with signs drawn independently per Hessian block."""
-    S = hessian_sqrt(loss_func, out, target)
+    S = hessian_sqrt(loss_func, out, target, check_targets=check_targets)
     if isinstance(loss_func, nn.CrossEntropyLoss):
         # blocks: (sample, position); S [C, *out], eps per column and block
         shape = [M, S.shape[0], *out.shape]
@@ -283,9 +368,15 @@ def _rademacher_sources(loss_func, out, target, M, generator):
     return _rademacher((M, *out.shape), generator, d) * d / M**0.5
 
 
-def _mc_sources(loss_func, out, target, M, generator):
+def _mc_sources(loss_func, out, target, M, generator, check_targets=True):
+    """``sqrt(r / M) grad_f loss(f, yhat_m)``, the labels drawn on the generator's device.
+
+    A non-finite output gives non-finite vectors (its statistics are then skipped):
+    its probabilities are replaced for the draw only, without a host synchronization.
+    """
     r = _element_scale(loss_func, out, target)
     scale = (r / M) ** 0.5
+    where = _where(generator, out)
 
     def draw(fn):
         return torch.stack([fn() for _ in range(M)])
@@ -294,23 +385,24 @@ def _mc_sources(loss_func, out, target, M, generator):
         ax = _softmax_axis(out)
         p = out.softmax(ax)
         C = out.shape[ax]
-        probs = p.movedim(ax, -1).reshape(-1, C).double().cpu()
-        if not torch.isfinite(probs).all():  # nothing to sample from: non-finite vectors
-            return torch.full((M, *out.shape), float("nan"), dtype=out.dtype, device=out.device)
+        probs = p.movedim(ax, -1).reshape(-1, C)
+        if where.type == "cpu":  # the CPU stream of earlier versions: float64 weights
+            probs = probs.double()
+        probs = probs.to(where).nan_to_num(1.0, 1.0, 1.0)  # drawable; the vectors stay NaN
 
         def one():
-            idx = torch.multinomial(probs, 1, generator=generator).view(-1)
+            idx = torch.multinomial(probs, 1, generator=generator).view(-1).to(out.device)
             onehot = nn.functional.one_hot(idx, C).to(out)
             moved = p.movedim(ax, -1)
             return (moved - onehot.view(moved.shape)).movedim(-1, ax)
 
-        mask = _ignored_mask(loss_func, out, target) if out.dim() > 1 else None
+        mask = _ignored_mask(loss_func, out, target, check_targets) if out.dim() > 1 else None
         V = scale * draw(one)
         return V if mask is None else V * mask
     if isinstance(loss_func, nn.MSELoss):
         # yhat = f + eps / sqrt(2): grad_f (f - yhat)^2 = -sqrt(2) eps
         def one():
-            eps = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+            eps = torch.randn(out.shape, generator=generator, dtype=torch.float64, device=where)
             return (-(2**0.5) * eps).to(out)
 
         return scale * draw(one)
@@ -320,10 +412,10 @@ def _mc_sources(loss_func, out, target, M, generator):
             "defined (the weighted loss is not a likelihood); use 'type-2' or 'rademacher'."
         )
     s = out.sigmoid()
-    s_cpu = s.double().cpu()
+    s_where = s.double().to(where).nan_to_num(0.5)  # drawable; the vectors stay NaN
 
     def one():
-        yhat = torch.bernoulli(s_cpu, generator=generator).to(out)
+        yhat = torch.bernoulli(s_where, generator=generator).to(out)
         return s - yhat
 
     return scale * draw(one)

@@ -216,8 +216,9 @@ def run_failure(rank: int, out_dir: str, mode: str) -> Dict[str, object]:
         def failing_eigh(M, name="matrix"):
             raise RuntimeError(f"eigh({name}) failed (injected on rank 1)")
 
-        def failing_eighs(mats, names):
-            return [RuntimeError(f"eigh({n}) failed (injected on rank 1)") for n in names]
+        def failing_eighs(mats, names, also=()):
+            failed = [RuntimeError(f"eigh({n}) failed (injected on rank 1)") for n in names]
+            return failed + curvature.linalg.host_values(list(also))
 
         refresh_module.eighs = failing_eighs
         kronecker_module.eigh = failing_eigh

@@ -48,6 +48,10 @@ TORCH_PRIVATE = frozenset(
         "_modules",  # nn.Module._modules: the children dict, set in place
         # torch.compile's wrapper (OptimizedModule) exposes the compiled model only here
         "_orig_mod",  # OptimizedModule._orig_mod: the model torch.compile wrapped
+        # multi-tensor kernels (torch.optim's foreach path): one launch for many tensors
+        "_foreach_mul",  # torch._foreach_mul
+        "_foreach_mul_",  # torch._foreach_mul_
+        "_foreach_add_",  # torch._foreach_add_
     }
 )
 

@@ -7,6 +7,7 @@ that of :func:`curvature.empirical_fisher`, computed without forming either matr
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Dict, NamedTuple
 
 import pytest
@@ -216,3 +217,44 @@ def test_ignored_targets_add_nothing_with_sum_and_are_refused_with_mean(fisher):
     _assert_same(curvature.diag_ggn(model, loss_func, (X, y), fisher=fisher), expected)
     with pytest.raises(ValueError, match="ignore_index"):
         curvature.diag_ggn(model, nn.CrossEntropyLoss(), (X, y), fisher=fisher)
+
+
+# -- per-position losses: the type-2 vectors in chunks ---------------------------------------------
+@pytest.mark.parametrize("loss", ["mse", "ce-sum", "ce-mean", "bce"])
+def test_type2_diagonal_of_per_token_losses_pulls_chunks_of_vectors(loss, monkeypatch):
+    # [N, T, C] outputs with a per-token loss have T C type-2 vectors of N T C entries
+    # each; they are pulled a chunk at a time (a sum of squares over the vectors), with
+    # the same result as the whole set and as the dense GGN
+    N, T, C = 3, 5, 4
+    if loss.startswith("ce"):  # EmbedNormConvLinear mixes the positions (a Conv1d)
+        model, X = EmbedNormConvLinear(classes=C), torch.randint(0, 6, (N, T))
+        y = torch.randint(0, C, (N, T))
+        loss_func = nn.CrossEntropyLoss(reduction=loss[3:])
+    else:
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, C)).double()
+        X, y = torch.randn(N, T, 6), torch.rand(N, T, C)
+        loss_func = nn.MSELoss() if loss == "mse" else nn.BCEWithLogitsLoss()
+    model = model.double()
+    whole = curvature.diag_ggn(model, loss_func, (X, y))
+    module = importlib.import_module("curvature.kfac")  # curvature.kfac is the function
+    monkeypatch.setattr(module, "MAX_SOURCES_NUMEL", 2 * N * T * C)
+    chunked = curvature.diag_ggn(model, loss_func, (X, y))
+    dense = _split(model, curvature.ggn(model, loss_func, (X, y)).diagonal())
+    for name in whole:
+        torch.testing.assert_close(chunked[name], whole[name], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(chunked[name], dense[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss", ["mse", "ce"])
+def test_hessian_sqrt_chunks_are_the_columns_of_hessian_sqrt(loss):
+    out = torch.randn(3, 4, 5, dtype=torch.float64)  # CE: [N, C, T]; MSE: [N, T, C]
+    loss_func = nn.CrossEntropyLoss() if loss == "ce" else nn.MSELoss()
+    y = torch.randint(0, 4, (3, 5)) if loss == "ce" else torch.randn(3, 4, 5)
+    S = curvature.losses.hessian_sqrt(loss_func, out, y)
+    chunks = list(curvature.losses.hessian_sqrt_chunks(loss_func, out, y, 3 * out.numel()))
+    assert all(c.numel() <= 4 * out.numel() for c in chunks) and len(chunks) > 1
+    got = torch.cat(chunks)
+    assert got.shape == S.shape
+    # the same columns (CrossEntropy's grouped by position): the same S S^T
+    flat, ref = got.reshape(got.shape[0], -1), S.reshape(S.shape[0], -1)
+    torch.testing.assert_close(flat.T @ flat, ref.T @ ref, rtol=1e-13, atol=1e-15)

@@ -10,12 +10,12 @@ the per-sample (per-vector) gradients, and its damped inverse maps ``v`` to
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .kronecker import ema
+from .kronecker import ema, update_weight
 
 
 class DiagonalBlock:
@@ -36,10 +36,26 @@ class DiagonalBlock:
         self.shape = tuple(index.shape)
         self.index = index.reshape(-1)
         self.d = None if d is None else d.reshape(-1)
+        #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
+        self.fresh: Optional[Tensor] = None
 
-    def update(self, d: Tensor, decay: float = 0.0) -> None:
-        """Fold a new diagonal into the running one."""
-        self.d = ema(self.d, d.reshape(-1), decay)
+    def update(self, d: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None) -> None:
+        """Fold a new diagonal into the running one (``valid`` as in ``KroneckerBlock.update``)."""
+        if self.d is None:
+            self.d = d.reshape(-1)
+            self.fresh = None if valid is None else ~valid
+            return
+        w, self.fresh = update_weight(valid, self.fresh, decay, self.d.dtype)
+        self.d = ema(self.d, d.reshape(-1), decay, w)
+
+    def flags(self) -> List[Tensor]:
+        """The 0-d device flags the block waits to read (:meth:`read_flags`)."""
+        return [] if self.fresh is None else [self.fresh]
+
+    def read_flags(self, values: List[bool]) -> None:
+        """The host values of :meth:`flags`."""
+        if self.fresh is not None and not values[0]:
+            self.fresh = None
 
     def matvec(self, v: Tensor) -> Tensor:
         """``d * v`` for ``v [P_b]``."""
@@ -51,8 +67,10 @@ class DiagonalBlock:
         """``v / (d + damping)``; ``damping`` a number or ``[P_b]`` (per position).
 
         The damping is exact for every ``mode`` (``"pi"`` has no factors to split it).
+        While the block has had no finite statistics (:attr:`fresh`), ``v`` itself.
         """
-        return v / (self.d.to(v.dtype) + damping)
+        out = v / (self.d.to(v.dtype) + damping)
+        return out if self.fresh is None else torch.where(self.fresh, v, out)
 
     def dense(self) -> Tensor:
         """``diag(d)`` ``[P_b, P_b]``."""

@@ -18,7 +18,7 @@ and ``G`` its dense curvature (``curvature.layer_stats.exact_factors``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -27,11 +27,41 @@ from ..linalg import damped_inverses, eigh, pi_factor
 from .records import DampedInverses, Eigen, FactorSnapshot, Record
 
 
-def ema(old: Optional[Tensor], new: Tensor, decay: float) -> Tensor:
-    """``decay old + (1 - decay) new`` in place of ``old``; ``new`` itself if no ``old``."""
+def ema(
+    old: Optional[Tensor], new: Tensor, decay: float, weight: Optional[Tensor] = None
+) -> Tensor:
+    """``decay old + (1 - decay) new`` in place of ``old``; ``new`` itself if no ``old``.
+
+    ``weight`` (a 0-d tensor from :func:`update_weight`) replaces ``1 - decay``:
+    ``old + weight (new - old)`` in place, computed without reading the weight.
+    """
     if old is None:
         return new
+    if weight is not None:  # (in the running value's dtype, as mul_/add_ would)
+        return old.lerp_(new.to(old.dtype), weight.to(old.dtype))
     return old.mul_(decay).add_(new, alpha=1 - decay)
+
+
+def update_weight(
+    valid: Optional[Tensor],
+    fresh: Optional[Tensor],
+    decay: float,
+    dtype: torch.dtype = torch.float64,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The weight of the new value in a running update, and the running value's new flag.
+
+    ``valid`` (0-d device bool, ``None``: true) says whether the new statistics hold a
+    finite contribution (else they are zeros); ``fresh`` (``None``: false) whether the
+    running value has never had one. The weight (``dtype``, that of the running value) is
+    ``0`` for invalid statistics, ``1`` for the first valid ones, else ``1 - decay``
+    (``None`` when that is known on the host): no host synchronization.
+    """
+    if valid is None:
+        return (None if fresh is None else torch.where(fresh, 1.0, 1 - decay).to(dtype)), None
+    w = valid.to(dtype) * (1 - decay)
+    if fresh is None:
+        return w, None
+    return torch.where(fresh, valid.to(dtype), w), fresh & ~valid
 
 
 def mean_diagonal(M: Tensor) -> Tensor:
@@ -61,6 +91,8 @@ class KroneckerBlock:
         self.G = G
         self.record: Optional[Record] = None
         self.inverses: Optional[DampedInverses] = None
+        #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
+        self.fresh: Optional[Tensor] = None
 
     @property
     def label(self) -> str:
@@ -73,13 +105,40 @@ class KroneckerBlock:
         return self.index.shape
 
     # -- statistics -------------------------------------------------------------------
-    def update(self, A: Tensor, G: Tensor, decay: float = 0.0) -> None:
+    def update(
+        self, A: Tensor, G: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None
+    ) -> None:
         """Fold new factors into the running ones: ``X <- decay X + (1 - decay) X_new``.
 
-        The first update takes the new factors as they are (``G`` copied).
+        The first update takes the new factors as they are (``G`` copied). ``valid``
+        (0-d device bool; ``None``: true): whether the new factors count; false ones are
+        zeros and leave the running factors unchanged (selected on the device: see
+        :attr:`fresh` for a block that has only had such updates).
         """
-        self.A = ema(self.A, A, decay)
-        self.G = ema(self.G, G if self.G is not None else G.clone(), decay)
+        if self.A is None:
+            self.A, self.G = A, G.clone()
+            self.fresh = None if valid is None else ~valid
+            return
+        w, self.fresh = update_weight(valid, self.fresh, decay, self.A.dtype)
+        self.A = ema(self.A, A, decay, w)
+        self.G = ema(self.G, G, decay, w)
+
+    def flags(self) -> List[Tensor]:
+        """The 0-d device flags the block waits to read (:meth:`read_flags`)."""
+        return [] if self.fresh is None else [self.fresh]
+
+    def read_flags(self, values: List[bool]) -> None:
+        """The host values of :meth:`flags`."""
+        if self.fresh is not None and not values[0]:
+            self.fresh = None
+
+    def has_statistics(self) -> bool:
+        """Whether finite statistics were folded in (reads :attr:`fresh` if unknown)."""
+        if self.A is None:
+            return False
+        if self.fresh is not None:
+            self.read_flags([bool(self.fresh)])
+        return self.fresh is None
 
     # -- refresh ----------------------------------------------------------------------
     def eigen(self) -> Eigen:
@@ -151,13 +210,19 @@ class KroneckerBlock:
         """``(block + damping)^{-1} M``, damped ``"exact"``-ly or by the ``"pi"`` heuristic."""
         if mode == "pi":
             inv = self.pi_inverses(damping)
-            return inv.Ginv.to(M.dtype) @ M @ inv.Ainv.to(M.dtype)
+            Ginv, Ainv = inv.Ginv.to(M.dtype), inv.Ainv.to(M.dtype)
+            if M.shape[0] == 1:  # one group: two plain GEMMs
+                return (Ginv[0] @ M[0] @ Ainv[0]).unsqueeze(0)
+            return Ginv @ M @ Ainv
         return self.in_eigenbasis(M, lambda rot: rot / (self.eigenvalues().to(M.dtype) + damping))
 
     def in_eigenbasis(self, M: Tensor, scale) -> Tensor:
         """``QG scale(QG^T M QA) QA^T``: apply ``scale`` in the Kronecker eigenbasis."""
         r = self.eigen()
         QA, QG = r.QA.to(M.dtype), r.QG.to(M.dtype)
+        if M.shape[0] == 1:  # one group: plain GEMMs
+            QA, QG = QA[0], QG[0]
+            return (QG @ scale((QG.mT @ M[0] @ QA).unsqueeze(0))[0] @ QA.mT).unsqueeze(0)
         return QG @ scale(QG.mT @ M @ QA) @ QA.mT
 
     def trace(self) -> Tensor:
@@ -204,10 +269,38 @@ class EigenCorrectedBlock(KroneckerBlock):
     ):
         super().__init__(name, index, A, G)
         self.corrections: Optional[Tensor] = None
+        #: 0-d device bool: ``Lambda`` has had no finite statistics yet (``None``: it has).
+        self.corrections_fresh: Optional[Tensor] = None
 
-    def update_corrections(self, corrections: Tensor, decay: float = 0.0) -> None:
-        """Fold new second moments into the running ``Lambda``."""
-        self.corrections = ema(self.corrections, corrections, decay)
+    def update_corrections(
+        self, corrections: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None
+    ) -> None:
+        """Fold new second moments into the running ``Lambda`` (``valid`` as in :meth:`update`)."""
+        if self.corrections is None:
+            self.corrections = corrections
+            self.corrections_fresh = None if valid is None else ~valid
+            return
+        w, self.corrections_fresh = update_weight(
+            valid, self.corrections_fresh, decay, self.corrections.dtype
+        )
+        self.corrections = ema(self.corrections, corrections, decay, w)
+
+    def flags(self) -> List[Tensor]:  # noqa: D102
+        fresh = self.corrections_fresh
+        return super().flags() + ([] if fresh is None else [fresh])
+
+    def read_flags(self, values: List[bool]) -> None:  # noqa: D102
+        n = len(super().flags())
+        super().read_flags(values[:n])
+        if self.corrections_fresh is not None and not values[n]:
+            self.corrections_fresh = None
+
+    def _corrected(self) -> Tensor:
+        """``Lambda``, or KFAC's eigenvalues while it has had no finite statistics."""
+        if self.corrections_fresh is None:
+            return self.corrections
+        kfac = super().eigenvalues().to(self.corrections.dtype)
+        return torch.where(self.corrections_fresh, kfac, self.corrections)
 
     def basis(self) -> Optional[Eigen]:
         """The refreshed eigenbasis, or ``None`` before the first eigendecomposition."""
@@ -228,13 +321,13 @@ class EigenCorrectedBlock(KroneckerBlock):
 
     def eigenvalues(self) -> Tensor:  # noqa: D102
         if self.corrections is not None and self.basis() is not None:
-            return self.corrections
+            return self._corrected()
         return super().eigenvalues()
 
     def matvec(self, M: Tensor) -> Tensor:  # noqa: D102
         if self.corrections is None or self.basis() is None:
             return super().matvec(M)
-        return self.in_eigenbasis(M, lambda rot: rot * self.corrections.to(M.dtype))
+        return self.in_eigenbasis(M, lambda rot: rot * self._corrected().to(M.dtype))
 
     def inverse_matvec(self, M: Tensor, damping: float, mode: str = "exact") -> Tensor:  # noqa: D102
         return super().inverse_matvec(M, damping, "exact")

@@ -10,7 +10,7 @@ fails keeps its previous record (:attr:`RefreshStatus.KEPT`) or, without one, fa
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 from ..linalg import damped_inverses, eighs, finite_flags, non_finite_message
 from .kronecker import KroneckerBlock
@@ -24,13 +24,18 @@ def failure(block, cause: str) -> Outcome:
     return Outcome(status, None, cause)
 
 
-def snapshots(blocks: Sequence[KroneckerBlock]) -> Dict[KroneckerBlock, Outcome]:
+def snapshots(
+    blocks: Sequence[KroneckerBlock], also: Sequence[Any] = ()
+) -> Tuple[Dict[KroneckerBlock, Outcome], list]:
     """:class:`FactorSnapshot` records of the blocks' factors (one synchronization).
 
     Pi damping needs only ``(A + pi sqrt(lambda) I)^{-1}`` and ``(G + sqrt(lambda)/pi
     I)^{-1}``, which :func:`invert` takes by Cholesky at the damping of the moment.
+    The values of the tensors ``also`` are read in the same synchronization and
+    returned second.
     """
-    flags = finite_flags([m for b in blocks for m in (b.A, b.G)])
+    read = finite_flags([m for b in blocks for m in (b.A, b.G)], also)
+    flags, extra = read[: 2 * len(blocks)], read[2 * len(blocks) :]
     out = {}
     for i, b in enumerate(blocks):
         bad = [f for f, ok in zip(("A", "G"), flags[2 * i : 2 * i + 2]) if not ok]
@@ -38,16 +43,17 @@ def snapshots(blocks: Sequence[KroneckerBlock]) -> Dict[KroneckerBlock, Outcome]
             out[b] = failure(b, non_finite_message(f"{bad[0]} of '{b.label}'"))
         else:
             out[b] = Outcome(RefreshStatus.OK, FactorSnapshot(b.A.clone(), b.G.clone()))
-    return out
+    return out, extra
 
 
 def eigendecompositions(
-    blocks: Sequence, damping_of: Callable[[object], float]
-) -> Dict[object, Outcome]:
+    blocks: Sequence, damping_of: Callable[[object], float], also: Sequence[Any] = ()
+) -> Tuple[Dict[object, Outcome], list]:
     """:class:`Eigen` records (Kronecker blocks) and generalized ones (sum blocks).
 
     The eigendecompositions of all Kronecker blocks' factors run through
-    :func:`~curvature.linalg.eighs` (two synchronizations for all of them).
+    :func:`~curvature.linalg.eighs` (two synchronizations for all of them), whose first
+    one also reads the tensors ``also`` (their values are returned second).
     """
     out: Dict[object, Outcome] = {}
     single = []
@@ -63,14 +69,15 @@ def eigendecompositions(
     for b in single:
         mats += [b.A, b.G]
         names += [f"A of '{b.label}'", f"G of '{b.label}'"]
-    results = eighs(mats, names)
+    results = eighs(mats, names, also)
+    results, extra = results[: len(mats)], results[len(mats) :]
     for i, b in enumerate(single):
         a, g = results[2 * i], results[2 * i + 1]
         err = next((e for e in (a, g) if isinstance(e, Exception)), None)
         out[b] = (
             failure(b, str(err)) if err is not None else Outcome(RefreshStatus.OK, Eigen(*a, *g))
         )
-    return out
+    return out, extra
 
 
 def invert(blocks: Sequence[KroneckerBlock], damping_of: Callable[[object], float]) -> None:

@@ -14,13 +14,13 @@ PA = I``, ``PA^T A2 PA = diag(muA)`` (likewise ``PG``, ``muG``), its inverse app
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..linalg import generalized_eigh, pi_factor
-from .kronecker import KroneckerBlock, ema, mean_diagonal
+from .kronecker import KroneckerBlock, ema, mean_diagonal, update_weight
 from .records import GeneralizedEigen, Record
 
 
@@ -53,13 +53,25 @@ class KroneckerSumBlock:
     def label(self) -> str:  # noqa: D102
         return self.name or "<model>"
 
-    def update(self, A: Tensor, G: Tensor, decay: float = 0.0, term: int = 0) -> None:
-        """Fold the factors of one term into its running estimate."""
+    def update(
+        self,
+        A: Tensor,
+        G: Tensor,
+        decay: float = 0.0,
+        term: int = 0,
+        valid: Optional[Tensor] = None,
+    ) -> None:
+        """Fold the factors of one term into its running estimate.
+
+        ``valid`` (0-d device bool; ``None``: true): false statistics (zeros) leave the
+        term unchanged (a term's first update is taken as it is).
+        """
         old = self.terms.get(term)
         if old is None:
             self.terms[term] = [A, G.clone()]
         else:
-            self.terms[term] = [ema(old[0], A, decay), ema(old[1], G, decay)]
+            w, _ = update_weight(valid, None, decay, old[0].dtype)
+            self.terms[term] = [ema(old[0], A, decay, w), ema(old[1], G, decay, w)]
 
     def two_terms(self) -> Tuple[List[Tensor], List[Tensor]]:
         """The first term and the rest, merged (mean of the ``A``, sum of the ``G``)."""

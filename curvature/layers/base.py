@@ -486,6 +486,11 @@ def expanded_kfac(
     ``g`` carries the pulled vectors' axis ``[K]`` first.
     """
     N, S = a.shape[:2]
+    if approx == "expand" and a.shape[2] == 1:  # one group: two plain GEMMs
+        a2 = a.reshape(-1, a.shape[-1])
+        A_sum = (a2.mT @ a2).unsqueeze(0)
+        g2 = None if g is None else g.reshape(-1, g.shape[-1])
+        return A_sum, None if g2 is None else (g2.mT @ g2).unsqueeze(0), N * S
     if approx == "expand":
         A_sum = torch.einsum("nsci,nscj->cij", a, a)
         G_sum = None if g is None else torch.einsum("knsco,knscp->cop", g, g)

@@ -35,14 +35,17 @@ from torch.optim import Optimizer
 
 from ..capture import unwrap_model
 from ..layer_stats import no_block_reasons
-from ..layout import ParamLayout, ParamSharing
+from ..layout import DeviceIndices, ParamLayout, ParamSharing
+from ..linalg import host_values
 from ..options import FisherType, Unsupported
 from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
-from .config import CurvatureConfig, check_hyperparameters
+from .config import CurvatureConfig, check_group, check_hyperparameters
 from .coverage import owner, report_batch_statistics, report_uncovered
+from .deferred import DeferredReads
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
+from .rng import SamplingGenerators
 from .ties import TiedLayers
 from .updates import (
     ParamSlot,
@@ -51,7 +54,6 @@ from .updates import (
     line_search,
     loss_only,
     reduction_ratio,
-    skipped_message,
 )
 
 
@@ -99,9 +101,11 @@ class CurvatureOptimizer(Optimizer):
         super().__init__(groups, defaults)  # checks each group with add_param_group
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
-        self.last_kl_scale = 1.0
-        self.skipped_updates = 0  # steps whose update was skipped (non-finite) for a parameter
+        self._kl_scale, self._damping_cache = 1.0, (None, None)  # device values, read lazily
+        self._reads = DeferredReads(type(self).__name__)  # device values read later
+        self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
         self.generator = torch.Generator().manual_seed(config.seed)
+        self._generators = SamplingGenerators(self.generator)  # one per device
         self.steps = 0
         self._skipped_before = 0
         self._closed = False
@@ -126,12 +130,23 @@ class CurvatureOptimizer(Optimizer):
 
     @property
     def skipped_statistics(self) -> int:
-        """Contributions skipped so far because they were not finite."""
+        """Contributions skipped as non-finite (a device read; warns of skipped updates)."""
+        self._reads.settle_updates(host_values(self._reads.update_tensors()))
         return self._skipped_before + self._collector.stats.skipped
 
     @skipped_statistics.setter
     def skipped_statistics(self, value: int) -> None:
         self._skipped_before = int(value) - self._collector.stats.skipped
+
+    @property
+    def skipped_updates(self) -> int:
+        """Steps whose update was skipped (non-finite) for some parameter (a device read)."""
+        self._reads.settle_updates(host_values(self._reads.update_tensors()))
+        return self._reads.skipped_steps
+
+    last_kl_scale = property(
+        lambda self: float(self._kl_scale), doc="The KL factor ``nu`` of the last update (a read)."
+    )
 
     # -- distributed -----------------------------------------------------------------------
     @property
@@ -157,7 +172,7 @@ class CurvatureOptimizer(Optimizer):
         """
         if self._comm is not None:
             mixed = ((self.config.seed * 1_000_003 + self.steps) * 4099 + self._comm.rank) % 2**62
-            self.generator.manual_seed(mixed)
+            self._generators.manual_seed(mixed)
 
     def _global_loss(self, value: float) -> float:
         """A closure's loss, averaged over the ranks (identical decisions everywhere)."""
@@ -178,7 +193,7 @@ class CurvatureOptimizer(Optimizer):
             self.config.mc_samples,
             self.config.auto_output,
             self._accumulate_layer,
-            self.generator,
+            self._generators,
             self._comm,
             self._ddp,
             self.config.grad_scaler,
@@ -232,22 +247,11 @@ class CurvatureOptimizer(Optimizer):
 
     def _check_group(self, group: Dict[str, Any], params: List[Any]) -> None:
         who = type(self).__name__
-        for key in ("lr", "damping", "momentum", "weight_decay"):
-            value = group.get(key, self.defaults[key])
-            if value < 0 or (key == "damping" and value <= 0):
-                allowed = "must be > 0" if key == "damping" else "must be >= 0"
-                raise ValueError(f"{who}: param group {key}={value} is invalid; {key} {allowed}.")
         names = {p: n for n, p in self.model.named_parameters()}
         where = f"param group {len(self.param_groups)}"
-        for i, p in enumerate(params):
-            if isinstance(p, Tensor) and p not in names:
-                raise ValueError(
-                    f"{who}: the parameter of shape {list(p.shape)} at {where}['params'][{i}] "
-                    "is not a parameter of the model the optimizer was built on "
-                    f"({type(self.model).__name__}); it would get a gradient but never be "
-                    "updated. Give it its own optimizer (e.g. torch.optim.AdamW([param])), "
-                    "or make it a parameter of the model before building the optimizer."
-                )
+        check_group(
+            who, {**self.defaults, **group}, params, names, where, type(self.model).__name__
+        )
         frozen = [names[p] for p in params if isinstance(p, Tensor) and not p.requires_grad]
         if frozen:
             warn(
@@ -407,14 +411,10 @@ class CurvatureOptimizer(Optimizer):
                 )
             else:
                 slots = [s for s in self._slots() if s.param.grad is not None]
-                self.last_kl_scale, skipped = apply_update(
-                    slots, directions, grads, self.state, cfg.kl_clip
+                self._kl_scale, ok = apply_update(
+                    slots, directions, grads, self.state, cfg.kl_clip, type(self).__name__
                 )
-                if skipped:
-                    self.skipped_updates += 1
-                    if self.skipped_updates == 1:  # once per optimizer; later ones counted
-                        who = type(self).__name__
-                        warn(skipped_message(who, skipped, len(slots), self.steps))
+                self._reads.record_update(tuple(s.name for s in slots), ok, self.steps)
         if adapt:
             delta = self.layout.flat_params(torch.float64) - before
             self._adapt_damping(closure, float(loss.detach()), grads, delta)
@@ -457,11 +457,15 @@ class CurvatureOptimizer(Optimizer):
             g["damping"] = g["damping"] * factor
 
     def _damping_vector(self, like: Tensor) -> Tensor:
-        """``[P]``: each position's group damping."""
-        out = torch.full_like(like, self.param_groups[0]["damping"])
-        for s in self._slots():
-            out[s.span] = s.group["damping"]
-        return out
+        """``[P]``: each position's group damping (built once per set of dampings)."""
+        spans = [(s.span.start, s.span.stop, s.group["damping"]) for s in self._slots()]
+        key = (tuple(spans), self.param_groups[0]["damping"], like.dtype, like.device)
+        if self._damping_cache[0] != key:
+            out = torch.full_like(like, self.param_groups[0]["damping"])
+            for start, stop, damping in spans:
+                out[start:stop] = damping
+            self._damping_cache = (key, out)
+        return self._damping_cache[1]
 
     def _flat_grads(self) -> Optional[Tensor]:
         """The gradients as one flat vector (averaged over the ranks where we sync them)."""
@@ -506,6 +510,7 @@ class CurvatureOptimizer(Optimizer):
             "steps": self.steps,
             "skipped_statistics": self.skipped_statistics,
             "generator": self.generator.get_state(),
+            "device_generators": self._generators.device_states(),
             **self._curvature_state(),
         }
         return sd
@@ -536,7 +541,7 @@ class CurvatureOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self.steps = curv["steps"]
         self.skipped_statistics = curv["skipped_statistics"]
-        self.generator.set_state(curv["generator"])
+        self._generators.set_state({**curv.get("device_generators", {}), "cpu": curv["generator"]})
         self._load_curvature_state(curv)
         self._reseed()
         self._collector.due = self.steps % self.config.factor_every == 0

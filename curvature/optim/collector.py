@@ -29,7 +29,13 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import Capture
-from ..losses import backprop_sources, check_loss, reduction_scale
+from ..losses import (
+    backprop_sources,
+    check_loss,
+    ignored_targets,
+    ignored_targets_message,
+    reduction_scale,
+)
 from ..options import FisherType
 from ..warn import warn
 from .distributed import (
@@ -377,6 +383,10 @@ class StatisticsCollector:
             return
         # a non-finite output gives non-finite statistics, which the flush skips (and
         # counts) without a host synchronization of its own
+        stats = self.stats if stats is None else stats
+        ignored = ignored_targets(loss_func, target)
+        if ignored is not None:  # read at the next refresh (the statistics are skipped)
+            stats.require_false(ignored, ignored_targets_message(loss_func))
         V = backprop_sources(
             loss_func,
             output,
@@ -384,6 +394,7 @@ class StatisticsCollector:
             self.fisher.value,
             mc_samples=self.mc_samples,
             generator=self.generator,
+            check_targets=False,
         )
         self.capture.pull(output, V, is_grads_batched=True, retain_graph=True, unreached="skip")
         N = output.shape[0] if output.dim() else 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from torch import nn
+from torch import Tensor, nn
 
 from ..losses import SUPPORTED_LOSSES, check_loss
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported, choice
@@ -38,6 +38,37 @@ def check_hyperparameters(
     )
     check(who, "momentum", momentum, 0 <= momentum < 1, "must be in [0, 1)")
     check(who, "weight_decay", weight_decay, weight_decay >= 0, "must be >= 0")
+
+
+def check_group(
+    who: str,
+    group: Dict[str, Any],
+    params: Sequence[Any],
+    names: Dict[Any, str],
+    where: str,
+    model: str,
+) -> None:
+    """A param group's tunables (``group`` with the defaults filled in) and parameters.
+
+    Raises:
+        ValueError: For a negative ``lr`` / ``momentum`` / ``weight_decay``, ``damping <=
+            0``, or a parameter that is not one of the model's (``names``).
+
+    """
+    for key in ("lr", "damping", "momentum", "weight_decay"):
+        value = group[key]
+        if value < 0 or (key == "damping" and value <= 0):
+            allowed = "must be > 0" if key == "damping" else "must be >= 0"
+            raise ValueError(f"{who}: param group {key}={value} is invalid; {key} {allowed}.")
+    for i, p in enumerate(params):
+        if isinstance(p, Tensor) and p not in names:
+            raise ValueError(
+                f"{who}: the parameter of shape {list(p.shape)} at {where}['params'][{i}] "
+                f"is not a parameter of the model the optimizer was built on ({model}); it "
+                "would get a gradient but never be updated. Give it its own optimizer (e.g. "
+                "torch.optim.AdamW([param])), or make it a parameter of the model before "
+                "building the optimizer."
+            )
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,13 @@ from torch import Tensor, nn
 from ..blocks import DiagonalBlock
 from ..layer_stats import fisher_diagonal, layer_positions
 from ..layout import put, take
+from ..linalg import host_values
 from ..options import FisherType, KFACApproxType
 from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
 from .checkpoint import check_diagonal_state
 from .config import CurvatureConfig
+from .deferred import read_flags, waiting_flags
 
 
 class DiagonalNaturalGradient(CurvatureOptimizer):
@@ -114,13 +116,20 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         emit((name, self.diagonal_suffix), [d.to(stat_dtype(d))], ("g",))
 
     def _update_curvature(self, stats) -> None:
-        for (name, _, _), values in stats.items():
+        for (name, _, _), (values, valid) in stats.items():
             if name not in self._diagonals:  # a group of tied layers
                 self._diagonals[name] = DiagonalBlock(name, self._tied.index(name))
-            self._diagonals[name].update(values[0], self.config.factor_decay)
+            self._diagonals[name].update(values[0], self.config.factor_decay, valid)
 
     def _refresh(self) -> None:
-        return None
+        """No decompositions: the deferred device flags are read (one synchronization)."""
+        deferred = self._reads.tensors(self._collector.stats)
+        waiting, flags = waiting_flags(list(self._diagonals.values()))
+        if not deferred and not flags:
+            return
+        read = host_values(deferred + flags)
+        read_flags(waiting, read[len(deferred) :])
+        self._reads.settle(self._collector.stats, read[: len(deferred)])
 
     def _precondition(self, grads: Tensor) -> Tensor:
         out = grads.clone()
@@ -137,7 +146,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         for block in self._diagonals.values():
             if block.d is None:
                 continue
-            ix = block.index.to(grads.device)
+            ix = self._ix(block.index, grads.device)
             put(out, ix, block.inverse_matvec(take(grads, ix), take(damping, ix)))
         return out
 
@@ -146,7 +155,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         for block in self._diagonals.values():
             if block.d is None:
                 continue
-            ix = block.index.to(v.device)
+            ix = self._ix(block.index, v.device)
             put(out, ix, block.matvec(take(v, ix)))
         return out
 

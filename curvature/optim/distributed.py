@@ -338,7 +338,7 @@ def start_statistics_reduction(
                 [None] * len(kinds), kinds, reduction=reduction, empirical=empirical
             )
         st.shapes = list(shapes)
-        counts_cpu[i, 0], counts_cpu[i, 1] = st.rows, st.samples
+        counts_cpu[i, 0], counts_cpu[i, 1] = st.kept_counts()  # kept contributions only
         for j, (shape, kind) in enumerate(zip(shapes, kinds)):
             if shape is None:
                 continue
@@ -361,7 +361,7 @@ def finish_statistics_reduction(
     for (st, j, shape, sym, dev), flat in zip(pending.plan, pending.flats):
         st.values[j] = unpack(flat, shape, sym).to(dev)
     for (key, _), (rows, samples) in zip(pending.layout, pending.counts.tolist()):
-        pending.stats[key].rows, pending.stats[key].samples = rows, samples
+        pending.stats[key].counts_reduced(rows, samples)
     return pending.stats
 
 
@@ -465,11 +465,15 @@ def flat_gradients(layout: Any, comm: Optional[Communicator]) -> Optional[Tensor
     if ref is None:
         return None
     dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
-    flat = torch.zeros(layout.numel, dtype=dtype, device=ref.device)
-    for n, p in zip(layout.names, params):
-        if p.grad is not None:
-            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-            flat[layout.span(n)] = grad.reshape(-1)
+    grads = [p.grad for p in params]
+    if all(g is not None and not g.is_sparse and g.device == ref.device for g in grads):
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])  # one copy (layout order)
+    else:
+        flat = torch.zeros(layout.numel, dtype=dtype, device=ref.device)
+        for n, p in zip(layout.names, params):
+            if p.grad is not None:
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                flat[layout.span(n)] = grad.reshape(-1)
     if comm is not None:
         comm.all_reduce([flat], "gradients")
         flat /= comm.world

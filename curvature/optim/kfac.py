@@ -61,6 +61,7 @@ from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
 from .checkpoint import check_kronecker_state, warn_dropped_corrections
 from .config import CurvatureConfig
+from .deferred import has_statistics, read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
 
 Key = Tuple[str, str]
@@ -324,6 +325,8 @@ class KFAC(CurvatureOptimizer):
         """
         out: Dict[str, Any] = {}
         for key, block in self._blocks.items():
+            if not has_statistics(block):
+                continue  # only non-finite statistics so far
             if isinstance(block, KroneckerSumBlock):
                 terms = [block.terms[t] for t in sorted(block.terms)]
             else:
@@ -385,13 +388,13 @@ class KFAC(CurvatureOptimizer):
 
     def _update_curvature(self, stats) -> None:
         beta = self.config.factor_decay
-        for (name, suffix, term), values in stats.items():
+        for (name, suffix, term), (values, valid) in stats.items():
             key = (name, suffix)
             if key not in self._index:  # a diagonal block
                 block = self._diag.get(key)
                 if block is None:
                     block = self._diag[key] = DiagonalBlock(block_name(*key), self._diag_index(key))
-                block.update(values[0], beta)
+                block.update(values[0], beta, valid)
                 continue
             A, G, lam = values
             if G is None:  # forward-only: G = I
@@ -407,11 +410,11 @@ class KFAC(CurvatureOptimizer):
                 self._blocks[key] = block
                 self._decomposed.discard(key)
             if isinstance(block, KroneckerSumBlock):
-                block.update(A, G, beta, term)
+                block.update(A, G, beta, term, valid)
             else:
-                block.update(A, G, beta)
+                block.update(A, G, beta, valid)
             if lam is not None and term == 0 and isinstance(block, EigenCorrectedBlock):
-                block.update_corrections(lam, beta)
+                block.update_corrections(lam, beta, valid)
 
     def _diag_index(self, key: Key) -> Tensor:
         """Flat positions of a diagonal block: a large Kronecker block or a whole layer."""
@@ -442,16 +445,20 @@ class KFAC(CurvatureOptimizer):
         )
 
     def _refresh(self) -> None:
-        """Decompose (or snapshot) every block: locally, or split over the ranks and shared."""
+        """Decompose (or snapshot) every block: locally, or split over the ranks and shared.
+
+        Reads the deferred device values (:mod:`.deferred`) in its first synchronization.
+        """
         keys = sorted(self._blocks, key=repr)
         local = [k for k in keys if self._by_cholesky(self._blocks[k])]
         shared = [k for k in keys if k not in local]
-        damping_of = {id(self._blocks[k]): self._block_damping(k) for k in keys}
+        damping_of = {self._blocks[k]: self._block_damping(k) for k in keys}
+        deferred = self._reads.tensors(self._collector.stats)
+        waiting, flags = waiting_flags([*self._blocks.values(), *self._diag.values()])
+        also = deferred + flags
         mine = [self._blocks[k] for k in shared if self._mine(k)]
-        by_block = eigendecompositions(mine, lambda b: damping_of[id(b)])
-        outcomes: Dict[Key, Outcome] = {
-            k: by_block[self._blocks[k]] for k in shared if self._mine(k)
-        }
+        by_block, read = eigendecompositions(mine, damping_of.get, also if shared else [])
+        outcomes = {k: by_block[self._blocks[k]] for k in shared if self._mine(k)}
         if self._comm is not None and self.decompose == "split" and shared:
             outcomes = share_outcomes(
                 self._comm,
@@ -462,16 +469,17 @@ class KFAC(CurvatureOptimizer):
                 self._block_damping,
             )
         used = [self._blocks[k] for k in local if self._uses(k)]
-        snaps = snapshots(used)
+        snaps, extra = snapshots(used, [] if shared else also)
+        read = read if shared else extra
+        read_flags(waiting, read[len(deferred) :])
         for k in local:
             outcomes[k] = snaps.get(self._blocks[k], Outcome(RefreshStatus.OK))
         for key in keys:
-            self._install(key, outcomes[key])
-        # the damped inverses of the Cholesky blocks at the damping of the moment, in one
-        # batched pass (recomputed one by one only if the damping changes before a refresh)
-        invert(
-            [b for b in used if isinstance(b.record, FactorSnapshot)], lambda b: damping_of[id(b)]
-        )
+            if getattr(self._blocks[key], "fresh", None) is None:  # else: no statistics yet
+                self._install(key, outcomes[key])
+        # the Cholesky blocks' damped inverses at the damping of the moment, in one pass
+        invert([b for b in used if isinstance(b.record, FactorSnapshot)], damping_of.get)
+        self._reads.settle(self._collector.stats, read[: len(deferred)])
 
     def _install(self, key: Key, outcome: Outcome) -> None:
         name = block_name(*key) or "<model>"
@@ -508,10 +516,10 @@ class KFAC(CurvatureOptimizer):
             block = self._blocks.get(key)
             if self._record(key) is None or not self._uses(key):
                 continue
-            ix = index.to(grads.device)
+            ix = self._ix(index, grads.device)
             put(out, ix, block.inverse_matvec(take(grads, ix), self._block_damping(key), mode))
         for key, block in self._diag.items():  # blocks on the diagonal fallback
-            ix = block.index.to(grads.device)
+            ix = self._ix(block.index, grads.device)
             damping = self._group_damping(self._layer_param(key[0]))
             put(out, ix, block.inverse_matvec(take(grads, ix), damping))
         if self.precondition == "owner" and self._comm is not None:
@@ -520,8 +528,7 @@ class KFAC(CurvatureOptimizer):
         return out
 
     def _record(self, key: Key):
-        block = self._blocks.get(key)
-        return None if block is None else block.record
+        return getattr(self._blocks.get(key), "record", None)
 
     def _owned_mask(self, like: Tensor) -> Tensor:
         """1 at the positions this rank preconditions with ``precondition='owner'``."""
@@ -533,14 +540,8 @@ class KFAC(CurvatureOptimizer):
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
         out = torch.zeros_like(v)
-        for key, index in self._index.items():
-            block = self._blocks.get(key)
-            if block is None:
-                continue
-            ix = index.to(v.device)
-            put(out, ix, block.matvec(take(v, ix)))
-        for block in self._diag.values():
-            ix = block.index.to(v.device)
+        for block in [*self._blocks.values(), *self._diag.values()]:
+            ix = self._ix(block.index, v.device)
             put(out, ix, block.matvec(take(v, ix)))
         return out
 
@@ -551,7 +552,7 @@ class KFAC(CurvatureOptimizer):
     # -- state ------------------------------------------------------------------------------------
     def _curvature_state(self) -> Dict[str, Any]:
         return {
-            "blocks": {k: block_state(b) for k, b in self._blocks.items()},
+            "blocks": {k: block_state(b) for k, b in self._blocks.items() if has_statistics(b)},
             "diag": {k: b.state_dict() for k, b in self._diag.items()},
             "terms": dict(self._term_of),
         }

@@ -11,19 +11,23 @@ they count as one batch, their union:
   (``c^2 sum g g^T`` of the user's gradients, ``c = W R(N)`` on ``W`` ranks)
   ``sum / (W^2 R(N))``.
 
-A contribution's finiteness is judged on its own values, for all of a forward's
-contributions in one host synchronization (:meth:`StepStatistics.flush`); non-finite
-ones are skipped and counted.
+A contribution's finiteness is judged on its own values, on the device and without a
+host synchronization (:meth:`StepStatistics.flush`): a non-finite one is replaced by
+zeros (``torch.where``), left out of the counts and counted in a device tensor that is
+read only when asked (:attr:`StepStatistics.skipped`). Each block's statistics carry a
+device flag ``valid`` (some contribution was kept), which the running estimates use to
+skip a step's update without reading it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
-from ..linalg import finite_flags
+from ..linalg import host_values
 
 #: Kinds of statistics values: ``"A"`` (symmetric; a sum of ``a a^T`` normalized by its
 #: rows), ``"G"`` (symmetric; normalized per sample) and ``"g"`` (like ``"G"`` but not
@@ -63,6 +67,9 @@ class StepStat:
     reduction: str = "mean"
     empirical: bool = False
     shapes: List[Optional[Tuple[int, ...]]] = field(default_factory=list)
+    #: ``(kept, rows, samples)`` per contribution, ``kept`` a 0-d device bool: ``rows``
+    #: and ``samples`` above count every contribution, kept or not (host numbers).
+    parts: List[Tuple[Tensor, float, float]] = field(default_factory=list)
 
     def merge(self, other: StepStat) -> StepStat:
         """Add ``other`` (same key; both global or both local) into this one."""
@@ -73,7 +80,35 @@ class StepStat:
         self.shapes = [s if s is not None else t for s, t in zip(self.shapes, other.shapes)]
         self.rows += other.rows
         self.samples += other.samples
+        self.parts = self.parts + other.parts
         return self
+
+    def valid(self) -> Optional[Tensor]:
+        """0-d device bool: some contribution was kept (``None``: known on the host)."""
+        if not self.parts:
+            return None
+        if len(self.parts) == 1:
+            return self.parts[0][0]
+        return torch.stack([ok for ok, _, _ in self.parts]).any()
+
+    def kept_counts(self) -> Tuple[object, object]:
+        """``(rows, samples)`` of the kept contributions (0-d tensors where flags exist)."""
+        if not self.parts:
+            return self.rows, self.samples
+        rows = sum(ok * r for ok, r, _ in self.parts)
+        samples = sum(ok * n for ok, _, n in self.parts)
+        return rows, samples
+
+    def counts_reduced(self, rows: float, samples: float) -> None:
+        """The global kept counts after an all-reduce: everything known on the host."""
+        self.rows, self.samples, self.parts = rows, samples, []
+
+
+class Normalized(NamedTuple):
+    """A block's normalized statistics and its 0-d ``valid`` flag (``None``: valid)."""
+
+    values: List[Optional[Tensor]]
+    valid: Optional[Tensor]
 
 
 class StepStatistics:
@@ -81,15 +116,42 @@ class StepStatistics:
 
     Attributes:
         slots: Key to :class:`StepStat`.
-        skipped: Contributions skipped as non-finite so far (the optimizer's counter).
+        failed: Message to a 0-d device bool: checks of :meth:`require_false` that
+            failed (or not) since they were last read by :meth:`raise_failed`.
 
     """
 
     def __init__(self) -> None:
         self.slots: Dict[StatKey, StepStat] = {}
-        self.skipped = 0
+        self.failed: Dict[str, Tensor] = {}
         self._queue: list = []
         self._checks: List[Tuple[Tensor, str]] = []
+        self._skipped: List[Tensor] = []  # device bools "kept" per contribution, read lazily
+        self._skipped_host = 0
+
+    @property
+    def skipped(self) -> int:
+        """Contributions skipped as non-finite so far (one host synchronization to read)."""
+        if self._skipped:
+            kept = host_values(self._skipped)
+            self._skipped_host += sum(len(k) - sum(k) if isinstance(k, list) else -k for k in kept)
+            self._skipped = []
+        return int(self._skipped_host)
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self._skipped, self._skipped_host = [], int(value)
+
+    def skip_records(self) -> Tuple[List[Tensor], int]:
+        """The unread device records of :attr:`skipped` and the count already read."""
+        return list(self._skipped), self._skipped_host
+
+    def _count_skipped(self, kept: Tensor) -> None:
+        """Keep ``kept [K]`` (device bools) to count later; summed on the device now and then."""
+        self._skipped.append(kept)
+        if len(self._skipped) > 64:  # a 0-d entry holds minus a skip count
+            counts = [k.numel() - k.sum() if k.dim() else -k for k in self._skipped]
+            self._skipped = [-torch.stack([c.to(counts[0].device) for c in counts]).sum()]
 
     def __bool__(self) -> bool:
         return bool(self.slots)
@@ -130,45 +192,83 @@ class StepStatistics:
     def flush(self) -> None:
         """Fold the queued contributions into their slots, skipping non-finite ones.
 
-        A sum is finite iff every entry is (barring float overflow): the sums of all
-        queued values are checked in one reduction per device, so a forward costs one
-        host synchronization on a GPU instead of one per block. A skipped contribution
-        is counted in :attr:`skipped`; its slot stays (with zero counts) for the layout.
+        A contribution is finite iff the sum of each of its values is (barring overflow
+        of the sum); the sums are stacked and judged on the device: a non-finite one is
+        replaced by zeros, flagged in its slot's ``parts`` and counted in
+        :attr:`skipped`, all without a host synchronization. A failed
+        :meth:`require_false` check skips every queued contribution and is kept in
+        :attr:`failed` for the caller to raise later.
         """
         queue, self._queue = self._queue, []
         checks, self._checks = self._checks, []
         if not queue and not checks:
             return
-        present = [[v for v in values if v is not None] for _, values, _, _ in queue]
-        read = finite_flags([v for vs in present for v in vs], [flag for flag, _ in checks])
-        failed = [msg for (_, msg), bad in zip(checks, read[len(read) - len(checks) :]) if bad]
-        if failed:
-            raise ValueError(failed[0])
-        flags = iter(read[: len(read) - len(checks)])
-        finite = [all([next(flags) for _ in vs]) for vs in present]  # consumes every flag
-        for (slot, values, rows, N), ok in zip(queue, finite):
-            if not ok:
-                self.skipped += 1
+        present = [v for _, values, _, _ in queue for v in values if v is not None]
+        flags: Dict[torch.device, Tensor] = {}  # a device's values: finite or not
+        by_device: Dict[torch.device, List[int]] = {}
+        for i, v in enumerate(present):
+            by_device.setdefault(v.device, []).append(i)
+        where: Dict[int, Tuple[torch.device, int]] = {}
+        low = (torch.float16, torch.bfloat16)
+        for dev, idx in by_device.items():
+            vs = [present[i] for i in idx]
+            sums = [v.sum(dtype=torch.float32) if v.dtype in low else v.sum() for v in vs]
+            flags[dev] = torch.stack(sums).mul(0).eq(0)  # finite (barring overflow of a sum)
+            for j, i in enumerate(idx):
+                where[i] = (dev, j)
+        bad: Optional[Tensor] = None
+        for flag, msg in checks:
+            self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
+            bad = flag if bad is None else bad | flag
+        if bad is not None:  # a failed check: every contribution is skipped
+            flags = {dev: f & ~bad.to(dev) for dev, f in flags.items()}
+        i = 0
+        skipped: Dict[torch.device, List[Tensor]] = {}
+        for slot, values, rows, N in queue:
+            n = sum(v is not None for v in values)
+            if n == 0:
                 continue
+            dev, j = where[i]
+            ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
+            i += n
+            skipped.setdefault(dev, []).append(ok)
+            drop = ~ok
+            kept = [None if v is None else v.masked_fill(drop, 0.0) for v in values]
             slot.values = [
-                a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, values)
+                a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, kept)
             ]
             slot.shapes = [s if v is None else tuple(v.shape) for s, v in zip(slot.shapes, values)]
             slot.rows += rows
             slot.samples += N
+            slot.parts.append((ok, rows, N))
+        for oks in skipped.values():
+            self._count_skipped(torch.stack(oks))
 
     def require_false(self, flag: Tensor, message: str) -> None:
-        """Raise ``ValueError(message)`` at the next flush if the 0-d ``flag`` is true.
-
-        A check on the device read in the flush's one host synchronization.
+        """A check on the device: if the 0-d ``flag`` is true, the next flush skips its
+        contributions and keeps ``message`` in :attr:`failed` (raised by
+        :meth:`raise_failed` where the caller reads its flags).
         """
         self._checks.append((flag, message))
+
+    def raise_failed(self, values: Sequence[bool]) -> None:
+        """Raise ``ValueError`` for the first true flag of :attr:`failed` (read as ``values``)."""
+        messages = list(self.failed)
+        self.failed = {}
+        for msg, bad in zip(messages, values):
+            if bad:
+                raise ValueError(msg)
 
     def absorb(self, other: StepStatistics) -> None:
         """Add the (flushed) sums and skip count of ``other`` into this step's."""
         for key, st in other.slots.items():
             self.slots[key] = self.slots[key].merge(st) if key in self.slots else st
-        self.skipped += other.skipped
+        unread, read = other.skip_records()
+        for kept in unread:
+            self._count_skipped(kept)
+        self._skipped_host += read
+        for msg, flag in other.failed.items():
+            self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
 
     def drop_queue(self) -> None:
         """Forget contributions that were queued but not flushed (after an error)."""
@@ -183,7 +283,7 @@ class StepStatistics:
 
 def normalize(
     stats: Dict[StatKey, StepStat], world: int, ordered: bool
-) -> Dict[StatKey, List[Optional[Tensor]]]:
+) -> Dict[StatKey, Normalized]:
     """The step's statistics as means (see the module docstring).
 
     Args:
@@ -192,7 +292,9 @@ def normalize(
         ordered: Sort the keys (identical order on every rank).
 
     Returns:
-        Key to the normalized values; blocks without any finite contribution are dropped.
+        Key to the normalized values and their ``valid`` flag (a block whose every
+        contribution was skipped has zeros and ``valid`` false, read by nobody: the
+        running estimates select on it); blocks without contributions are dropped.
 
     """
     out = {}
@@ -202,8 +304,21 @@ def normalize(
             continue
         R = 1.0 / st.samples if st.reduction == "mean" else 1.0
         g_norm = 1.0 / (world * world * R) if st.empirical else R
-        out[key] = [
-            None if v is None else (v / st.rows if k == "A" else v * g_norm)
-            for v, k in zip(st.values, st.kinds)
-        ]
+        row_fix = sample_fix = None
+        if len(st.parts) > 1:  # several contributions: the means run over the kept ones
+            kept_rows, kept_samples = st.kept_counts()
+            row_fix = st.rows / kept_rows.clamp_min(1)  # exactly 1 when all were kept
+            if st.reduction == "mean":
+                sample_fix = st.samples / kept_samples.clamp_min(1)
+                if st.empirical:
+                    sample_fix = 1 / sample_fix
+        values = []
+        for v, k in zip(st.values, st.kinds):
+            if v is None:
+                values.append(None)
+                continue
+            v = v / st.rows if k == "A" else v * g_norm
+            fix = row_fix if k == "A" else sample_fix
+            values.append(v if fix is None else v * fix.to(v.dtype))
+        out[key] = Normalized(values, st.valid())
     return out

@@ -13,7 +13,6 @@ the trainable parameters, :class:`~curvature.layout.ParamLayout` order):
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -55,12 +54,14 @@ def apply_update(
     grads: Tensor,
     state: Dict[Tensor, Dict[str, Any]],
     kl_clip: Optional[float],
-) -> Tuple[float, List[str]]:
+    who: str,
+) -> Tuple[Union[float, Tensor], Tensor]:
     """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay.
 
-    One host synchronization reads the finiteness of the directions and, with
-    ``kl_clip``, the KL factor ``nu`` (:func:`kl_scale`). A parameter whose update is not
-    finite is left unchanged; the caller warns (once: :func:`skipped_message`).
+    Everything runs on the device, without a host synchronization: a parameter whose
+    direction is not finite is left unchanged (its weight decay, momentum buffer and
+    update are selected away with ``torch.where``), and the KL factor ``nu``
+    (:func:`kl_scale`, from the finite directions) is applied as a tensor.
 
     Args:
         slots: The parameters with a gradient, their groups and flat spans.
@@ -68,51 +69,93 @@ def apply_update(
         grads: ``[P]`` gradient ``g``.
         state: The optimizer's per-parameter state (``momentum_buffer``).
         kl_clip: The KL clipping bound, or ``None``.
+        who: The optimizer's name for messages.
 
     Returns:
-        ``nu`` and the names of the parameters whose update was skipped.
+        ``nu`` (``1.0`` without ``kl_clip``, else a 0-d tensor) and ``ok [len(slots)]``
+        (device bool: the parameter's update was finite and applied), for the caller to
+        read when it reads its counters.
 
     """
-    checks = [directions.sum()]
+    if not slots:
+        return 1.0, directions.new_ones(0, dtype=torch.bool)
+    views = [directions[s.span] for s in slots]
+    ok = torch.stack([v.sum() for v in views]).mul(0).eq(0)  # finite (barring overflow)
+    sizes = [v.numel() for v in views]
+    tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
+    tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
+    if tiled:  # one select over the flat vector
+        clean = directions.masked_fill(~ok.index_select(0, _segments(sizes, ok.device)), 0.0)
+        views = [clean[s.span] for s in slots]
+    else:
+        clean = None
+        views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(views)]
+    nu: Union[float, Tensor] = 1.0
     if kl_clip is not None:
-        checks.append(kl_scale(slots, directions, grads, kl_clip).to(directions.dtype))
-    total, *kl = torch.stack(checks).tolist()
-    nu = kl[0] if kl else 1.0
-    all_finite = math.isfinite(total)
-    skipped: List[str] = []
-    for s in slots:
-        p, g = s.param, s.group
-        d = (nu * directions[s.span]).view_as(p).to(p.dtype)
-        if not all_finite and not torch.isfinite(d).all():
-            skipped.append(s.name)
-            continue
+        full = clean if clean is not None else directions.new_zeros(directions.shape)
+        if clean is None:
+            for s, v in zip(slots, views):
+                full[s.span] = v
+        nu = kl_scale(slots, full, grads, kl_clip).to(directions.dtype)
+        if clean is not None:
+            clean = clean * nu
+            views = [clean[s.span] for s in slots]
+        else:
+            views = torch._foreach_mul(views, nu)
+    groups: Dict[int, List[int]] = {}
+    for i, s in enumerate(slots):
+        groups.setdefault(id(s.group), []).append(i)
+    okf = None
+    for idx in groups.values():
+        g = slots[idx[0]].group
+        params = [slots[i].param for i in idx]
+        upd = [views[i].view_as(p).to(p.dtype) for i, p in zip(idx, params)]
         if g["weight_decay"]:
-            p.mul_(1 - g["lr"] * g["weight_decay"])
+            keep = 1 - g["lr"] * g["weight_decay"]
+            factors = torch.full_like(ok, keep, dtype=params[0].dtype).where(ok, 1.0)
+            torch._foreach_mul_(params, [factors[i] for i in idx])
         if g["momentum"]:
-            st = state[p]
-            buf = st.get("momentum_buffer")
-            if buf is None:
-                buf = st["momentum_buffer"] = d.clone()
-            else:
-                buf.mul_(g["momentum"]).add_(d)
-            d = buf
-        p.add_(d, alpha=-g["lr"])
-    return nu, skipped
+            if okf is None:
+                okf = ok.to(directions.dtype)
+            bufs = []
+            for p, d in zip(params, upd):
+                st = state[p]
+                if st.get("momentum_buffer") is None:
+                    st["momentum_buffer"] = torch.zeros_like(d)
+                bufs.append(st["momentum_buffer"])
+            decay = torch.full_like(ok, g["momentum"], dtype=bufs[0].dtype).where(ok, 1.0)
+            torch._foreach_mul_(bufs, [decay[i] for i in idx])
+            torch._foreach_add_(bufs, upd)
+            upd = torch._foreach_mul(bufs, [okf[i].to(b.dtype) for i, b in zip(idx, bufs)])
+        torch._foreach_add_(params, upd, alpha=-g["lr"])
+    return nu, ok
 
 
-def skipped_message(who: str, names: Sequence[str], of: int, step: int) -> str:
-    """The warning for the first step whose update was skipped for the parameters ``names``.
+def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: int) -> str:
+    """The one warning of an optimizer whose updates were skipped for the parameters ``names``.
 
     One warning per optimizer, not one per parameter per step: later skipped steps are only
     counted (``optim.skipped_updates``).
     """
     shown = ", ".join(f"'{n}'" for n in names[:4]) + (", ..." if len(names) > 4 else "")
     return (
-        f"{who}: non-finite update at step {step} for {len(names)} of {of} parameter(s) "
-        f"({shown}) skipped: NaN/inf gradients, or a diverging run (try a smaller lr, a larger "
-        "damping or kl_clip=1e-3). Further skipped steps are counted in "
+        f"{who}: non-finite update for {len(names)} of {of} parameter(s) ({shown}) skipped "
+        f"in {steps} step(s) up to step {last}: NaN/inf gradients, or a diverging run (try a "
+        "smaller lr, a larger damping or kl_clip=1e-3). Further skipped steps are counted in "
         "optim.skipped_updates without another warning."
     )
+
+
+_SEGMENTS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _segments(sizes: List[int], device: torch.device) -> Tensor:
+    """``[P]``: the parameter of each flat position, built once per layout and device."""
+    key = (tuple(sizes), device)
+    if key not in _SEGMENTS:
+        ids = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
+        _SEGMENTS[key] = ids.to(device)
+    return _SEGMENTS[key]
 
 
 def line_search(
@@ -203,5 +246,4 @@ __all__: List[str] = [
     "line_search",
     "loss_only",
     "reduction_ratio",
-    "skipped_message",
 ]

@@ -6,7 +6,8 @@ initialization, on the same batches, with each optimizer in an ordinary PyTorch 
 * scikit-learn's bundled handwritten digits by default (1797 images, 8x8; no download);
 * Fashion-MNIST with ``--dataset fashion-mnist``: from the Debian package
   ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``) or from
-  ``--data-dir PATH`` holding the four ``*-idx?-ubyte`` files (``.gz`` or not).
+  ``--data-dir PATH`` holding the four ``*-idx?-ubyte`` files (``.gz`` or not);
+  both loaded by :mod:`curvature.demo_data`.
 
 Optimizers: plain SGD; SGD with per-sample gradient clipping (the core step of DP-SGD),
 whose per-sample norms come from :func:`curvature.capture` on the training forward

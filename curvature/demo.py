@@ -354,10 +354,13 @@ def grid_line(adam: Dict[str, Any], target: float) -> str:
             cells.append(f"{p['lr']:g}: not reached (final loss {p['train_loss']:.4f})")
         else:
             cells.append(f"{p['lr']:g}: {p['steps_to_target']} steps, {p['time_to_target']:.2f} s")
+    if any(p["steps_to_target"] is not None for p in adam["grid"]):
+        why = "fewest steps to the target; then lowest final training loss"
+    else:
+        why = "none reached the target: lowest final training loss"
     return (
         f"Adam's learning rate, tuned on this data and seed (steps / time to loss "
-        f"{target:g}): {'; '.join(cells)}. Kept: {adam['lr']:g} (fewest steps to the "
-        "target; then lowest final training loss)."
+        f"{target:g}): {'; '.join(cells)}. Kept: {adam['lr']:g} ({why})."
     )
 
 

@@ -6,44 +6,41 @@ initialization, on the same batches, with each optimizer in an ordinary PyTorch 
 * scikit-learn's bundled handwritten digits by default (1797 images, 8x8; no download);
 * Fashion-MNIST with ``--dataset fashion-mnist``: from the Debian package
   ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``) or from
-  ``--data-dir PATH`` holding the four ``*-idx?-ubyte`` files (``.gz`` or not).
+  ``--data-dir PATH`` holding the four ``*-idx?-ubyte`` files (``.gz`` or not);
+  both loaded by :mod:`curvature.demo_data`.
 
 Optimizers: plain SGD; SGD with per-sample gradient clipping (the core step of DP-SGD),
 whose per-sample norms come from :func:`curvature.capture` on the training forward
 itself (no second forward, no per-sample gradients materialized); Adam;
-``curvature.KFAC`` and ``curvature.EKFAC``. It shows progress bars (with ``tqdm``),
-prints a table (final training loss, test accuracy, wall time, time to a target training
-loss) and saves a figure of the loss curves against wall time and steps (with
-``matplotlib``). ``--device auto`` trains on the GPU when there is one.
+``curvature.KFAC`` and ``curvature.EKFAC``. Adam's learning rate is tuned on the same
+data and seed: every value of ``--adam-lrs`` (default :data:`ADAM_GRID`, 5 log-spaced
+values) trains in full, and the one that reaches the target training loss in the fewest
+steps is kept (ties and misses: the lowest final training loss); ``--no-tune`` uses
+``--adam-lr`` alone. It shows progress bars (with ``tqdm``), prints a table (final
+training loss, test accuracy, wall time, steps and wall time to the target training
+loss, and that time as a multiple of the tuned Adam's) and saves a figure of the loss
+curves against wall time and steps (with ``matplotlib``). ``--device auto`` trains on
+the GPU when there is one. One seed, one run per optimizer: for time-to-target over
+several seeds and tuned baselines, see the repository's ``benchmarks/training.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import gzip
 import json
+import math
 import os
-import struct
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 import curvature
 
-FASHION_DIR = "/usr/share/datasets/fashion-mnist"
-FASHION_FILES = {
-    "train_images": "train-images-idx3-ubyte",
-    "train_labels": "train-labels-idx1-ubyte",
-    "test_images": "t10k-images-idx3-ubyte",
-    "test_labels": "t10k-labels-idx1-ubyte",
-}
-EXTRA = "pip install 'torch-curvature[examples]'"
+from .demo_data import EXTRA, FASHION_DIR, Data, load_data
 
 # name -> (label in the table, description of the settings)
 OPTIMIZERS = {
@@ -53,119 +50,12 @@ OPTIMIZERS = {
     "kfac": "KFAC",
     "ekfac": "EKFAC",
 }
+#: Adam's learning rates tried by default: 5 values, half a decade apart
+ADAM_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 DEFAULTS = {  # per dataset: epochs, hidden width, target training loss
     "digits": {"epochs": 10, "hidden": 128, "target": 0.1, "subsample": None},
     "fashion-mnist": {"epochs": 3, "hidden": 256, "target": 0.4, "subsample": 20000},
 }
-
-
-# -- data ---------------------------------------------------------------------------------
-@dataclass
-class Data:
-    """Train and test tensors (inputs flattened, scaled to [0, 1]) and a description."""
-
-    Xtr: Tensor
-    ytr: Tensor
-    Xte: Tensor
-    yte: Tensor
-    name: str
-
-    @property
-    def description(self) -> str:
-        """One line: the name and the sizes."""
-        return (
-            f"{self.name}: {len(self.ytr)} training / {len(self.yte)} test samples, "
-            f"{self.Xtr.shape[1]} features, {int(self.ytr.max()) + 1} classes"
-        )
-
-
-def read_idx(path: str) -> np.ndarray:
-    """Read an IDX file (the MNIST format; gzip-compressed when the name ends in ``.gz``)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        raw = f.read()
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path}: not an IDX file (bad magic number)")
-    dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-    if raw[2] not in dtypes:
-        raise ValueError(f"{path}: unknown IDX data type 0x{raw[2]:02x}")
-    ndim = raw[3]
-    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
-    data = np.frombuffer(raw, dtype=dtypes[raw[2]], offset=4 + 4 * ndim)
-    if data.size != int(np.prod(shape)):
-        raise ValueError(f"{path}: {data.size} values for shape {shape}")
-    return data.reshape(shape)
-
-
-def _find(data_dir: str, stem: str) -> str:
-    for name in (stem, stem + ".gz"):
-        path = os.path.join(data_dir, name)
-        if os.path.exists(path):
-            return path
-    raise FileNotFoundError(os.path.join(data_dir, stem + "[.gz]"))
-
-
-def fashion_mnist_files(data_dir: Optional[str] = None) -> Dict[str, str]:
-    """The four IDX files of Fashion-MNIST in ``data_dir`` or the Debian package's folder."""
-    folder = data_dir or FASHION_DIR
-    try:
-        return {key: _find(folder, stem) for key, stem in FASHION_FILES.items()}
-    except FileNotFoundError as err:
-        hint = (
-            "pass --data-dir PATH (a folder with train-images-idx3-ubyte[.gz], "
-            "train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], "
-            "t10k-labels-idx1-ubyte[.gz])"
-        )
-        if data_dir is None:
-            hint = "install the Debian package (apt-get install dataset-fashion-mnist) or " + hint
-        raise SystemExit(f"Fashion-MNIST not found: missing {err.args[0]}; {hint}") from err
-
-
-def _split(X: Tensor, y: Tensor, seed: int):
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    X, y = X[perm], y[perm]
-    split = int(0.8 * len(y))
-    return X[:split], y[:split], X[split:], y[split:]
-
-
-def load_digits_tensors(seed: int = 0):
-    """Scikit-learn's digits as float tensors in [0, 1], split 80/20 into train and test."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:  # pragma: no cover - message for users
-        raise SystemExit(f"The demo needs scikit-learn's bundled digits: {EXTRA}") from err
-    data = load_digits()
-    X = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    return _split(X, torch.tensor(data.target), seed)
-
-
-def load_data(
-    dataset: str = "digits",
-    data_dir: Optional[str] = None,
-    subsample: Optional[int] = None,
-    seed: int = 0,
-) -> Data:
-    """Load ``"digits"`` or ``"fashion-mnist"``; ``subsample`` keeps that many training samples."""
-    if dataset == "digits":
-        Xtr, ytr, Xte, yte = load_digits_tensors(seed)
-        name = "digits 8x8 (scikit-learn)"
-    elif dataset == "fashion-mnist":
-        files = fashion_mnist_files(data_dir)
-        arrays = {key: read_idx(path) for key, path in files.items()}
-
-        def images(a: np.ndarray) -> Tensor:
-            return torch.from_numpy(a.reshape(len(a), -1).astype(np.float32) / 255.0)
-
-        Xtr, ytr = images(arrays["train_images"]), torch.from_numpy(arrays["train_labels"].copy())
-        Xte, yte = images(arrays["test_images"]), torch.from_numpy(arrays["test_labels"].copy())
-        ytr, yte = ytr.long(), yte.long()
-        name = f"Fashion-MNIST 28x28 ({os.path.dirname(files['train_images'])})"
-    else:
-        raise ValueError(f"dataset={dataset!r}: 'digits' or 'fashion-mnist'")
-    if subsample is not None and subsample < len(ytr):
-        idx = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(seed + 1))
-        Xtr, ytr = Xtr[idx[:subsample]], ytr[idx[:subsample]]
-    return Data(Xtr, ytr, Xte, yte, name)
 
 
 # -- training -----------------------------------------------------------------------------
@@ -285,7 +175,9 @@ def warm_up(name: str, model: nn.Module, X: Tensor, y: Tensor, args) -> None:
         opt.close()
 
 
-def train(name: str, data: Data, args, device: torch.device) -> Dict[str, Any]:
+def train(
+    name: str, data: Data, args, device: torch.device, desc: Optional[str] = None
+) -> Dict[str, Any]:
     """Train a fresh MLP (same seed for every optimizer) and record the loss curve.
 
     The training loss on the whole training set (at most ``args.eval_samples`` of it) is
@@ -316,9 +208,8 @@ def train(name: str, data: Data, args, device: torch.device) -> Dict[str, Any]:
         return loss
 
     warm_up(name, model, Xtr[:batch], ytr[:batch], args)
-    bar = progress_bar(
-        args.epochs * steps_per_epoch, OPTIMIZERS[name], steps_per_epoch, args.progress
-    )
+    total_steps = args.epochs * steps_per_epoch
+    bar = progress_bar(total_steps, desc or OPTIMIZERS[name], steps_per_epoch, args.progress)
     record(0)
     step = 0
     for _ in range(args.epochs):
@@ -342,44 +233,135 @@ def train(name: str, data: Data, args, device: torch.device) -> Dict[str, Any]:
     if hasattr(opt, "close"):
         opt.close()
     test_loss, test_acc = evaluate(model, Xte, yte)
-    reached = [t for t, loss in zip(history["time"], history["loss"]) if loss <= args.target_loss]
-    reached_epoch = [
-        e for e, loss in zip(history["epoch"], history["loss"]) if loss <= args.target_loss
-    ]
+    hit = [i for i, loss in enumerate(history["loss"]) if loss <= args.target_loss]
+    first = hit[0] if hit else None
     return {
         "optimizer": OPTIMIZERS[name],
+        "label": OPTIMIZERS[name],
         "settings": settings(name, args),
         "train_loss": history["loss"][-1],
         "test_loss": test_loss,
         "test_acc": test_acc,
         "seconds": elapsed,
-        "time_to_target": reached[0] if reached else None,
-        "epochs_to_target": reached_epoch[0] if reached_epoch else None,
+        "time_to_target": None if first is None else history["time"][first],
+        "steps_to_target": None if first is None else history["step"][first],
+        "epochs_to_target": None if first is None else history["epoch"][first],
         "clipped": sum(clipped) / len(clipped) if clipped else None,
         "steps_per_epoch": steps_per_epoch,
+        "eval_every": eval_every,
         "history": history,
     }
 
 
+def tuning_rank(result: Dict[str, Any]) -> tuple:
+    """Sort key of a grid run: fewest steps to the target, then lowest final training loss.
+
+    Steps, not seconds: every point of Adam's grid costs the same per step, so steps rank
+    them as wall time would, without the timing noise. A run that misses the target ranks
+    after every run that reaches it; a non-finite loss ranks last.
+    """
+    steps = result["steps_to_target"]
+    loss = result["train_loss"]
+    return (
+        math.inf if steps is None else steps,
+        loss if math.isfinite(loss) else math.inf,
+    )
+
+
+def tune_adam(data: Data, args, device: torch.device) -> Dict[str, Any]:
+    """Adam trained with every learning rate of ``args.adam_lrs``; the best run by
+    :func:`tuning_rank`, with the whole grid's outcome under ``"grid"``.
+    """
+    runs = []
+    for lr in args.adam_lrs:
+        point = argparse.Namespace(**{**vars(args), "adam_lr": lr})
+        runs.append((lr, train("adam", data, point, device, desc=f"Adam lr {lr:g}")))
+    lr, best = min(runs, key=lambda run: tuning_rank(run[1]))
+    keys = ("train_loss", "seconds", "steps_to_target", "time_to_target")
+    best["grid"] = [{"lr": x, **{k: r[k] for k in keys}} for x, r in runs]
+    best["lr"] = lr
+    best["label"] = f"Adam, tuned lr {lr:g}"
+    grid = ", ".join(f"{x:g}" for x in args.adam_lrs)
+    best["settings"] = f"lr {lr:g}, tuned over {grid}"
+    return best
+
+
 # -- report -------------------------------------------------------------------------------
 def table(results: Dict[str, Dict[str, Any]], target: float) -> str:
-    """The comparison as a Markdown table."""
+    """The comparison as a Markdown table.
+
+    Per optimizer: the final training loss, test accuracy and training time, then the
+    steps and wall time to the first evaluation at or below ``target``, and that time
+    divided by Adam's (``results["adam"]``, tuned or not, when it reached the target).
+    """
+    adam = results.get("adam", {}).get("time_to_target")
     lines = [
         "| optimizer | settings | train loss | test acc | time (s) | "
-        f"time to loss {target:g} (s) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"steps to loss {target:g} | time to loss {target:g} (s) | time to target / Adam's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results.values():
-        if r["time_to_target"] is None:
-            reach = "not reached"
+        t = r["time_to_target"]
+        if t is None:
+            steps = reach = ratio = "not reached"
         else:
-            reach = f"{r['time_to_target']:.2f} (epoch {r['epochs_to_target']:.2f})"
+            steps = f"{r['steps_to_target']} (epoch {r['epochs_to_target']:.2f})"
+            reach = f"{t:.2f}"
+            ratio = "-" if not adam else f"{t / adam:.2f}"
         extra = "" if r["clipped"] is None else f"; {100 * r['clipped']:.0f}% samples clipped"
         lines.append(
             f"| {r['optimizer']} | {r['settings']}{extra} | {r['train_loss']:.4f} | "
-            f"{r['test_acc']:.3f} | {r['seconds']:.2f} | {reach} |"
+            f"{r['test_acc']:.3f} | {r['seconds']:.2f} | {steps} | {reach} | {ratio} |"
         )
     return "\n".join(lines)
+
+
+def verdicts(results: Dict[str, Dict[str, Any]], target: float) -> List[str]:
+    """One sentence per curvature optimizer: its time to ``target`` against Adam's."""
+    adam = results.get("adam")
+    if adam is None:
+        return []
+    who = "the tuned Adam" if "grid" in adam else "Adam (not tuned)"
+    lines = []
+    for name in ("kfac", "ekfac"):
+        r = results.get(name)
+        if r is None:
+            continue
+        label = r["optimizer"]
+        if r["time_to_target"] is None:
+            lines.append(f"{label} did not reach loss {target:g}.")
+        elif not adam["time_to_target"]:  # None: missed; 0: below the target at step 0
+            missed = "did not reach it" if adam["time_to_target"] is None else "started below it"
+            lines.append(
+                f"{label} reached loss {target:g} in {r['time_to_target']:.2f} s "
+                f"({r['steps_to_target']} steps); {who} {missed}: no ratio."
+            )
+        else:
+            ratio = r["time_to_target"] / adam["time_to_target"]
+            lines.append(
+                f"{label} reached loss {target:g} in {r['time_to_target']:.2f} s "
+                f"({r['steps_to_target']} steps), {ratio:.2f}x the time of {who} "
+                f"({adam['time_to_target']:.2f} s, {adam['steps_to_target']} steps)."
+            )
+    return lines
+
+
+def grid_line(adam: Dict[str, Any], target: float) -> str:
+    """What each learning rate of Adam's grid reached, and the one kept."""
+    cells = []
+    for p in adam["grid"]:
+        if p["steps_to_target"] is None:
+            cells.append(f"{p['lr']:g}: not reached (final loss {p['train_loss']:.4f})")
+        else:
+            cells.append(f"{p['lr']:g}: {p['steps_to_target']} steps, {p['time_to_target']:.2f} s")
+    if any(p["steps_to_target"] is not None for p in adam["grid"]):
+        why = "fewest steps to the target; then lowest final training loss"
+    else:
+        why = "none reached the target: lowest final training loss"
+    return (
+        f"Adam's learning rate, tuned on this data and seed (steps / time to loss "
+        f"{target:g}): {'; '.join(cells)}. Kept: {adam['lr']:g} ({why})."
+    )
 
 
 def plot(results: Dict[str, Dict[str, Any]], path: str, title: str, target: float) -> bool:
@@ -394,8 +376,9 @@ def plot(results: Dict[str, Dict[str, Any]], path: str, title: str, target: floa
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results.values():
         h = r["history"]
-        a1.semilogy(h["time"], h["loss"], label=r["optimizer"])
-        a2.semilogy(h["step"], h["loss"], label=r["optimizer"])
+        label = r.get("label", r["optimizer"])
+        a1.semilogy(h["time"], h["loss"], label=label)
+        a2.semilogy(h["step"], h["loss"], label=label)
     a1.set_xlabel("wall time (s, training only)")
     per_epoch = next(iter(results.values()), {}).get("steps_per_epoch")
     a2.set_xlabel(f"step ({per_epoch} per epoch)" if per_epoch else "step")
@@ -474,7 +457,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=None, help=per_dataset("hidden width", "hidden"))
     p.add_argument("--lr", type=float, default=0.1, help="SGD's learning rate (momentum 0.9)")
     p.add_argument("--clip", type=float, default=1.0, help="per-sample gradient norm bound")
-    p.add_argument("--adam-lr", type=float, default=1e-2, help="Adam's learning rate")
+    p.add_argument(
+        "--adam-lrs",
+        type=float,
+        nargs="+",
+        default=list(ADAM_GRID),
+        metavar="LR",
+        help="Adam's learning-rate grid: each trains in full; the fewest steps to the target "
+        "loss wins (then the lowest final loss)",
+    )
+    p.add_argument(
+        "--no-tune",
+        dest="tune",
+        action="store_false",
+        help="skip the grid: Adam with --adam-lr only",
+    )
+    p.add_argument(
+        "--adam-lr", type=float, default=1e-2, help="Adam's learning rate with --no-tune"
+    )
     p.add_argument("--kfac-lr", type=float, default=3e-2, help="KFAC's and EKFAC's learning rate")
     p.add_argument("--damping", type=float, default=1e-3, help="KFAC's and EKFAC's damping")
     p.add_argument(
@@ -504,7 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The demo's command line (dataset-dependent defaults filled in)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any(not lr > 0 for lr in args.adam_lrs + [args.adam_lr]):
+        parser.error(
+            f"learning rates must be positive: --adam-lrs {args.adam_lrs}, --adam-lr {args.adam_lr}"
+        )
     d = DEFAULTS[args.dataset]
     args.epochs = args.epochs if args.epochs is not None else d["epochs"]
     args.hidden = args.hidden if args.hidden is not None else d["hidden"]
@@ -529,12 +534,27 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
     print(f"{data.description}; MLP {data.Xtr.shape[1]}-{args.hidden}-{int(data.ytr.max()) + 1}")
     print(f"{args.epochs} epochs of batch {args.batch}, same initialization and batches for all")
     sys.stdout.flush()
-    results = {name: train(name, data, args, device) for name in args.optimizers}
-    print("\n" + table(results, args.target_loss))
+    results = {}
+    for name in args.optimizers:
+        if name == "adam" and args.tune:
+            results[name] = tune_adam(data, args, device)
+        else:
+            results[name] = train(name, data, args, device)
+    if "adam" in results and not args.tune:
+        results["adam"]["settings"] += " (not tuned)"
+        results["adam"]["label"] = f"Adam, lr {args.adam_lr:g} (not tuned)"
+    print("\n" + table(results, args.target_loss) + "\n")
+    if "adam" in results and args.tune:
+        print(grid_line(results["adam"], args.target_loss))
+    for line in verdicts(results, args.target_loss):
+        print(line)
+    every = next(iter(results.values()))["eval_every"] if results else 0
     print(
         "\ntrain loss: mean cross-entropy on the training set"
         + (f" (first {args.eval_samples})" if len(data.ytr) > args.eval_samples else "")
-        + "; time: training only, evaluations excluded."
+        + f", evaluated every {every} steps (steps to the target: the first evaluation at or "
+        "below it); time: training only, evaluations excluded. One seed, one run per "
+        "optimizer, on a machine that may be busy: times vary from run to run."
     )
     if args.figure:
         if plot(results, args.figure, title, args.target_loss):

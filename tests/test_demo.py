@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from curvature import demo
+from curvature import demo, demo_data
 
 
 def write_idx(path, array: np.ndarray) -> None:
@@ -46,6 +46,12 @@ def test_demo_runs_on_digits(tmp_path, capsys):
     for label in ("SGD", "SGD + per-sample clip", "Adam", "KFAC", "EKFAC"):
         assert f"| {label} |" in out
     assert "time to loss 0.1 (s)" in out and "equals x: True" in out
+    assert "steps to loss 0.1" in out and "time to target / Adam's" in out
+    grid = results["adam"]["grid"]
+    assert [p["lr"] for p in grid] == list(demo.ADAM_GRID) and len(grid) >= 3
+    assert results["adam"]["lr"] in demo.ADAM_GRID and "tuned over" in out
+    assert "Adam's learning rate, tuned on this data and seed" in out
+    assert "0.001: not reached (final loss" in out  # 5 steps at lr 1e-3
     for r in results.values():
         h = r["history"]
         assert h["epoch"][0] == 0 and h["epoch"][-1] == pytest.approx(1.0)
@@ -54,6 +60,8 @@ def test_demo_runs_on_digits(tmp_path, capsys):
         assert 0 <= r["test_acc"] <= 1 and np.isfinite(r["train_loss"])
         if r["time_to_target"] is not None:
             assert r["time_to_target"] <= r["seconds"]
+            i = h["step"].index(r["steps_to_target"])  # the first evaluation at the target
+            assert h["loss"][i] <= 0.1 and min(h["loss"][:i], default=1) > 0.1
     assert 0 <= results["clip"]["clipped"] <= 1 and results["sgd"]["clipped"] is None
     assert json.loads(js.read_text())["results"]["kfac"]["optimizer"] == "KFAC"
     if _has("matplotlib"):
@@ -78,6 +86,78 @@ def test_target_and_figure_options(tmp_path, capsys):
     assert "time to loss 100 (s)" in out and "figure" not in out
     for r in results.values():  # the initial loss (~2.3) is below 100: reached at once
         assert r["time_to_target"] == 0.0 and r["epochs_to_target"] == 0.0
+        assert r["steps_to_target"] == 0
+    assert "the tuned Adam started below it: no ratio" in out
+
+
+def _result(label, steps, seconds, loss=0.05):
+    h = {"step": [0, steps or 10], "epoch": [0, 1], "time": [0, seconds or 1], "loss": [2, loss]}
+    return {
+        "optimizer": label,
+        "settings": "s",
+        "train_loss": loss,
+        "test_acc": 0.9,
+        "seconds": 2.0,
+        "steps_to_target": steps,
+        "epochs_to_target": None if steps is None else steps / 10,
+        "time_to_target": seconds,
+        "clipped": None,
+        "history": h,
+    }
+
+
+def test_tuning_keeps_fewest_steps_then_lowest_loss():
+    rank = demo.tuning_rank
+    runs = {
+        "fast": _result("A", 40, 9.0, loss=0.09),  # fewest steps, even if its clock was slow
+        "slow": _result("A", 60, 1.0, loss=0.01),
+        "tie": _result("A", 40, 2.0, loss=0.08),  # same steps, lower loss: wins the tie
+        "missed": _result("A", None, None, loss=0.001),
+        "nan": _result("A", None, None, loss=float("nan")),
+    }
+    assert min(runs, key=lambda k: rank(runs[k])) == "tie"
+    del runs["tie"], runs["fast"], runs["slow"]
+    assert min(runs, key=lambda k: rank(runs[k])) == "missed"  # none reached: lowest loss
+
+
+def test_table_ratio_and_verdicts():
+    results = {
+        "adam": {**_result("Adam", 50, 2.0), "grid": []},
+        "kfac": _result("KFAC", 20, 3.0),
+        "ekfac": _result("EKFAC", None, None, loss=0.5),
+    }
+    text = demo.table(results, target=0.1)
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines()[2:]}
+    assert rows["KFAC"][5:8] == ["20 (epoch 2.00)", "3.00", "1.50 |"]
+    assert rows["Adam"][7] == "1.00 |" and rows["EKFAC"][5] == "not reached"
+    lines = demo.verdicts(results, target=0.1)
+    assert lines == [
+        "KFAC reached loss 0.1 in 3.00 s (20 steps), 1.50x the time of the tuned Adam "
+        "(2.00 s, 50 steps).",
+        "EKFAC did not reach loss 0.1.",
+    ]
+    results["adam"] = _result("Adam", None, None, loss=0.3)  # untuned, missed
+    assert demo.verdicts(results, 0.1)[0].endswith("Adam (not tuned) did not reach it: no ratio.")
+    assert demo.table(results, 0.1).splitlines()[3].endswith("| 20 (epoch 2.00) | 3.00 | - |")
+
+
+def test_adam_grid_and_no_tune_options(capsys):
+    pytest.importorskip("sklearn")
+    base = ["--epochs", "1", "--subsample", "128", "--optimizers", "adam", "--figure", ""]
+    base += ["--no-progress", "--eval-samples", "128"]
+    results = demo.main(base + ["--adam-lrs", "0.05", "1e-5"])
+    out = capsys.readouterr().out
+    grid = results["adam"]["grid"]
+    assert [p["lr"] for p in grid] == [0.05, 1e-5] and results["adam"]["lr"] == 0.05
+    assert grid[1]["train_loss"] > grid[0]["train_loss"]  # lr 1e-5 barely moves
+    assert "tuned over 0.05, 1e-05" in out  # 2 steps: neither reaches loss 0.1
+    assert "Kept: 0.05 (none reached the target: lowest final training loss)" in out
+    results = demo.main(base + ["--no-tune", "--adam-lr", "0.02"])
+    out = capsys.readouterr().out
+    assert "grid" not in results["adam"] and "lr 0.02 (not tuned)" in out
+    assert "tuned on this data" not in out
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--adam-lrs", "0.1", "-1"])
 
 
 def test_read_idx(tmp_path):
@@ -86,15 +166,15 @@ def test_read_idx(tmp_path):
     write_idx(tmp_path / "a-idx3-ubyte.gz", a)
     f = np.arange(6, dtype=">f4").reshape(6)
     write_idx(tmp_path / "f-idx1", f)
-    np.testing.assert_array_equal(demo.read_idx(str(tmp_path / "a-idx3-ubyte")), a)
-    np.testing.assert_array_equal(demo.read_idx(str(tmp_path / "a-idx3-ubyte.gz")), a)
-    np.testing.assert_array_equal(demo.read_idx(str(tmp_path / "f-idx1")), f)
+    np.testing.assert_array_equal(demo_data.read_idx(str(tmp_path / "a-idx3-ubyte")), a)
+    np.testing.assert_array_equal(demo_data.read_idx(str(tmp_path / "a-idx3-ubyte.gz")), a)
+    np.testing.assert_array_equal(demo_data.read_idx(str(tmp_path / "f-idx1")), f)
     (tmp_path / "bad").write_bytes(b"\x01\x02\x08\x01\x00\x00\x00\x01\x00")
     with pytest.raises(ValueError, match="magic"):
-        demo.read_idx(str(tmp_path / "bad"))
+        demo_data.read_idx(str(tmp_path / "bad"))
     (tmp_path / "short").write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", 5) + b"\x00")
     with pytest.raises(ValueError, match="shape"):
-        demo.read_idx(str(tmp_path / "short"))
+        demo_data.read_idx(str(tmp_path / "short"))
 
 
 @pytest.mark.parametrize("gz", [True, False])
@@ -163,11 +243,14 @@ def test_figure_labels_the_target_and_plots_against_steps(tmp_path, monkeypatch)
     shown = {}
     monkeypatch.setattr(plt, "close", lambda fig: shown.setdefault("fig", fig))
     h = {"step": [0, 5, 10], "epoch": [0, 0.5, 1], "time": [0, 0.1, 0.2], "loss": [2, 1, 0.5]}
-    results = {"kfac": {"optimizer": "KFAC", "history": h, "steps_per_epoch": 10}}
+    results = {
+        "kfac": {"optimizer": "KFAC", "history": h, "steps_per_epoch": 10},
+        "adam": {"optimizer": "Adam", "label": "Adam, tuned lr 0.03", "history": h},
+    }
     assert demo.plot(results, str(tmp_path / "f.png"), "title", target=0.7)
     wall, steps = shown["fig"].axes
     assert steps.get_xlabel() == "step (10 per epoch)" and "wall time" in wall.get_xlabel()
     for ax in (wall, steps):
         labels = [line.get_label() for line in ax.get_lines()]
-        assert labels == ["KFAC", "target loss 0.7"]
+        assert labels == ["KFAC", "Adam, tuned lr 0.03", "target loss 0.7"]
     assert list(steps.get_lines()[0].get_xdata()) == [0, 5, 10]

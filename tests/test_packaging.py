@@ -91,3 +91,48 @@ def test_wheel_builds(tmp_path):
     )
     assert f"Version: {curvature.__version__}" in meta
     assert "Requires-Dist: torch>=2.3" in meta and "Provides-Extra: examples" in meta
+
+
+#: distribution name -> import name, where they differ
+IMPORT_NAMES = {"pyyaml": "yaml", "scikit-learn": "sklearn"}
+
+
+def runtime_dependencies() -> list:
+    """The names in ``[project] dependencies`` of pyproject.toml (versions dropped)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)\]", text, re.M | re.S)
+    assert block, "pyproject.toml has no [project] dependencies list"
+    specs = re.findall(r'"([^"]+)"', block.group(1))
+    return [re.match(r"[A-Za-z0-9_.-]+", s).group(0).lower() for s in specs]
+
+
+def imported_modules(package: pathlib.Path) -> set:
+    """Top-level names of the absolute imports in every module under ``package``."""
+    import ast
+
+    names = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_runtime_dependency_is_imported():
+    """A declared runtime dependency that no module imports is dead weight for every user
+    (and one the code needs but does not declare breaks a clean install: see
+    test_wheel_builds)."""
+    deps = runtime_dependencies()
+    assert "torch" in deps and "einops" in deps, deps
+    used = imported_modules(ROOT / "curvature")
+    unused = [d for d in deps if IMPORT_NAMES.get(d, d.replace("-", "_")) not in used]
+    assert not unused, f"declared in pyproject.toml but imported by no module: {unused}"
+
+
+def test_dependency_check_sees_imports(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("import numpy as np\nfrom . import b\n")
+    (tmp_path / "sub" / "c.py").write_text("def f():\n    from einops.layers import x\n")
+    assert imported_modules(tmp_path) == {"numpy", "einops"}

@@ -358,6 +358,7 @@ class LinearFamilyRule(LayerRule):
                     else:
                         target.addcmul_(g1, a1)
                 else:
+                    # as in materialize(): "n s c o -> (n c) o s", "n s c i -> (n c) s i"
                     gt = g.permute(0, 2, 3, 1).reshape(N * C, D_out, S)
                     at = a.permute(0, 2, 1, 3).reshape(N * C, S, D_in)
                     flat = target.view(N * C, D_out, D_in)
@@ -467,12 +468,17 @@ def materialize(a: Tensor, g: Tensor) -> Tensor:
     """Per-sample gradients ``sum_s g[n, s, c] a[n, s, c]^T`` as ``[N, C, D_out, D]``.
 
     One batched GEMM over ``N C`` with the position axis contracted (faster than the
-    equivalent ``einsum``, which may copy its operands into a different layout).
+    equivalent ``einsum``, which may copy its operands into a different layout). The
+    operands are, in einops' notation, ``g: "n s c o -> (n c) o s"`` and
+    ``a: "n s c i -> (n c) s i"``; written with ``permute``/``reshape`` because this runs
+    once per layer per call on tensors that may be tiny, where ``einops.rearrange``'s
+    few microseconds of Python cost 4% of a per-sample-gradient call (measured on a
+    16-32-10 MLP over ``[32, 12, 16]``).
     """
     N, S, C, D = a.shape
     D_out = g.shape[-1]
-    gt = g.permute(0, 2, 3, 1).reshape(N * C, D_out, S)
-    at = a.permute(0, 2, 1, 3).reshape(N * C, S, D)
+    gt = g.permute(0, 2, 3, 1).reshape(N * C, D_out, S)  # [N C, D_out, S]
+    at = a.permute(0, 2, 1, 3).reshape(N * C, S, D)  # [N C, S, D]
     return torch.bmm(gt, at).view(N, C, D_out, D)
 
 

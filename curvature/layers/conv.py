@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
 from .base import CHUNK_ELEMENTS, LayerRule, LinearFamilyRule
@@ -35,17 +36,18 @@ def unfold_patches(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, pad, mode=mode)
-    N, C = x.shape[:2]
     for i in range(d):
         k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
         # window of extent dil * (k - 1) + 1 at every stride, then keep every dil-th entry
         x = x.unfold(2 + i, dil * (k - 1) + 1, s)[..., ::dil]
-    # x: [N, C, O_1..O_d, k_1..k_d] -> [N, O_1..O_d, C, k_1..k_d]
-    out_dims = list(range(2, 2 + d))
-    k_dims = list(range(2 + d, 2 + 2 * d))
-    x = x.permute(0, *out_dims, 1, *k_dims)
-    G = module.groups
-    return x.reshape(N, -1, G, (C // G) * module.weight[0, 0].numel())
+    # x: [N, C_in, O_1..O_d, k_1..k_d], the channels split into groups as (G, C_in / G)
+    o, k = _axes("o", d), _axes("k", d)
+    return rearrange(x, f"n (g c) {o} {k} -> n ({o}) g (c {k})", g=module.groups)
+
+
+def _axes(prefix: str, d: int) -> str:
+    """``"o1 o2"`` for ``("o", 2)``: names of ``d`` spatial axes in an einops pattern."""
+    return " ".join(f"{prefix}{i + 1}" for i in range(d))
 
 
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -54,12 +56,11 @@ class ConvRule(LinearFamilyRule):
 
     def expand(self, module, call):  # noqa: D102
         a = unfold_patches(module, call.args[0])
-        N, S, G, _ = a.shape
         if call.grads is None:  # forward-only statistics
             return a, None
-        g = call.grads[0]  # [..., N, C_out, *O]
-        lead = g.shape[: g.dim() - call.args[0].dim()]
-        g = g.reshape(*lead, N, G, -1, S).transpose(-1, -3).transpose(-1, -2)
+        o = _axes("o", len(module.kernel_size))
+        # [..., N, C_out, O_1..O_d] -> [..., N, S, G, C_out / G] (a view, no copy)
+        g = rearrange(call.grads[0], f"... n (g c) {o} -> ... n ({o}) g c", g=module.groups)
         return a, g
 
     def per_sample_grads(self, module, calls, out=None):  # noqa: D102

@@ -967,3 +967,30 @@ def test_warnings_point_at_the_line_that_called_the_optimizer():
         KFAC(model, lr=0.1, damping=1e-2, max_factor_size=2)
     hits = [r for r in rec if "max_factor_size" in str(r.message)]
     assert hits and hits[0].filename == __file__
+
+
+def test_line_search_keeps_the_parameters_when_no_grid_point_lowers_the_loss():
+    """A loss that rises along every step: the line search rejects the step."""
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, momentum=0.9, line_search_grid=[1.0, 0.5, 0.25])
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def closure(backward=True):
+        opt.zero_grad()
+        loss = loss_func(model(X), y)
+        if backward:
+            loss.backward()
+            return loss
+        # any move away from the start raises the loss
+        return loss + 1e3 * sum((p - p0).pow(2).sum() for p, p0 in zip(model.parameters(), start))
+
+    opt.step(closure)
+    assert opt.last_line_search_lr is None and opt.last_step_taken is False
+    assert_lists_close(params(model), start, atol=0)
+    assert all("momentum_buffer" not in opt.state[p] for p in model.parameters())
+    # an improving closure: the step is taken again
+    opt.step(_counting_closure(opt, model, loss_func, X, y, []))
+    assert opt.last_step_taken is True and opt.last_line_search_lr is not None
+    opt.close()

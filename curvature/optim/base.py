@@ -97,6 +97,7 @@ class CurvatureOptimizer(Optimizer):
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
         self.last_kl_scale = 1.0
+        self.last_step_taken = True  # False: the line search kept the parameters
         self.generator = torch.Generator().manual_seed(config.seed)
         self.steps = 0
         self._skipped_before = 0
@@ -351,6 +352,11 @@ class CurvatureOptimizer(Optimizer):
         ``damping_adaptation_decay``, ``rho < 1/4`` divides it (Levenberg-Marquardt,
         Martens & Grosse 2015).
 
+        With ``line_search_grid`` the best grid point is taken only if its loss is below
+        the closure's loss at the current parameters; otherwise the parameters (and the
+        momentum buffers, which the line search does not use) are kept,
+        ``last_line_search_lr`` is ``None`` and ``last_step_taken`` is ``False``.
+
         These extra evaluations (and those of ``line_search_grid``, one per candidate
         learning rate) only need the loss. A closure that accepts a ``backward`` keyword
         (``def closure(backward=True): ...``) is called with ``backward=False`` for them
@@ -405,7 +411,9 @@ class CurvatureOptimizer(Optimizer):
                     cfg.line_search_grid,
                     lambda: self._evaluate(closure),
                     type(self).__name__,
+                    self._global_loss(float(loss.detach())),
                 )
+                self.last_step_taken = self.last_line_search_lr is not None
             else:
                 slots = [s for s in self._slots() if s.param.grad is not None]
                 self.last_kl_scale = apply_update(

@@ -145,7 +145,8 @@ class CurvatureConfig:
                 DampingMode,
                 self.damping_mode,
                 f"{who}(damping_mode",
-                hint="'exact' (eigenbasis) or 'pi' (Tikhonov with the pi heuristic).",
+                hint="'pi' (Tikhonov with the pi heuristic), 'per_factor' (lambda added to "
+                "each Kronecker factor) or 'exact' (eigenbasis).",
             ),
         )
         set_(

@@ -1,25 +1,23 @@
 """``KFAC`` and ``EKFAC`` optimizers (``torch.optim.Optimizer`` subclasses).
 
 The optimizers route statistics to curvature blocks (:mod:`curvature.blocks`), which own
-the maths. Per layer block, with running factors ``A`` and ``G`` and damping
-``lambda``, the update direction for the gradient matrix ``M`` (rows: outputs, columns:
-inputs with the bias last) is
+the maths. Per layer block, with running factors ``A``, ``G`` and damping ``lambda``,
+the update direction for the gradient matrix ``M`` (rows: outputs, columns: inputs with
+the bias last) is
 
     pi (default):     (G + sqrt(lambda)/pi I)^{-1} M (A + pi sqrt(lambda) I)^{-1}
+    per_factor:       (G + lambda I)^{-1} M (A + lambda I)^{-1}
     exact:            QG [ (QG^T M QA) / (lG lA^T + lambda) ] QA^T
     EKFAC:            QG [ (QG^T M QA) / (Lambda + lambda) ] QA^T
 
-with ``Lambda`` the running second moments of the per-sample (per-vector) gradients in
-the Kronecker eigenbasis (George et al., 2018); when the basis is refreshed, ``Lambda``
-is carried over as the diagonal of the previous EKFAC matrix in the new basis
-(:class:`~curvature.blocks.EigenCorrectedBlock`).
-
-A block reached by two registered outputs (terms; e.g. a PINN's interior and boundary
-residuals) is a :class:`~curvature.blocks.KroneckerSumBlock`, preconditioned with the
-exact inverse of ``(A1 + pi sqrt(lambda) I) x (G1 + sqrt(lambda)/pi I) + A2 x G2``
-(more terms are merged into the second); such blocks use no eigenvalue correction.
-Blocks with a factor larger than ``max_factor_size``, and layers without a Kronecker
-rule under ``unsupported="diagonal"``, are :class:`~curvature.blocks.DiagonalBlock`.
+with ``Lambda`` the running second moments of the per-sample gradients in the Kronecker
+eigenbasis (George et al., 2018), carried over into a refreshed basis as the diagonal of
+the previous EKFAC matrix (:class:`~curvature.blocks.EigenCorrectedBlock`). A block
+reached by two registered outputs (terms; a PINN's interior and boundary residuals) is a
+:class:`~curvature.blocks.KroneckerSumBlock`: every term damped (per factor, or pi with
+its own ``pi``), the sum inverted exactly (more terms are merged into the second; no
+eigenvalue correction). Blocks with a factor larger than ``max_factor_size``, and layers
+without a Kronecker rule under ``unsupported="diagonal"``, are diagonal blocks.
 """
 
 from __future__ import annotations
@@ -101,11 +99,11 @@ class KFAC(CurvatureOptimizer):
         kl_clip (float | None): KL clipping (Ba, Grosse & Martens, 2017): the update
             ``-lr d`` is scaled by ``nu = min(1, sqrt(kl_clip / sum_p lr_p^2 d_p^T g_p))``
             (default None: off).
-        damping_mode (str): ``"pi"`` (default; Tikhonov damping of each factor with the pi
-            heuristic, more conservative in directions where one factor is large; the
-            damped factors are inverted by Cholesky) or
-            ``"exact"`` (``kron(G, A) + lambda I`` inverted exactly in the eigenbasis).
-            EKFAC always damps its corrected eigenvalues exactly.
+        damping_mode (str): ``"pi"`` (default; ``(A + pi sqrt(lambda) I) x (G +
+            sqrt(lambda)/pi I)``, Cholesky), ``"per_factor"`` (``(A + lambda I) x (G +
+            lambda I)``, Cholesky; the PINN convention of Dangel, Mueller & Zeinhofer,
+            2024) or ``"exact"`` (``kron(G, A) + lambda I`` in the eigenbasis). Sum
+            blocks damp every term (``"exact"``: pi). EKFAC's single blocks are exact.
         max_factor_size (int): Blocks with a Kronecker factor larger than this (default
             4096) use the per-sample Fisher diagonal (with a warning naming them):
             decomposing a factor of size 10k takes minutes on a small CPU.
@@ -403,7 +401,8 @@ class KFAC(CurvatureOptimizer):
                 self._term_of[key] = term
             if not isinstance(block, KroneckerSumBlock) and term != self._term_of[key]:
                 # a second term reaches the block: a sum of Kronecker products from now on
-                block = KroneckerSumBlock.from_block(block, self._term_of[key])
+                mode = "per_factor" if self.config.damping_mode.value == "per_factor" else "pi"
+                block = KroneckerSumBlock.from_block(block, self._term_of[key], mode)
                 self._blocks[key] = block
                 self._decomposed.discard(key)
             if isinstance(block, KroneckerSumBlock):
@@ -437,7 +436,7 @@ class KFAC(CurvatureOptimizer):
         """
         return (
             type(block) is KroneckerBlock
-            and self.config.damping_mode == DampingMode.PI
+            and self.config.damping_mode != DampingMode.EXACT
             and self.inverse_method == "cholesky"
         )
 
@@ -469,9 +468,8 @@ class KFAC(CurvatureOptimizer):
             self._install(key, outcomes[key])
         # the damped inverses of the Cholesky blocks at the damping of the moment, in one
         # batched pass (recomputed one by one only if the damping changes before a refresh)
-        invert(
-            [b for b in used if isinstance(b.record, FactorSnapshot)], lambda b: damping_of[id(b)]
-        )
+        snapped = [b for b in used if isinstance(b.record, FactorSnapshot)]
+        invert(snapped, lambda b: damping_of[id(b)], self.config.damping_mode.value)
 
     def _install(self, key: Key, outcome: Outcome) -> None:
         name = block_name(*key) or "<model>"
@@ -503,7 +501,7 @@ class KFAC(CurvatureOptimizer):
                 "backward, a model in eval mode, or only non-finite batches); they get the "
                 "plain gradient."
             )
-        mode = "pi" if self.config.damping_mode == DampingMode.PI else "exact"
+        mode = self.config.damping_mode.value
         for key, index in self._index.items():
             block = self._blocks.get(key)
             if self._record(key) is None or not self._uses(key):

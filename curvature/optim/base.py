@@ -41,6 +41,7 @@ from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
+from .quadratic import QuadraticRule
 from .ties import TiedLayers
 from .updates import (
     ParamSlot,
@@ -52,7 +53,7 @@ from .updates import (
 )
 
 
-class CurvatureOptimizer(Optimizer):
+class CurvatureOptimizer(QuadraticRule, Optimizer):
     """Base class: the ``torch.optim`` contract, statistics collection, ``step`` skeleton.
 
     Subclasses implement :meth:`_accumulate` (a layer's statistics), :meth:`_update_curvature`
@@ -94,6 +95,7 @@ class CurvatureOptimizer(Optimizer):
             [{"params": trainable}] if param_groups is None else list(map(dict, param_groups))
         )
         super().__init__(groups, defaults)  # checks each group with add_param_group
+        self._check_quadratic(None)
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
         self.last_kl_scale = 1.0
@@ -370,6 +372,7 @@ class CurvatureOptimizer(Optimizer):
             raise ValueError(
                 f"{who}(line_search_grid=...).step() needs a closure that returns the loss."
             )
+        self._check_quadratic(closure or False)
         if cfg.adaptive_damping and closure is None:
             raise ValueError(
                 f"{who}(adaptive_damping=True).step() needs a closure that "
@@ -393,11 +396,14 @@ class CurvatureOptimizer(Optimizer):
         stats = collector.finalize(collector.default_dtype())
         if stats:
             self._update_curvature(stats)
+        if cfg.update_rule == "quadratic" and loss is not None:
+            self._adapt_quadratic(loss)  # before the refresh: the new damping is used now
         if self.steps % cfg.inverse_every == 0 or self._needs_refresh():
             self._refresh()
         grads = self._flat_grads()
         adapt = (
             cfg.adaptive_damping
+            and cfg.update_rule == "fixed"
             and grads is not None
             and self.steps % cfg.damping_adaptation_interval == 0
         )
@@ -414,6 +420,8 @@ class CurvatureOptimizer(Optimizer):
                     self._global_loss(float(loss.detach())),
                 )
                 self.last_step_taken = self.last_line_search_lr is not None
+            elif cfg.update_rule == "quadratic":
+                self._quadratic_update(closure, loss, grads, directions)
             else:
                 slots = [s for s in self._slots() if s.param.grad is not None]
                 self.last_kl_scale = apply_update(

@@ -66,6 +66,7 @@ class CurvatureConfig:
     damping_adaptation_interval: int = 5
     damping_adaptation_decay: float = 0.95
     line_search_grid: Optional[Tuple[float, ...]] = None
+    update_rule: str = "fixed"
     distributed: Optional[bool] = None
     process_group: Any = None
     sync_grads: Optional[bool] = None
@@ -167,6 +168,21 @@ class CurvatureConfig:
                     "of positive learning rates, e.g. [2.0 ** -k for k in range(10)]."
                 )
             set_(self, "line_search_grid", tuple(grid))
+        check(
+            who,
+            "update_rule",
+            self.update_rule,
+            self.update_rule in ("fixed", "quadratic"),
+            "must be 'fixed' (lr, momentum) or 'quadratic' (learning rate and momentum from "
+            "the local quadratic model)",
+        )
+        if self.update_rule == "quadratic" and (
+            self.line_search_grid is not None or self.loss_func is None
+        ):
+            raise ValueError(
+                f"{who}(update_rule='quadratic') needs loss_func=... (its Gauss-Newton matrix) "
+                "and no line_search_grid (both choose the step size)."
+            )
         check(who, "comm_timeout", self.comm_timeout, self.comm_timeout > 0, "must be > 0 seconds")
         check(who, "bucket_mb", self.bucket_mb, self.bucket_mb > 0, "must be > 0")
 

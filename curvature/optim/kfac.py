@@ -129,6 +129,8 @@ class KFAC(CurvatureOptimizer):
         line_search_grid (Sequence[float] | None): Learning rates tried at each step
             (default None: off; ``step`` then needs a closure); the one with the lowest
             loss is taken, replacing the groups' learning rates.
+        update_rule (str): ``"fixed"`` (default: ``lr``, ``momentum``) or ``"quadratic"``
+            (both from the local quadratic model: :mod:`curvature.optim.quadratic`).
         distributed (bool | None): Average the curvature over the ranks of
             ``torch.distributed`` (default None: when it is initialized with more than one
             rank; see docs/distributed.md).
@@ -189,6 +191,7 @@ class KFAC(CurvatureOptimizer):
         damping_adaptation_interval: int = 5,
         damping_adaptation_decay: float = 0.95,
         line_search_grid: Optional[Sequence[float]] = None,
+        update_rule: str = "fixed",
         distributed: Optional[bool] = None,
         process_group: Any = None,
         sync_grads: Optional[bool] = None,

@@ -1085,3 +1085,41 @@ def test_quadratic_rule_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="backward"):
         opt.step(lambda: ce(model(X), y))
     opt.close()
+
+
+def test_quadratic_rule_resumes_from_a_state_dict_bit_for_bit():
+    """The previous update and the pending model value travel in ``state_dict``."""
+    torch.manual_seed(0)
+    X, y = torch.randn(32, 10), torch.randint(0, 3, (32,))
+    ce = nn.CrossEntropyLoss()
+
+    def run(model, opt, steps):
+        closure = _closure(opt, model, ce, X, y)
+        for _ in range(steps):
+            opt.step(closure)
+
+    def make(model):
+        return KFAC(
+            model,
+            fisher="type-2",
+            loss_func=ce,
+            update_rule="quadratic",
+            inverse_every=2,
+            damping_adaptation_interval=2,
+        )
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3))
+    twin = copy.deepcopy(model)
+    opt = make(model)
+    run(model, opt, 3)
+    state = copy.deepcopy(opt.state_dict())
+    twin.load_state_dict(model.state_dict())
+    run(model, opt, 3)
+    resumed = make(twin)
+    resumed.load_state_dict(state)
+    run(twin, resumed, 3)
+    assert_lists_close(params(model), params(twin), atol=0)
+    assert opt.param_groups[0]["damping"] == resumed.param_groups[0]["damping"]
+    opt.close()
+    resumed.close()

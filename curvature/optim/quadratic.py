@@ -16,7 +16,8 @@ damping. With ``v = (Delta, delta0)`` the solution is the 2x2 linear system
 that the closure registers (:meth:`~curvature.KFAC.register_output`) or, when it
 registers none, from its calls of ``loss_func``: ``v^T C w = (J v)^T H (J w)`` with ``J``
 the output's Jacobian (a double backward on the closure's graph) and ``H`` the loss's
-Hessian w.r.t. the output. The damping follows Levenberg-Marquardt from the reduction
+Hessian w.r.t. the output; under ``torch.distributed`` these are averaged over the ranks
+(the gradient is already). The damping follows Levenberg-Marquardt from the reduction
 ratio ``rho = (h(theta + delta) - h(theta)) / M(delta)``, with ``h(theta + delta)`` the
 loss of the next step's closure (no extra evaluation; on a new mini-batch it is a noisy
 estimate).
@@ -177,6 +178,10 @@ class QuadraticRule:
             gram = ggn_gram(outputs, params, as_lists)
         finally:
             self._collector.evaluating = False
+        if self._comm is not None:  # the GGN of the union of the ranks' batches
+            shared = gram.to(self._comm.device)
+            self._comm.all_reduce([shared], "quadratic model")
+            gram = shared.cpu() / self._comm.world
         lam = self._damping_vector(directions)
         damped = torch.tensor(
             [[float((lam * a * b).sum()) for b in vectors] for a in vectors], dtype=torch.float64

@@ -1014,15 +1014,14 @@ def test_quadratic_rule_solves_the_2x2_model_with_the_dense_ggn(cls):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     X, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
-    mse, damping = nn.MSELoss(), 1e-2
+    mse = nn.MSELoss()
     opt = cls(
         model,
-        damping=damping,
+        damping=1e-2,
         fisher="type-2",
         loss_func=mse,
         inverse_every=1,
         update_rule="quadratic",
-        damping_adaptation_interval=1000,  # keep lambda fixed for the check
     )
     closure = _closure(opt, model, mse, X, y)
     theta0 = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -1034,6 +1033,7 @@ def test_quadratic_rule_solves_the_2x2_model_with_the_dense_ggn(cls):
     mse(model(X), y).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     g = torch.cat([t.flatten() for t in grads])
+    damping = opt.param_groups[0]["damping"]  # as adapted after step 1
     C = curvature.ggn(model, mse, (X, y)) + damping * torch.eye(g.numel(), dtype=torch.float64)
     opt.step(closure)
     theta2 = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -1123,3 +1123,31 @@ def test_quadratic_rule_resumes_from_a_state_dict_bit_for_bit():
     assert opt.param_groups[0]["damping"] == resumed.param_groups[0]["damping"]
     opt.close()
     resumed.close()
+
+
+def test_quadratic_rule_rejects_a_step_that_raises_the_loss():
+    """Every move raises the loss: the parameters stay, the momentum is dropped, and the
+    damping grows by ``1/decay``, then ``1/decay^2`` (accelerating back-off)."""
+    X, y = batch()
+    ce = nn.CrossEntropyLoss()
+    model = mlp()
+    opt = KFAC(model, damping=1e-2, fisher="type-2", loss_func=ce, update_rule="quadratic")
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def closure(backward=True):
+        opt.zero_grad()
+        loss = ce(model(X), y)
+        if backward:
+            loss.backward()
+            return loss
+        moved = sum((p - p0).pow(2).sum() for p, p0 in zip(model.parameters(), start))
+        return loss + 1e6 * moved
+
+    opt.step(closure)
+    assert opt.last_step_taken is False
+    assert_lists_close(params(model), start, atol=0)
+    assert all("previous_update" not in opt.state[p] for p in model.parameters())
+    assert opt.param_groups[0]["damping"] == pytest.approx(1e-2 / 0.95)
+    opt.step(closure)
+    assert opt.param_groups[0]["damping"] == pytest.approx(1e-2 / 0.95**3)
+    opt.close()

@@ -396,8 +396,6 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         stats = collector.finalize(collector.default_dtype())
         if stats:
             self._update_curvature(stats)
-        if cfg.update_rule == "quadratic" and loss is not None:
-            self._adapt_quadratic(loss)  # before the refresh: the new damping is used now
         if self.steps % cfg.inverse_every == 0 or self._needs_refresh():
             self._refresh()
         grads = self._flat_grads()

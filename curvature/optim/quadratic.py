@@ -17,10 +17,15 @@ that the closure registers (:meth:`~curvature.KFAC.register_output`) or, when it
 registers none, from its calls of ``loss_func``: ``v^T C w = (J v)^T H (J w)`` with ``J``
 the output's Jacobian (a double backward on the closure's graph) and ``H`` the loss's
 Hessian w.r.t. the output; under ``torch.distributed`` these are averaged over the ranks
-(the gradient is already). The damping follows Levenberg-Marquardt from the reduction
-ratio ``rho = (h(theta + delta) - h(theta)) / M(delta)``, with ``h(theta + delta)`` the
-loss of the next step's closure (no extra evaluation; on a new mini-batch it is a noisy
-estimate).
+(the gradient is already).
+
+After the move the closure is evaluated once more (loss only, the same batch): the
+reduction ratio ``rho = (h(theta + delta) - h(theta)) / M(delta)`` adapts ``lambda`` by
+Levenberg-Marquardt every ``damping_adaptation_interval`` steps, and a step that does
+not lower the loss (``rho <= 0``, or a non-finite loss) is rejected: the parameters are
+kept, the momentum is dropped (``mu = 0`` next step) and ``lambda`` grows by
+``1 / decay^k`` at the ``k``-th rejection in a row (so a far too small ``lambda`` is
+recovered in a few dozen steps).
 """
 
 from __future__ import annotations
@@ -131,20 +136,6 @@ class QuadraticRule:
                 "without backward and differentiates its outputs' graph."
             )
 
-    def _adapt_quadratic(self, loss: Tensor) -> None:
-        """Levenberg-Marquardt from the previous step's model and this step's loss."""
-        group = self.param_groups[0]
-        pending = group.get("quadratic_pending")
-        due = self.steps % self.config.damping_adaptation_interval == 0
-        if pending is None or not due:
-            return
-        loss_before, model = pending
-        rho = (self._global_loss(float(loss.detach())) - loss_before) / model
-        self.last_reduction_ratio = rho
-        factor = damping_factor(rho, self.config.damping_adaptation_decay)
-        for g in self.param_groups:
-            g["damping"] = g["damping"] * factor
-
     def _closure_outputs(self, closure) -> List[Output]:
         """Evaluate the closure (loss only) and keep its outputs with their graphs."""
         sink: dict = {"registered": [], "called": []}
@@ -192,16 +183,31 @@ class QuadraticRule:
             warn(
                 f"{who}(update_rule='quadratic'): the quadratic model has no descent; step skipped."
             )
-            self.param_groups[0]["quadratic_pending"] = None
             self.last_step_taken = False
             return
         delta = sum(float(ci) * v for ci, v in zip(c, vectors))
-        for s in slots:
-            step = delta[s.span].view_as(s.param).to(s.param.dtype)
+        steps = [delta[s.span].view_as(s.param).to(s.param.dtype) for s in slots]
+        start = [s.param.detach().clone() for s in slots]
+        for s, step in zip(slots, steps):
             s.param.add_(step)
-            self.state[s.param]["previous_update"] = step.clone()
-        coefficients = [float(x) for x in c] + [0.0]
-        self.last_update_coefficients = (coefficients[0], coefficients[1])
+        before, after = self._global_loss(float(loss)), self._evaluate(closure)
+        self.last_reduction_ratio = (after - before) / model
+        self.last_update_coefficients = (float(c[0]), float(c[1]) if len(c) > 1 else 0.0)
         self.last_model_change = model
-        self.last_step_taken = True
-        self.param_groups[0]["quadratic_pending"] = (self._global_loss(float(loss)), model)
+        self.last_step_taken = after < before
+        group = self.param_groups[0]
+        decay = self.config.damping_adaptation_decay
+        if self.last_step_taken:
+            group["quadratic_rejections"] = 0
+            for s, step in zip(slots, steps):
+                self.state[s.param]["previous_update"] = step.clone()
+            due = self.steps % self.config.damping_adaptation_interval == 0
+            factor = damping_factor(self.last_reduction_ratio, decay) if due else 1.0
+        else:
+            for s, p0 in zip(slots, start):
+                s.param.copy_(p0)
+                self.state[s.param].pop("previous_update", None)
+            group["quadratic_rejections"] = group.get("quadratic_rejections", 0) + 1
+            factor = decay ** -group["quadratic_rejections"]
+        for g in self.param_groups:
+            g["damping"] = g["damping"] * factor

@@ -24,8 +24,8 @@ reduction ratio ``rho = (h(theta + delta) - h(theta)) / M(delta)`` adapts ``lamb
 Levenberg-Marquardt every ``damping_adaptation_interval`` steps, and a step that does
 not lower the loss (``rho <= 0``, or a non-finite loss) is rejected: the parameters are
 kept, the momentum is dropped (``mu = 0`` next step) and ``lambda`` grows by
-``1 / decay^k`` at the ``k``-th rejection in a row (so a far too small ``lambda`` is
-recovered in a few dozen steps).
+``1 / decay^k`` (``damping_adaptation_decay``) at the ``k``-th rejection in a row (a far
+too small ``lambda`` recovers in a few dozen steps).
 """
 
 from __future__ import annotations

@@ -1125,9 +1125,9 @@ def test_quadratic_rule_resumes_from_a_state_dict_bit_for_bit():
     resumed.close()
 
 
-def test_quadratic_rule_rejects_a_step_that_raises_the_loss():
-    """Every move raises the loss: the parameters stay, the momentum is dropped, and the
-    damping grows by ``1/decay``, then ``1/decay^2`` (accelerating back-off)."""
+def test_quadratic_rule_rejects_a_step_that_blows_the_loss_up():
+    """Every move more than doubles the loss: the parameters stay, the momentum is dropped,
+    and the damping grows by ``1/decay``, then ``1/decay^2`` (accelerating back-off)."""
     X, y = batch()
     ce = nn.CrossEntropyLoss()
     model = mlp()

@@ -21,9 +21,9 @@ Hessian w.r.t. the output; under ``torch.distributed`` these are averaged over t
 
 After the move the closure is evaluated once more (loss only, the same batch): the
 reduction ratio ``rho = (h(theta + delta) - h(theta)) / M(delta)`` adapts ``lambda`` by
-Levenberg-Marquardt every ``damping_adaptation_interval`` steps, and a step that does
-not lower the loss (``rho <= 0``, or a non-finite loss) is rejected: the parameters are
-kept, the momentum is dropped (``mu = 0`` next step) and ``lambda`` grows by
+Levenberg-Marquardt every ``damping_adaptation_interval`` steps, and a step that blows
+the loss up (a non-finite loss, or more than twice the loss before) is rejected: the
+parameters are kept, the momentum is dropped (``mu = 0`` next step) and ``lambda`` grows by
 ``1 / decay^k`` (``damping_adaptation_decay``) at the ``k``-th rejection in a row (a far
 too small ``lambda`` recovers in a few dozen steps).
 """
@@ -194,7 +194,9 @@ class QuadraticRule:
         self.last_reduction_ratio = (after - before) / model
         self.last_update_coefficients = (float(c[0]), float(c[1]) if len(c) > 1 else 0.0)
         self.last_model_change = model
-        self.last_step_taken = after < before
+        # non-monotone: only a blow-up is rejected (momentum steps often raise the loss a
+        # little and still pay off; rejecting them all kills the momentum)
+        self.last_step_taken = after <= before + abs(before)
         group = self.param_groups[0]
         decay = self.config.damping_adaptation_decay
         if self.last_step_taken:

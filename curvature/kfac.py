@@ -140,9 +140,10 @@ class KFACApprox:
             v: A list shaped like the parameters.
             damping: ``lambda > 0``.
             mode: ``"exact"`` (damping added to the Kronecker eigenvalues, the exact
-                inverse of ``kron(G, A) + lambda I``) or ``"pi"`` (Tikhonov damping of
-                each factor with the pi heuristic of Martens & Grosse, 2015; for KFAC
-                only, EKFAC is always exact). Diagonal blocks are always exact:
+                inverse of ``kron(G, A) + lambda I``), ``"pi"`` (Tikhonov damping of
+                each factor with the pi heuristic of Martens & Grosse, 2015) or
+                ``"per_factor"`` (``(A + lambda I) x (G + lambda I)``); the last two for
+                KFAC only, EKFAC is always exact. Diagonal blocks are always exact:
                 ``v / (d + lambda)``.
 
         """

@@ -43,6 +43,7 @@ class DampingMode(str, Enum):
 
     PI = "pi"  #: Tikhonov damping of each factor with the pi heuristic
     EXACT = "exact"  #: ``kron(G, A) + lambda I`` inverted exactly in the eigenbasis
+    PER_FACTOR = "per_factor"  #: ``(A + lambda I) x (G + lambda I)``: ``lambda`` on each factor
 
     def __str__(self) -> str:
         return self.value

@@ -705,11 +705,11 @@ def test_register_output_two_terms_from_two_forwards():
             torch.testing.assert_close(got[0], ref[0], atol=1e-12, rtol=1e-10)
             torch.testing.assert_close(got[1], ref[1], atol=1e-12, rtol=1e-10)
     for i, name in ((0, "0"), (2, "2")):
-        (A1, G1), (A2, G2) = fa[name], fb[name]
-        pi = math.sqrt((A1.trace() / A1.shape[0]) / (G1.trace() / G1.shape[0]))
-        root = math.sqrt(lam)
-        C = torch.kron(G1 + root / pi * torch.eye(len(G1)), A1 + pi * root * torch.eye(len(A1)))
-        C = C + torch.kron(G2, A2)
+        root, C = math.sqrt(lam), 0
+        for A, G in (fa[name], fb[name]):  # pi damping of every term, each with its own pi
+            pi = math.sqrt((A.trace() / A.shape[0]) / (G.trace() / G.shape[0]))
+            eye_a, eye_g = torch.eye(len(A)), torch.eye(len(G))
+            C = C + torch.kron(G + root / pi * eye_g, A + pi * root * eye_a)
         M = torch.cat([grads[i], grads[i + 1][:, None]], 1)  # [W | b]
         d = torch.linalg.solve(C, M.reshape(-1)).view_as(M)
         torch.testing.assert_close(
@@ -967,3 +967,188 @@ def test_warnings_point_at_the_line_that_called_the_optimizer():
         KFAC(model, lr=0.1, damping=1e-2, max_factor_size=2)
     hits = [r for r in rec if "max_factor_size" in str(r.message)]
     assert hits and hits[0].filename == __file__
+
+
+def test_line_search_keeps_the_parameters_when_no_grid_point_lowers_the_loss():
+    """A loss that rises along every step: the line search rejects the step."""
+    X, y = batch()
+    loss_func = nn.CrossEntropyLoss()
+    model = mlp()
+    opt = KFAC(model, lr=0.1, damping=1e-2, momentum=0.9, line_search_grid=[1.0, 0.5, 0.25])
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def closure(backward=True):
+        opt.zero_grad()
+        loss = loss_func(model(X), y)
+        if backward:
+            loss.backward()
+            return loss
+        # any move away from the start raises the loss
+        return loss + 1e3 * sum((p - p0).pow(2).sum() for p, p0 in zip(model.parameters(), start))
+
+    opt.step(closure)
+    assert opt.last_line_search_lr is None and opt.last_step_taken is False
+    assert_lists_close(params(model), start, atol=0)
+    assert all("momentum_buffer" not in opt.state[p] for p in model.parameters())
+    # an improving closure: the step is taken again
+    opt.step(_counting_closure(opt, model, loss_func, X, y, []))
+    assert opt.last_step_taken is True and opt.last_line_search_lr is not None
+    opt.close()
+
+
+def _closure(opt, model, loss_func, X, y):
+    def closure(backward=True):
+        opt.zero_grad()
+        loss = loss_func(model(X), y)
+        if backward:
+            loss.backward()
+        return loss
+
+    return closure
+
+
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+def test_quadratic_rule_solves_the_2x2_model_with_the_dense_ggn(cls):
+    """``(alpha, mu)`` minimize ``1/2 d^T (GGN + lambda) d + g^T d`` over ``d = alpha Delta +
+    mu delta0``: the 2x2 solve with the dense GGN of the batch (brute force)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    X, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    mse = nn.MSELoss()
+    opt = cls(
+        model,
+        damping=1e-2,
+        fisher="type-2",
+        loss_func=mse,
+        inverse_every=1,
+        update_rule="quadratic",
+    )
+    closure = _closure(opt, model, mse, X, y)
+    theta0 = torch.cat([p.detach().flatten() for p in model.parameters()])
+    opt.step(closure)
+    assert opt.last_update_coefficients[1] == 0.0  # no previous update: mu = 0
+    theta1 = torch.cat([p.detach().flatten() for p in model.parameters()])
+    # brute force at theta1: the gradient and the dense GGN of the batch
+    model.zero_grad()
+    mse(model(X), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    g = torch.cat([t.flatten() for t in grads])
+    damping = opt.param_groups[0]["damping"]  # as adapted after step 1
+    C = curvature.ggn(model, mse, (X, y)) + damping * torch.eye(g.numel(), dtype=torch.float64)
+    opt.step(closure)
+    theta2 = torch.cat([p.detach().flatten() for p in model.parameters()])
+    # the direction of step 2: its factors (refreshed at step 2) applied to the gradient
+    Delta = -torch.cat([d.flatten() for d in opt.inverse_matvec(grads)])
+    V = torch.stack([Delta, theta1 - theta0], 1)
+    alpha, mu = torch.linalg.solve(V.T @ C @ V, -V.T @ g).tolist()
+    assert opt.last_update_coefficients == pytest.approx((alpha, mu), rel=1e-7)
+    torch.testing.assert_close(
+        theta2 - theta1, V @ torch.tensor([alpha, mu]), rtol=1e-7, atol=1e-12
+    )
+    model_change = 0.5 * (theta2 - theta1) @ C @ (theta2 - theta1) + g @ (theta2 - theta1)
+    assert opt.last_model_change == pytest.approx(float(model_change), rel=1e-7)
+    opt.close()
+
+
+def test_quadratic_rule_trains_a_classifier_without_tuning():
+    torch.manual_seed(0)
+    X = torch.randn(256, 10)
+    y = (X[:, :3].sum(1) > 0).long() + (X[:, 3] > 1).long()
+    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
+    ce = nn.CrossEntropyLoss()
+    opt = KFAC(model, fisher="mc", loss_func=ce, update_rule="quadratic")  # default damping
+    closure = _closure(opt, model, ce, X, y)
+    with torch.no_grad():
+        first = float(ce(model(X), y))
+    for _ in range(30):
+        opt.step(closure)
+    with torch.no_grad():
+        last = float(ce(model(X), y))
+    assert last < 0.3 * first
+    assert opt.last_reduction_ratio is not None
+    opt.close()
+
+
+def test_quadratic_rule_refuses_what_it_cannot_do():
+    model = mlp()
+    ce = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="update_rule='quadratic'.*loss_func"):
+        KFAC(model, update_rule="quadratic")
+    with pytest.raises(ValueError, match="update_rule='quadratic'.*line_search_grid"):
+        KFAC(model, loss_func=ce, update_rule="quadratic", line_search_grid=[1.0])
+    with pytest.raises(ValueError, match="weight_decay"):
+        KFAC(model, loss_func=ce, update_rule="quadratic", weight_decay=1e-3)
+    with pytest.raises(ValueError, match="update_rule='adam'.*'fixed'"):
+        KFAC(model, loss_func=ce, update_rule="adam")
+    opt = KFAC(model, loss_func=ce, update_rule="quadratic")
+    X, y = batch()
+    with pytest.raises(ValueError, match="backward"):
+        opt.step(lambda: ce(model(X), y))
+    opt.close()
+
+
+def test_quadratic_rule_resumes_from_a_state_dict_bit_for_bit():
+    """The previous update and the rejection count travel in ``state_dict`` (float32; in
+    float64 a resumed run was seen to differ in the last bit: an open problem)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(32, 10, dtype=torch.float32), torch.randint(0, 3, (32,))
+    ce = nn.CrossEntropyLoss()
+
+    def run(model, opt, steps):
+        closure = _closure(opt, model, ce, X, y)
+        for _ in range(steps):
+            opt.step(closure)
+
+    def make(model):
+        return KFAC(
+            model,
+            fisher="type-2",
+            loss_func=ce,
+            update_rule="quadratic",
+            inverse_every=2,
+            damping_adaptation_interval=2,
+        )
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3)).float()
+    twin = copy.deepcopy(model)
+    opt = make(model)
+    run(model, opt, 3)
+    state = copy.deepcopy(opt.state_dict())
+    twin.load_state_dict(model.state_dict())
+    run(model, opt, 3)
+    resumed = make(twin)
+    resumed.load_state_dict(state)
+    run(twin, resumed, 3)
+    assert_lists_close(params(model), params(twin), atol=0)
+    assert opt.param_groups[0]["damping"] == resumed.param_groups[0]["damping"]
+    opt.close()
+    resumed.close()
+
+
+def test_quadratic_rule_rejects_a_step_that_blows_the_loss_up():
+    """Every move more than doubles the loss: the parameters stay, the momentum is dropped,
+    and the damping grows by ``1/decay``, then ``1/decay^2`` (accelerating back-off)."""
+    X, y = batch()
+    ce = nn.CrossEntropyLoss()
+    model = mlp()
+    opt = KFAC(model, damping=1e-2, fisher="type-2", loss_func=ce, update_rule="quadratic")
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def closure(backward=True):
+        opt.zero_grad()
+        loss = ce(model(X), y)
+        if backward:
+            loss.backward()
+            return loss
+        moved = sum((p - p0).pow(2).sum() for p, p0 in zip(model.parameters(), start))
+        return loss + 1e6 * moved
+
+    opt.step(closure)
+    assert opt.last_step_taken is False
+    assert_lists_close(params(model), start, atol=0)
+    assert all("previous_update" not in opt.state[p] for p in model.parameters())
+    assert opt.param_groups[0]["damping"] == pytest.approx(1e-2 / 0.95)
+    opt.step(closure)
+    assert opt.param_groups[0]["damping"] == pytest.approx(1e-2 / 0.95**3)
+    opt.close()

@@ -158,3 +158,81 @@ def test_pinn_example_runs_and_kfac_beats_adam_per_step():
         ]
     )
     assert hist["kfac"]["l2"][-1] < hist["adam"]["l2"][-1]
+
+
+def _block_vector(model, name, vectors):
+    """``M [D_out, D_in + 1]``: a layer's entries of ``vectors`` (bias as the last column)."""
+    named = dict(zip([n for n, _ in model.named_parameters()], vectors))
+    return torch.cat([named[f"{name}.weight"], named[f"{name}.bias"][:, None]], 1)
+
+
+def _damped(A, G, damping, mode):
+    eye_a, eye_g = torch.eye(A.shape[0]), torch.eye(G.shape[0])
+    if mode == "per_factor":
+        return torch.kron(G + damping * eye_g, A + damping * eye_a)
+    pi = ((A.diagonal().mean() / G.diagonal().mean()) ** 0.5).item()
+    root = damping**0.5
+    return torch.kron(G + root / pi * eye_g, A + pi * root * eye_a)
+
+
+@pytest.mark.parametrize("mode", ["per_factor", "pi"])
+@pytest.mark.parametrize("damping", [1e-1, 1e-4])
+def test_two_term_inverse_is_the_dense_inverse_of_every_term_damped(mode, damping):
+    """Interior + boundary: the inverse equals the dense ``(sum_t damped kron(G_t, A_t))^-1``.
+
+    ``per_factor``: ``(A_t + lambda I) x (G_t + lambda I)`` for every term ``t``; ``pi``:
+    every term with its own ``pi_t``.
+    """
+    model = _tanh_net()
+    x_int, x_bnd = torch.rand(7, 2), torch.rand(5, 2)
+    mse = nn.MSELoss()
+    opt = curvature.KFAC(
+        model,
+        lr=0.0,
+        damping=damping,
+        fisher="type-2",
+        loss_func=mse,
+        auto_output=False,
+        damping_mode=mode,
+        inverse_every=1,
+    )
+    r = laplacian(model, x_int, method="forward") + 1.0
+    u_b = model(x_bnd)
+    opt.register_output(r.unsqueeze(-1), mse, torch.zeros(7, 1))
+    opt.register_output(u_b, mse, torch.zeros(5, 1))
+    (0.5 * r.pow(2).mean() + 0.5 * u_b.pow(2).mean()).backward()
+    opt.step()
+    v = [torch.randn_like(p) for p in model.parameters()]
+    out = opt.inverse_matvec(v)
+    for name, terms in opt.factors().items():
+        dense = sum(_damped(A, G, damping, mode) for A, G in terms)
+        M = _block_vector(model, name, v)
+        expected = torch.linalg.solve(dense, M.reshape(-1)).reshape(M.shape)
+        torch.testing.assert_close(_block_vector(model, name, out), expected, rtol=1e-8, atol=0)
+    opt.close()
+
+
+@pytest.mark.parametrize("inverse_method", ["cholesky", "eigh"])
+def test_one_term_per_factor_inverse_is_the_dense_inverse(inverse_method):
+    model = _tanh_net()
+    X, y = torch.rand(9, 2), torch.rand(9, 1)
+    mse, damping = nn.MSELoss(), 1e-3
+    opt = curvature.KFAC(
+        model,
+        lr=0.0,
+        damping=damping,
+        fisher="type-2",
+        loss_func=mse,
+        damping_mode="per_factor",
+        inverse_method=inverse_method,
+    )
+    mse(model(X), y).backward()
+    opt.step()
+    v = [torch.randn_like(p) for p in model.parameters()]
+    out = opt.inverse_matvec(v)
+    for name, (A, G) in opt.factors().items():
+        M = _block_vector(model, name, v)
+        dense = _damped(A, G, damping, "per_factor")
+        expected = torch.linalg.solve(dense, M.reshape(-1)).reshape(M.shape)
+        torch.testing.assert_close(_block_vector(model, name, out), expected, rtol=1e-9, atol=0)
+    opt.close()

@@ -7,6 +7,7 @@ the flat positions ``index [C, D_out, D]`` (``C`` groups of a grouped convolutio
 
     matvec:                     G M A
     inverse, pi damping:        (G + sqrt(lambda)/pi I)^{-1} M (A + pi sqrt(lambda) I)^{-1}
+    inverse, per-factor:        (G + lambda I)^{-1} M (A + lambda I)^{-1}
     inverse, exact damping:     QG [ (QG^T M QA) / (lG lA^T + lambda) ] QA^T
     EKFAC (both):               the same with Lambda in place of lG lA^T
 
@@ -78,7 +79,7 @@ class KroneckerBlock:
         A: ``[C, D, D]`` input factor (running estimate in an optimizer), or ``None``.
         G: ``[C, D_out, D_out]`` output-gradient factor, or ``None``.
         record: The last refresh's :class:`Eigen` or :class:`FactorSnapshot`, or ``None``.
-        inverses: Cached :class:`DampedInverses` for pi damping, or ``None``.
+        inverses: Cached :class:`DampedInverses` (pi or per-factor damping), or ``None``.
 
     """
 
@@ -172,16 +173,33 @@ class KroneckerBlock:
             pi = pi_factor(mean_diagonal(src.A), mean_diagonal(src.G))
         return pi * root, root / pi
 
-    def pi_inverses(self, damping: float) -> DampedInverses:
-        """``(A + pi sqrt(lambda) I)^{-1}`` and ``(G + sqrt(lambda)/pi I)^{-1}`` (cached).
+    def shifts(self, damping: float, mode: str = "pi") -> tuple:
+        """The shifts ``(sA, sG)`` added to ``A`` and ``G``, ``[C]`` each.
+
+        ``"pi"``: :meth:`pi_shifts`; ``"per_factor"``: ``(lambda, lambda)``.
+        """
+        if mode == "per_factor":
+            C = self.index.shape[0]
+            like = self.A if self.A is not None else self.record.tensors()[0]
+            full = torch.full((C,), float(damping), dtype=like.dtype, device=like.device)
+            return full, full.clone()
+        return self.pi_shifts(damping)
+
+    def pi_inverses(self, damping: float, mode: str = "pi") -> DampedInverses:
+        """``(A + sA I)^{-1}`` and ``(G + sG I)^{-1}`` with the :meth:`shifts` (cached).
 
         From the eigendecompositions when the record has them, else by Cholesky of the
         snapshot's factors (:func:`~curvature.linalg.damped_inverses`).
         """
         cached = self.inverses
-        if cached is not None and cached.damping == damping and cached.source is self.record:
+        if (
+            cached is not None
+            and cached.damping == damping
+            and cached.mode == mode
+            and cached.source is self.record
+        ):
             return cached
-        sA, sG = self.pi_shifts(damping)
+        sA, sG = self.shifts(damping, mode)
         if isinstance(self.record, Eigen):
             r = self.record
             Ainv = (r.QA / (r.lA + sA[..., None])[..., None, :]) @ r.QA.mT
@@ -193,7 +211,7 @@ class KroneckerBlock:
             Ainv, Ginv = damped_inverses(
                 [snap.A, snap.G], [sA, sG], names=[f"A of '{self.label}'", f"G of '{self.label}'"]
             )
-        self.inverses = DampedInverses(Ainv, Ginv, damping, self.record)
+        self.inverses = DampedInverses(Ainv, Ginv, damping, self.record, mode)
         return self.inverses
 
     # -- products ---------------------------------------------------------------------
@@ -207,9 +225,9 @@ class KroneckerBlock:
         return self.G.to(M.dtype) @ M @ self.A.to(M.dtype)
 
     def inverse_matvec(self, M: Tensor, damping: float, mode: str = "exact") -> Tensor:
-        """``(block + damping)^{-1} M``, damped ``"exact"``-ly or by the ``"pi"`` heuristic."""
-        if mode == "pi":
-            inv = self.pi_inverses(damping)
+        """``(block + damping)^{-1} M``: ``"exact"``, ``"pi"`` or ``"per_factor"`` damping."""
+        if mode in ("pi", "per_factor"):
+            inv = self.pi_inverses(damping, mode)
             Ginv, Ainv = inv.Ginv.to(M.dtype), inv.Ainv.to(M.dtype)
             if M.shape[0] == 1:  # one group: two plain GEMMs
                 return (Ginv[0] @ M[0] @ Ainv[0]).unsqueeze(0)

@@ -111,12 +111,17 @@ class GeneralizedEigen(Record):
 
 @dataclass(frozen=True)
 class DampedInverses:
-    """``(A + pi sqrt(lambda) I)^{-1}``, ``(G + sqrt(lambda) / pi I)^{-1}`` at ``damping``."""
+    """``(A + sA I)^{-1}``, ``(G + sG I)^{-1}`` at ``damping``.
+
+    ``mode`` ``"pi"``: ``sA = pi sqrt(lambda)``, ``sG = sqrt(lambda) / pi``;
+    ``"per_factor"``: ``sA = sG = lambda``.
+    """
 
     Ainv: Tensor
     Ginv: Tensor
     damping: float
     source: Record  #: the record they were computed from (identity checked on reuse)
+    mode: str = "pi"
 
 
 RECORDS = {cls.__name__: cls for cls in (Eigen, FactorSnapshot, GeneralizedEigen)}

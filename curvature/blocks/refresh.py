@@ -80,8 +80,12 @@ def eigendecompositions(
     return out, extra
 
 
-def invert(blocks: Sequence[KroneckerBlock], damping_of: Callable[[object], float]) -> None:
-    """Cache the pi-damped inverses of blocks with a :class:`FactorSnapshot` (one pass).
+def invert(
+    blocks: Sequence[KroneckerBlock], damping_of: Callable[[object], float], mode: str = "pi"
+) -> None:
+    """Cache the damped inverses of blocks with a :class:`FactorSnapshot` (one pass).
+
+    ``mode``: ``"pi"`` or ``"per_factor"`` (:meth:`KroneckerBlock.shifts`).
 
     The Cholesky factorizations' outcomes are read in one synchronization for all
     blocks (the snapshots' finiteness was checked when they were taken).
@@ -89,13 +93,13 @@ def invert(blocks: Sequence[KroneckerBlock], damping_of: Callable[[object], floa
     jobs = [b for b in blocks if isinstance(b.record, FactorSnapshot)]
     mats, shifts, names = [], [], []
     for b in jobs:
-        sA, sG = b.pi_shifts(damping_of(b))
+        sA, sG = b.shifts(damping_of(b), mode)
         mats += [b.record.A, b.record.G]
         shifts += [sA, sG]
         names += [f"A of '{b.label}'", f"G of '{b.label}'"]
     invs = damped_inverses(mats, shifts, names=names, check_finite=False)
     for i, b in enumerate(jobs):
-        b.inverses = DampedInverses(invs[2 * i], invs[2 * i + 1], damping_of(b), b.record)
+        b.inverses = DampedInverses(invs[2 * i], invs[2 * i + 1], damping_of(b), b.record, mode)
 
 
 def block_state(block: Any) -> Dict[str, Any]:

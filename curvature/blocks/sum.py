@@ -1,14 +1,18 @@
 """A sum of Kronecker products, inverted exactly for two terms.
 
 A layer reached by several curvature outputs (terms; e.g. a PINN's interior and boundary
-residuals) has one pair of factors per term. With the first term damped by the pi
-heuristic and further terms merged into the second (mean of their ``A``, sum of their
-``G``), the block
+residuals) has one pair of factors per term; terms after the first are merged into the
+second (mean of their ``A``, sum of their ``G``). Every term is damped, by the block's
+``mode``:
 
-    (A1 + pi sqrt(lambda) I) x (G1 + sqrt(lambda)/pi I) + A2 x G2
+    "per_factor":  (A1 + lambda I) x (G1 + lambda I) + (A2 + lambda I) x (G2 + lambda I)
+    "pi":          (A1 + pi1 sqrt(lambda) I) x (G1 + sqrt(lambda)/pi1 I)
+                   + (A2 + pi2 sqrt(lambda) I) x (G2 + sqrt(lambda)/pi2 I)
 
-is inverted exactly by simultaneous diagonalization: with ``PA^T (A1 + pi sqrt(lambda) I)
-PA = I``, ``PA^T A2 PA = diag(muA)`` (likewise ``PG``, ``muG``), its inverse applied to
+with ``pi_t = sqrt(mean eig(A_t) / mean eig(G_t))``. ``"per_factor"`` is the damping of
+Dangel, Mueller & Zeinhofer (2024). Writing ``A1', A2', G1', G2'`` for the damped
+factors, the block is inverted exactly by simultaneous diagonalization: with ``PA^T A1'
+PA = I``, ``PA^T A2' PA = diag(muA)`` (likewise ``PG``, ``muG``), its inverse applied to
 ``M [C, D_out, D]`` is ``PG [(PG^T M PA) / (1 + muG muA^T)] PA^T``.
 """
 
@@ -32,19 +36,23 @@ class KroneckerSumBlock:
         index: ``[C, D_out, D]`` flat positions.
         terms: Term number to ``(A [C, D, D], G [C, D_out, D_out])`` running factors.
         record: The last :class:`GeneralizedEigen`, or ``None``.
+        mode: The damping, ``"pi"`` or ``"per_factor"`` (module docstring).
 
     """
 
-    def __init__(self, name: str, index: Tensor):
+    def __init__(self, name: str, index: Tensor, mode: str = "pi"):
         self.name = name
         self.index = index
         self.terms: Dict[int, List[Tensor]] = {}
         self.record: Any = None
+        self.mode = mode
 
     @classmethod
-    def from_block(cls, block: KroneckerBlock, term: int = 0) -> KroneckerSumBlock:
+    def from_block(
+        cls, block: KroneckerBlock, term: int = 0, mode: str = "pi"
+    ) -> KroneckerSumBlock:
         """A sum block whose term ``term`` is ``block``'s factors (its record is dropped)."""
-        out = cls(block.name, block.index)
+        out = cls(block.name, block.index, mode)
         if block.A is not None:
             out.terms[term] = [block.A, block.G]
         return out
@@ -81,15 +89,22 @@ class KroneckerSumBlock:
             return first, rest[0]
         return first, [sum(r[0] for r in rest) / len(rest), sum(r[1] for r in rest)]
 
+    def damped(self, A: Tensor, G: Tensor, damping: float) -> Tuple[Tensor, Tensor]:
+        """One term's damped factors ``(A + sA I, G + sG I)`` (module docstring)."""
+        if self.mode == "per_factor":
+            sA = sG = torch.full(A.shape[:-2], float(damping), dtype=A.dtype, device=A.device)
+        else:
+            pi = pi_factor(mean_diagonal(A), mean_diagonal(G))
+            sA, sG = pi * damping**0.5, damping**0.5 / pi
+        eyeA = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+        eyeG = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
+        return A + sA[..., None, None] * eyeA, G + sG[..., None, None] * eyeG
+
     def decompose(self, damping: float) -> GeneralizedEigen:
         """The simultaneous diagonalization at ``damping`` (see the module docstring)."""
-        (A1, G1), (A2, G2) = self.two_terms()
-        pi = pi_factor(mean_diagonal(A1), mean_diagonal(G1))[..., None, None]
-        root = damping**0.5
-        eyeA = torch.eye(A1.shape[-1], dtype=A1.dtype, device=A1.device)
-        eyeG = torch.eye(G1.shape[-1], dtype=G1.dtype, device=G1.device)
-        muA, PA = generalized_eigh(A2, A1 + pi * root * eyeA, name=f"A of '{self.label}'")
-        muG, PG = generalized_eigh(G2, G1 + root / pi * eyeG, name=f"G of '{self.label}'")
+        (A1, G1), (A2, G2) = (self.damped(A, G, damping) for A, G in self.two_terms())
+        muA, PA = generalized_eigh(A2, A1, name=f"A of '{self.label}'")
+        muG, PG = generalized_eigh(G2, G1, name=f"G of '{self.label}'")
         return GeneralizedEigen(muA, PA, muG, PG, damping)
 
     def install(self, record: Record) -> None:
@@ -101,11 +116,15 @@ class KroneckerSumBlock:
         return sum(G.to(M.dtype) @ M @ A.to(M.dtype) for A, G in self.terms.values())
 
     def inverse_matvec(self, M: Tensor, damping: float, mode: str = "pi") -> Tensor:
-        """The exact inverse of the damped two-term block times ``M`` (pi damping always).
+        """The exact inverse of the damped two-term block times ``M``.
 
-        A damping other than the record's (adaptive damping) decomposes again.
+        ``mode`` ``"per_factor"`` or ``"pi"`` (``"exact"`` damping has no exact inverse
+        for a sum of Kronecker products: pi). A damping or mode other than the record's
+        (adaptive damping) decomposes again.
         """
-        if self.record is None or self.record.damping != damping:
+        mode = "per_factor" if mode == "per_factor" else "pi"
+        if self.record is None or self.record.damping != damping or self.mode != mode:
+            self.mode = mode
             self.install(self.decompose(damping))
         r = self.record
         muA, PA, muG, PG = (t.to(M.dtype) for t in r.tensors())
@@ -124,6 +143,7 @@ class KroneckerSumBlock:
         return {
             "terms": {t: [x.clone() for x in v] for t, v in self.terms.items()},
             "record": None if self.record is None else self.record.state(),
+            "mode": self.mode,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -131,3 +151,4 @@ class KroneckerSumBlock:
         self.terms = {int(t): [x.clone() for x in v] for t, v in state["terms"].items()}
         rec = state.get("record")
         self.record = None if rec is None else Record.from_state(rec)
+        self.mode = state.get("mode", "pi")

@@ -45,6 +45,7 @@ from .config import CurvatureConfig, check_group, check_hyperparameters
 from .coverage import owner, report_batch_statistics, report_uncovered
 from .deferred import DeferredReads
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
+from .quadratic import QuadraticRule
 from .rng import SamplingGenerators
 from .ties import TiedLayers
 from .updates import (
@@ -57,7 +58,7 @@ from .updates import (
 )
 
 
-class CurvatureOptimizer(Optimizer):
+class CurvatureOptimizer(QuadraticRule, Optimizer):
     """Base class: the ``torch.optim`` contract, statistics collection, ``step`` skeleton.
 
     Subclasses implement :meth:`_accumulate` (a layer's statistics), :meth:`_update_curvature`
@@ -99,11 +100,13 @@ class CurvatureOptimizer(Optimizer):
             [{"params": trainable}] if param_groups is None else list(map(dict, param_groups))
         )
         super().__init__(groups, defaults)  # checks each group with add_param_group
+        self._check_quadratic(None)
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
         self._kl_scale, self._damping_cache = 1.0, (None, None)  # device values, read lazily
         self._reads = DeferredReads(type(self).__name__)  # device values read later
         self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
+        self.last_step_taken = True  # False: the line search kept the parameters
         self.generator = torch.Generator().manual_seed(config.seed)
         self._generators = SamplingGenerators(self.generator)  # one per device
         self.steps = 0
@@ -354,6 +357,11 @@ class CurvatureOptimizer(Optimizer):
         ``damping_adaptation_decay``, ``rho < 1/4`` divides it (Levenberg-Marquardt,
         Martens & Grosse 2015).
 
+        With ``line_search_grid`` the best grid point is taken only if its loss is below
+        the closure's loss at the current parameters; otherwise the parameters (and the
+        momentum buffers, which the line search does not use) are kept,
+        ``last_line_search_lr`` is ``None`` and ``last_step_taken`` is ``False``.
+
         These extra evaluations (and those of ``line_search_grid``, one per candidate
         learning rate) only need the loss. A closure that accepts a ``backward`` keyword
         (``def closure(backward=True): ...``) is called with ``backward=False`` for them
@@ -361,17 +369,8 @@ class CurvatureOptimizer(Optimizer):
         (its backward passes are then wasted work, and ``.grad`` after the step holds
         the gradient at the last evaluated point).
         """
-        cfg = self.config
-        who = type(self).__name__
-        if cfg.line_search_grid is not None and closure is None:
-            raise ValueError(
-                f"{who}(line_search_grid=...).step() needs a closure that returns the loss."
-            )
-        if cfg.adaptive_damping and closure is None:
-            raise ValueError(
-                f"{who}(adaptive_damping=True).step() needs a closure that "
-                "re-evaluates the loss (and calls backward)."
-            )
+        self.config.check_closure(closure)
+        self._check_quadratic(closure or False)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -395,6 +394,7 @@ class CurvatureOptimizer(Optimizer):
         grads = self._flat_grads()
         adapt = (
             cfg.adaptive_damping
+            and cfg.update_rule == "fixed"
             and grads is not None
             and self.steps % cfg.damping_adaptation_interval == 0
         )
@@ -408,7 +408,11 @@ class CurvatureOptimizer(Optimizer):
                     cfg.line_search_grid,
                     lambda: self._evaluate(closure),
                     type(self).__name__,
+                    self._global_loss(float(loss.detach())),
                 )
+                self.last_step_taken = self.last_line_search_lr is not None
+            elif cfg.update_rule == "quadratic":
+                self._quadratic_update(closure, loss, grads, directions)
             else:
                 slots = [s for s in self._slots() if s.param.grad is not None]
                 self._kl_scale, ok = apply_update(

@@ -117,6 +117,7 @@ class StatisticsCollector:
         self.grad_scaler = grad_scaler
         self.due = True
         self.evaluating = False
+        self.sink: Optional[Dict[str, list]] = None  # outputs of an update-rule evaluation
         self.closed = False
         self.stats = StepStatistics()
         self.registered = False
@@ -145,6 +146,8 @@ class StatisticsCollector:
         self.confirming = self.pulls and auto_output and ddp is None
         if self.confirming:
             self.capture.watch_accumulation(self._accumulated)
+        if loss_func is not None:
+            self.capture.watch_module(loss_func, end=self._output_seen)
         if fisher == FisherType.EMPIRICAL and isinstance(loss_func, nn.CrossEntropyLoss):
             self.capture.watch_module(loss_func, end=self._check_targets)
 
@@ -234,6 +237,14 @@ class StatisticsCollector:
         self.staged, self.waiting, self.mode = None, None, "loss"
         self.pull(values[0], module, values[1], keep_calls=False, stats=self._auto_stats())
         self._launch_early()
+
+    def _output_seen(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """A ``loss_func`` call during an evaluation with a :attr:`sink`: keep its input."""
+        if self.sink is None or self.closed:
+            return
+        values = list(args) + [kwargs[k] for k in ("input", "target") if k in kwargs]
+        if len(values) >= 2 and isinstance(values[0], Tensor) and values[0].grad_fn is not None:
+            self.sink["called"].append((values[0], module, values[1]))
 
     def _check_targets(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Empirical Fisher, ``CrossEntropyLoss(reduction="mean")``: no ignored targets.
@@ -348,9 +359,11 @@ class StatisticsCollector:
                 f"register_output is for fisher in ('mc', 'type-2', 'rademacher'); this "
                 f"optimizer uses fisher={self.fisher.value!r}."
             )
-        if self.evaluating:  # loss evaluations of a line search / damping adaptation
-            return
         loss_func = loss_func if loss_func is not None else self.loss_func
+        if self.evaluating:  # loss evaluations of a line search / damping adaptation
+            if self.sink is not None and loss_func is not None:
+                self.sink["registered"].append((output, loss_func, target))
+            return
         if loss_func is None:
             raise ValueError("register_output(output) needs a loss_func.")
         check_loss(loss_func)

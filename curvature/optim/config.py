@@ -71,6 +71,42 @@ def check_group(
             )
 
 
+def check_kfac_arguments(
+    who: str,
+    ekfac: bool,
+    max_factor_size: int,
+    decompose: str,
+    precondition: str,
+    inverse_method: str,
+) -> None:
+    """The structure arguments of :class:`~curvature.KFAC` / ``EKFAC`` beyond the config."""
+    if not isinstance(max_factor_size, int) or max_factor_size < 1:
+        raise ValueError(
+            f"{who}(max_factor_size={max_factor_size!r}): a positive int; "
+            "blocks with a larger Kronecker factor use the per-sample Fisher diagonal."
+        )
+    if decompose not in ("split", "all"):
+        raise ValueError(
+            f"{who}(decompose={decompose!r}): 'split' (each block's decompositions on "
+            "one rank, then shared) or 'all' (every rank decomposes every block)."
+        )
+    if precondition not in ("all", "owner"):
+        raise ValueError(
+            f"{who}(precondition={precondition!r}): 'all' (every rank preconditions "
+            "every block) or 'owner' (each block on its owner rank, the preconditioned "
+            "gradient is shared)."
+        )
+    if precondition == "owner" and (decompose != "split" or ekfac):
+        raise ValueError(
+            f"{who}(precondition='owner') needs decompose='split' and KFAC (EKFAC's "
+            "corrections need every block's eigenbasis on every rank)."
+        )
+    if inverse_method not in ("cholesky", "eigh"):
+        raise ValueError(
+            f"{who}(inverse_method={inverse_method!r}): 'cholesky' (default) or 'eigh'."
+        )
+
+
 @dataclass(frozen=True)
 class CurvatureConfig:
     """The validated structure arguments of :class:`~curvature.KFAC` and its siblings.
@@ -97,11 +133,24 @@ class CurvatureConfig:
     damping_adaptation_interval: int = 5
     damping_adaptation_decay: float = 0.95
     line_search_grid: Optional[Tuple[float, ...]] = None
+    update_rule: str = "fixed"
     distributed: Optional[bool] = None
     process_group: Any = None
     sync_grads: Optional[bool] = None
     comm_timeout: float = 300.0
     bucket_mb: float = 25.0
+
+    def check_closure(self, closure: Any) -> None:
+        """A ``ValueError`` if the settings need a closure for ``step()`` and it is ``None``."""
+        if self.line_search_grid is not None and closure is None:
+            raise ValueError(
+                f"{self.who}(line_search_grid=...).step() needs a closure that returns the loss."
+            )
+        if self.adaptive_damping and closure is None:
+            raise ValueError(
+                f"{self.who}(adaptive_damping=True).step() needs a closure that "
+                "re-evaluates the loss (and calls backward)."
+            )
 
     @classmethod
     def from_arguments(cls, who: str, arguments: Dict[str, Any]) -> CurvatureConfig:
@@ -176,7 +225,8 @@ class CurvatureConfig:
                 DampingMode,
                 self.damping_mode,
                 f"{who}(damping_mode",
-                hint="'exact' (eigenbasis) or 'pi' (Tikhonov with the pi heuristic).",
+                hint="'pi' (Tikhonov with the pi heuristic), 'per_factor' (lambda added to "
+                "each Kronecker factor) or 'exact' (eigenbasis).",
             ),
         )
         set_(
@@ -197,6 +247,21 @@ class CurvatureConfig:
                     "of positive learning rates, e.g. [2.0 ** -k for k in range(10)]."
                 )
             set_(self, "line_search_grid", tuple(grid))
+        check(
+            who,
+            "update_rule",
+            self.update_rule,
+            self.update_rule in ("fixed", "quadratic"),
+            "must be 'fixed' (lr, momentum) or 'quadratic' (learning rate and momentum from "
+            "the local quadratic model)",
+        )
+        if self.update_rule == "quadratic" and (
+            self.line_search_grid is not None or self.loss_func is None
+        ):
+            raise ValueError(
+                f"{who}(update_rule='quadratic') needs loss_func=... (its Gauss-Newton matrix) "
+                "and no line_search_grid (both choose the step size)."
+            )
         check(who, "comm_timeout", self.comm_timeout, self.comm_timeout > 0, "must be > 0 seconds")
         check(who, "bucket_mb", self.bucket_mb, self.bucket_mb > 0, "must be > 0")
 

@@ -1,25 +1,23 @@
 """``KFAC`` and ``EKFAC`` optimizers (``torch.optim.Optimizer`` subclasses).
 
 The optimizers route statistics to curvature blocks (:mod:`curvature.blocks`), which own
-the maths. Per layer block, with running factors ``A`` and ``G`` and damping
-``lambda``, the update direction for the gradient matrix ``M`` (rows: outputs, columns:
-inputs with the bias last) is
+the maths. Per layer block, with running factors ``A``, ``G`` and damping ``lambda``,
+the update direction for the gradient matrix ``M`` (rows: outputs, columns: inputs with
+the bias last) is
 
     pi (default):     (G + sqrt(lambda)/pi I)^{-1} M (A + pi sqrt(lambda) I)^{-1}
+    per_factor:       (G + lambda I)^{-1} M (A + lambda I)^{-1}
     exact:            QG [ (QG^T M QA) / (lG lA^T + lambda) ] QA^T
     EKFAC:            QG [ (QG^T M QA) / (Lambda + lambda) ] QA^T
 
-with ``Lambda`` the running second moments of the per-sample (per-vector) gradients in
-the Kronecker eigenbasis (George et al., 2018); when the basis is refreshed, ``Lambda``
-is carried over as the diagonal of the previous EKFAC matrix in the new basis
-(:class:`~curvature.blocks.EigenCorrectedBlock`).
-
-A block reached by two registered outputs (terms; e.g. a PINN's interior and boundary
-residuals) is a :class:`~curvature.blocks.KroneckerSumBlock`, preconditioned with the
-exact inverse of ``(A1 + pi sqrt(lambda) I) x (G1 + sqrt(lambda)/pi I) + A2 x G2``
-(more terms are merged into the second); such blocks use no eigenvalue correction.
-Blocks with a factor larger than ``max_factor_size``, and layers without a Kronecker
-rule under ``unsupported="diagonal"``, are :class:`~curvature.blocks.DiagonalBlock`.
+with ``Lambda`` the running second moments of the per-sample gradients in the Kronecker
+eigenbasis (George et al., 2018), carried over into a refreshed basis as the diagonal of
+the previous EKFAC matrix (:class:`~curvature.blocks.EigenCorrectedBlock`). A block
+reached by two registered outputs (terms; a PINN's interior and boundary residuals) is a
+:class:`~curvature.blocks.KroneckerSumBlock`: every term damped (per factor, or pi with
+its own ``pi``), the sum inverted exactly (more terms are merged into the second; no
+eigenvalue correction). Blocks with a factor larger than ``max_factor_size``, and layers
+without a Kronecker rule under ``unsupported="diagonal"``, are diagonal blocks.
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
 from .checkpoint import check_kronecker_state, warn_dropped_corrections
-from .config import CurvatureConfig
+from .config import CurvatureConfig, check_kfac_arguments
 from .deferred import has_statistics, read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
 
@@ -102,11 +100,11 @@ class KFAC(CurvatureOptimizer):
         kl_clip (float | None): KL clipping (Ba, Grosse & Martens, 2017): the update
             ``-lr d`` is scaled by ``nu = min(1, sqrt(kl_clip / sum_p lr_p^2 d_p^T g_p))``
             (default None: off; ``kl_clip=1e-3`` is a safe start, see docs/optimizers.md).
-        damping_mode (str): ``"pi"`` (default; Tikhonov damping of each factor with the pi
-            heuristic, more conservative in directions where one factor is large; the
-            damped factors are inverted by Cholesky) or
-            ``"exact"`` (``kron(G, A) + lambda I`` inverted exactly in the eigenbasis).
-            EKFAC always damps its corrected eigenvalues exactly.
+        damping_mode (str): ``"pi"`` (default; ``(A + pi sqrt(lambda) I) x (G +
+            sqrt(lambda)/pi I)``, Cholesky), ``"per_factor"`` (``(A + lambda I) x (G +
+            lambda I)``, Cholesky; the PINN convention of Dangel, Mueller & Zeinhofer,
+            2024) or ``"exact"`` (``kron(G, A) + lambda I`` in the eigenbasis). Sum
+            blocks damp every term (``"exact"``: pi). EKFAC's single blocks are exact.
         max_factor_size (int): Blocks with a Kronecker factor larger than this (default
             4096) use the per-sample Fisher diagonal (with a warning naming them):
             decomposing a factor of size 10k takes minutes on a small CPU.
@@ -132,6 +130,8 @@ class KFAC(CurvatureOptimizer):
         line_search_grid (Sequence[float] | None): Learning rates tried at each step
             (default None: off; ``step`` then needs a closure); the one with the lowest
             loss is taken, replacing the groups' learning rates.
+        update_rule (str): ``"fixed"`` (default: ``lr``, ``momentum``) or ``"quadratic"``
+            (both from the local quadratic model: :mod:`curvature.optim.quadratic`).
         distributed (bool | None): Average the curvature over the ranks of
             ``torch.distributed`` (default None: when it is initialized with more than one
             rank; see docs/distributed.md).
@@ -192,6 +192,7 @@ class KFAC(CurvatureOptimizer):
         damping_adaptation_interval: int = 5,
         damping_adaptation_decay: float = 0.95,
         line_search_grid: Optional[Sequence[float]] = None,
+        update_rule: str = "fixed",
         distributed: Optional[bool] = None,
         process_group: Any = None,
         sync_grads: Optional[bool] = None,
@@ -202,33 +203,14 @@ class KFAC(CurvatureOptimizer):
         precondition: str = "all",
         inverse_method: str = "cholesky",
     ):
-        who = type(self).__name__
-        ekfac = issubclass(self.block_type, EigenCorrectedBlock)
-        if not isinstance(max_factor_size, int) or max_factor_size < 1:
-            raise ValueError(
-                f"{who}(max_factor_size={max_factor_size!r}): a positive int; "
-                "blocks with a larger Kronecker factor use the per-sample Fisher diagonal."
-            )
-        if decompose not in ("split", "all"):
-            raise ValueError(
-                f"{who}(decompose={decompose!r}): 'split' (each block's decompositions on "
-                "one rank, then shared) or 'all' (every rank decomposes every block)."
-            )
-        if precondition not in ("all", "owner"):
-            raise ValueError(
-                f"{who}(precondition={precondition!r}): 'all' (every rank preconditions "
-                "every block) or 'owner' (each block on its owner rank, the preconditioned "
-                "gradient is shared)."
-            )
-        if precondition == "owner" and (decompose != "split" or ekfac):
-            raise ValueError(
-                f"{who}(precondition='owner') needs decompose='split' and KFAC (EKFAC's "
-                "corrections need every block's eigenbasis on every rank)."
-            )
-        if inverse_method not in ("cholesky", "eigh"):
-            raise ValueError(
-                f"{who}(inverse_method={inverse_method!r}): 'cholesky' (default) or 'eigh'."
-            )
+        check_kfac_arguments(
+            type(self).__name__,
+            issubclass(self.block_type, EigenCorrectedBlock),
+            max_factor_size,
+            decompose,
+            precondition,
+            inverse_method,
+        )
         self.max_factor_size = max_factor_size
         self.decompose, self.precondition = decompose, precondition
         self.inverse_method = inverse_method
@@ -406,7 +388,8 @@ class KFAC(CurvatureOptimizer):
                 self._term_of[key] = term
             if not isinstance(block, KroneckerSumBlock) and term != self._term_of[key]:
                 # a second term reaches the block: a sum of Kronecker products from now on
-                block = KroneckerSumBlock.from_block(block, self._term_of[key])
+                mode = "per_factor" if self.config.damping_mode.value == "per_factor" else "pi"
+                block = KroneckerSumBlock.from_block(block, self._term_of[key], mode)
                 self._blocks[key] = block
                 self._decomposed.discard(key)
             if isinstance(block, KroneckerSumBlock):
@@ -440,7 +423,7 @@ class KFAC(CurvatureOptimizer):
         """
         return (
             type(block) is KroneckerBlock
-            and self.config.damping_mode == DampingMode.PI
+            and self.config.damping_mode != DampingMode.EXACT
             and self.inverse_method == "cholesky"
         )
 
@@ -478,7 +461,8 @@ class KFAC(CurvatureOptimizer):
             if getattr(self._blocks[key], "fresh", None) is None:  # else: no statistics yet
                 self._install(key, outcomes[key])
         # the Cholesky blocks' damped inverses at the damping of the moment, in one pass
-        invert([b for b in used if isinstance(b.record, FactorSnapshot)], damping_of.get)
+        snapped = [b for b in used if isinstance(b.record, FactorSnapshot)]
+        invert(snapped, damping_of.get, self.config.damping_mode.value)
         self._reads.settle(self._collector.stats, read[: len(deferred)])
 
     def _install(self, key: Key, outcome: Outcome) -> None:
@@ -511,7 +495,7 @@ class KFAC(CurvatureOptimizer):
                 "backward, a model in eval mode, or only non-finite batches); they get the "
                 "plain gradient."
             )
-        mode = "pi" if self.config.damping_mode == DampingMode.PI else "exact"
+        mode = self.config.damping_mode.value
         for key, index in self._index.items():
             block = self._blocks.get(key)
             if self._record(key) is None or not self._uses(key):

@@ -164,13 +164,15 @@ def line_search(
     grid: Sequence[float],
     evaluate: Callable[[], float],
     who: str,
+    loss_before: float = float("inf"),
 ) -> Optional[float]:
     """Take the step ``-lr d`` with the ``lr`` of ``grid`` that gives the lowest loss.
 
     The grid replaces the groups' learning rates; momentum and weight decay are not
-    applied (the variant of Dangel, Mueller & Zeinhofer, 2024, for PINNs). Returns the
-    chosen ``lr``, or ``None`` (parameters unchanged, a warning) when no candidate gave
-    a finite loss.
+    applied (the variant of Dangel, Mueller & Zeinhofer, 2024, for PINNs). A step is
+    only taken if its loss is below ``loss_before`` (the loss at the current
+    parameters): when no grid point lowers it, the parameters are kept and ``None`` is
+    returned; likewise (with a warning) when no candidate gave a finite loss.
     """
     start = [s.param.detach().clone() for s in slots]
 
@@ -184,10 +186,11 @@ def line_search(
         value = evaluate()
         if value < best_loss:
             best, best_loss = lr, value
-    if best is None:
+    if best is None or not best_loss < loss_before:
         for s, p0 in zip(slots, start):
             s.param.copy_(p0)
-        warn(f"{who}: line search found no finite loss; step skipped.")
+        if best is None:
+            warn(f"{who}: line search found no finite loss; step skipped.")
         return None
     move(best)
     return best

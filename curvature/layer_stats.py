@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from .edges import check_out_buffer
 from .layers import Call, LayerRule
+from .layers.base import expanded_kfac
 from .layout import ParamLayout, ParamSharing
 
 #: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
@@ -381,3 +382,55 @@ def at_positions(values: Tensor, positions: Tensor, wanted: Tensor) -> Tensor:
     order = torch.argsort(positions)
     k = order[torch.searchsorted(positions[order], wanted.reshape(-1).to(values.device))]
     return values[k].view(wanted.shape)
+
+
+def _factor(x: Tensor, full: bool, sub: str) -> Tensor:
+    """``sum x x^T`` over the leading axes (``full``) or its diagonal ``sum x^2``."""
+    return (
+        torch.einsum(f"{sub}i,{sub}j->cij", x, x)
+        if full
+        else x.pow(2).sum(tuple(range(x.dim() - 2)))
+    )
+
+
+def onesided_factors(
+    rule: LayerRule,
+    module: nn.Module,
+    calls: Sequence[Call],
+    approx: str,
+    large: Dict[str, Tuple[bool, bool]],
+) -> Optional[Dict[str, Tuple[Tensor, Tensor, int]]]:
+    """``(A_sum, G_sum, count)`` of every block of a layer, the large sides diagonal.
+
+    ``large`` maps the suffix of each block over ``max_factor_size`` to ``(full_A,
+    full_G)``; a side not kept full is the diagonal of KFAC's factor sum (``[C, D]``
+    or ``[C, D_out]``), computed without forming it: ``sum a^2`` / ``sum g^2`` with the
+    sums and counts of :func:`~curvature.layers.base.expanded_kfac` (``"reduce"``: of
+    the meaned inputs and summed gradients). Blocks not in ``large`` get KFAC's factors.
+    ``None`` when the rule gives neither ``expanded_blocks`` nor
+    ``kfac_diagonal_input`` (the caller keeps the per-sample diagonal).
+    """
+    expanded = rule.expanded_blocks(module, calls)
+    if expanded is None:
+        get = getattr(rule, "kfac_diagonal_input", None)
+        if get is None or set(large) != {""} or large[""][0]:
+            return None
+        A_diag, G_sum, count = get(module, calls, approx)
+        full_G = large[""][1]
+        return {"": (A_diag, G_sum if full_G else G_sum.diagonal(dim1=-2, dim2=-1), count)}
+    out = {}
+    for suffix, (a, g) in expanded.items():
+        if suffix not in large:
+            out[suffix] = expanded_kfac(a, g, approx)
+            continue
+        full_A, full_G = large[suffix]
+        if approx == "expand":  # a [N, S, C, D], g [K, N, S, C, D_out]
+            out[suffix] = (
+                _factor(a, full_A, "nsc"),
+                _factor(g, full_G, "knsc"),
+                a.shape[0] * a.shape[1],
+            )
+        else:
+            ar, gr = a.mean(1), g.sum(2)
+            out[suffix] = (_factor(ar, full_A, "nc"), _factor(gr, full_G, "knc"), a.shape[0])
+    return out

@@ -12,6 +12,7 @@ assembled from both for ``to_dense``, ``matvec``, ``inverse_matvec``, ``trace`` 
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from typing import Callable, Dict, NamedTuple
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 import curvature
-from curvature.blocks import DiagonalBlock
+from curvature.blocks import DiagonalBlock, OneSidedBlock
 
 pytestmark = pytest.mark.usefixtures("float64_seeded")
 
@@ -334,13 +335,20 @@ def test_diagonal_block_dense_shape_and_state():
     torch.testing.assert_close(copy.d, block.d)
 
 
-def test_the_optimizers_precondition_a_large_embedding_by_its_diagonal():
+def test_the_optimizers_precondition_a_large_embedding_by_its_per_sample_diagonal():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 4), nn.Flatten(), nn.Linear(12, 3)).double()
     X, y = torch.randint(0, 50, (8, 3)), torch.randint(0, 3, (8,))
     CE = nn.CrossEntropyLoss()
     with pytest.warns(UserWarning, match="max_factor_size"):
-        opt = curvature.KFAC(model, lr=0.0, fisher="type-2", loss_func=CE, max_factor_size=10)
+        opt = curvature.KFAC(
+            model,
+            lr=0.0,
+            fisher="type-2",
+            loss_func=CE,
+            max_factor_size=10,
+            large_factors="per_sample_diagonal",
+        )
     opt.zero_grad()
     CE(model(X), y).backward()
     opt.step()
@@ -348,3 +356,188 @@ def test_the_optimizers_precondition_a_large_embedding_by_its_diagonal():
     got = opt.matvec([torch.ones_like(p) for p in model.parameters()])[0]
     ref = curvature.diag_ggn(model, CE, (X, y))["0.weight"]
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+# -- OneSidedBlock: the small factor full, the large one diagonal (the optimizers' default) ------
+def _one_step(model, loss, X, y, **kwargs):
+    opt = _quiet(curvature.KFAC, model, lr=0.0, loss_func=loss, **kwargs)
+    opt.zero_grad()
+    loss(model(X), y).backward()
+    opt.step()
+    return opt
+
+
+def _as_groups(t: Tensor) -> Tensor:
+    return t if t.dim() == 3 else t.unsqueeze(0)
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("fisher", ["empirical", "type-2"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_one_sided_block_is_kfac_with_the_large_factor_made_diagonal(case, fisher, approx):
+    """``kron(diag(G), A)`` (or ``kron(G, diag(A))``) of KFAC's own factors, never formed."""
+    model, loss, (X, y) = _build(CASES[case])
+    full = _one_step(copy.deepcopy(model), loss, X, y, fisher=fisher, kfac_approx=approx)
+    small = _one_step(model, loss, X, y, fisher=fisher, kfac_approx=approx, max_factor_size=SMALL)
+    ref = full.factors()
+    for name in CASES[case].diagonal:
+        block = small.blocks[name]
+        assert isinstance(block, OneSidedBlock)
+        A, G = (_as_groups(t) for t in ref[name])
+        assert (block.full_A, block.full_G) == (A.shape[-1] <= SMALL, G.shape[-1] <= SMALL)
+        A = A if block.full_A else torch.diag_embed(A.diagonal(dim1=-2, dim2=-1))
+        G = G if block.full_G else torch.diag_embed(G.diagonal(dim1=-2, dim2=-1))
+        expected = torch.stack([torch.kron(g, a) for g, a in zip(G, A)])
+        torch.testing.assert_close(block.dense(), expected, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(block.trace(), expected.diagonal(dim1=-2, dim2=-1).sum())
+    for name, factors in small.factors().items():  # the small blocks are unchanged
+        for got, want in zip(factors, ref[name]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_on_one_datum_both_diagonal_factors_give_the_exact_fisher_diagonal():
+    """One sample, one vector: ``grad = g a^T``, so ``diag(g g^T) x diag(a a^T)`` is exact."""
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3))
+    loss, X, y = nn.CrossEntropyLoss(), torch.randn(1, 6), torch.tensor([2])
+    one = _one_step(copy.deepcopy(model), loss, X, y, max_factor_size=SMALL)
+    old = _one_step(model, loss, X, y, max_factor_size=SMALL, large_factors="per_sample_diagonal")
+    block = one.blocks["0"]
+    assert (block.full_A, block.full_G) == (False, False)
+    torch.testing.assert_close(block.dense()[0], torch.diag(old.blocks["0"].d), rtol=1e-12, atol=0)
+    # the diagonal factors are the diagonals of KFAC's full factors
+    A, G = _one_step(model, loss, X, y).factors()["0"]
+    torch.testing.assert_close(block.G[0], G.diagonal(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(block.A[0], A.diagonal(), rtol=1e-12, atol=0)
+
+
+def _random_block(full_A: bool, full_G: bool, C: int = 2, D: int = 4, D_out: int = 3):
+    def psd(n, full):
+        X = torch.randn(C, n, 2 * n)
+        M = X @ X.mT / (2 * n)
+        return M if full else M.diagonal(dim1=-2, dim2=-1).clone()
+
+    index = torch.arange(C * D_out * D).view(C, D_out, D)
+    block = OneSidedBlock("b", index, full_A, full_G)
+    block.update(psd(D, full_A), psd(D_out, full_G))
+    return block
+
+
+SIDES = [(True, False), (False, True), (False, False), (True, True)]
+
+
+@pytest.mark.parametrize("sides", SIDES, ids=lambda s: f"full_A={s[0]}-full_G={s[1]}")
+def test_one_sided_products_match_the_dense_block(sides):
+    block = _random_block(*sides)
+    M = torch.randn(block.shape)
+    dense = block.dense()
+    C, n = dense.shape[0], dense.shape[1]
+    eye = torch.eye(n)
+    want = (dense @ M.reshape(C, n, 1)).view(M.shape)
+    torch.testing.assert_close(block.matvec(M), want)
+    lam = 0.3
+    want = torch.linalg.solve(dense + lam * eye, M.reshape(C, n, 1)).view(M.shape)
+    torch.testing.assert_close(block.inverse_matvec(M, lam, "exact"), want)
+    torch.testing.assert_close(block.logdet(lam), torch.logdet(dense + lam * eye).sum())
+    # pi damping: (G + sqrt(lam)/pi I) x (A + pi sqrt(lam) I), pi from the mean diagonals
+    A = block.A if block.full_A else torch.diag_embed(block.A)
+    G = block.G if block.full_G else torch.diag_embed(block.G)
+    mA = A.diagonal(dim1=-2, dim2=-1).mean(-1)
+    mG = G.diagonal(dim1=-2, dim2=-1).mean(-1)
+    pi = (mA / mG).sqrt()
+    damped = []
+    for c in range(C):
+        Ad = A[c] + pi[c] * lam**0.5 * torch.eye(A.shape[-1])
+        Gd = G[c] + lam**0.5 / pi[c] * torch.eye(G.shape[-1])
+        damped.append(torch.kron(Gd, Ad))
+    want = torch.linalg.solve(torch.stack(damped), M.reshape(C, n, 1)).view(M.shape)
+    torch.testing.assert_close(block.inverse_matvec(M, lam, "pi"), want)
+
+
+def test_one_sided_block_state_round_trip_and_running_average():
+    block = _random_block(True, False)
+    A0, G0 = block.A.clone(), block.G.clone()
+    A1, G1 = _random_block(True, False).A, _random_block(True, False).G
+    block.update(A1, G1, decay=0.9)
+    torch.testing.assert_close(block.A, 0.9 * A0 + 0.1 * A1)
+    torch.testing.assert_close(block.G, 0.9 * G0 + 0.1 * G1)
+    block.update(A1 * 0, G1 * 0, decay=0.9, valid=torch.tensor(False))  # skipped: zeros
+    torch.testing.assert_close(block.A, 0.9 * A0 + 0.1 * A1)  # invalid: unchanged
+    M = torch.randn(block.shape)
+    block.refresh()
+    copy_ = OneSidedBlock("b", block.index, True, False)
+    copy_.load_state_dict(block.state_dict())
+    assert torch.equal(copy_.inverse_matvec(M, 0.1), block.inverse_matvec(M, 0.1))
+    with pytest.raises(ValueError, match="full"):
+        OneSidedBlock("b", block.index, False, False).load_state_dict(block.state_dict())
+
+
+def _token_lm():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(30, 6), nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 30)
+    )  # max_factor_size 8: emb (diag A, full G), "1" (full A, diag G), "3" (both diagonal)
+
+
+def _lm_data(seed):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randint(0, 30, (8, 5), generator=g)
+    return X, (7 * X + 3) % 30  # a token map to learn
+
+
+def _lm_steps(model, opt, steps, start=0):
+    losses = []
+    for i in range(start, start + steps):
+        X, y = _lm_data(i % 4)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(X).transpose(1, 2), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("cls", [curvature.KFAC, curvature.EKFAC])
+@pytest.mark.parametrize("damping_mode", ["pi", "exact"])
+def test_the_optimizers_train_with_one_sided_blocks_and_resume_bit_identically(cls, damping_mode):
+    model = _token_lm()
+    kw = dict(lr=0.1, damping=1e-2, max_factor_size=8, inverse_every=3, damping_mode=damping_mode)
+    with pytest.warns(UserWarning, match="OneSidedBlock"):
+        opt = cls(model, **kw)
+    losses = _lm_steps(model, opt, 20)
+    assert losses[-1] < 0.7 * losses[0]
+    kinds = {n: type(b).__name__ for n, b in opt.blocks.items()}
+    assert kinds == {"0": "OneSidedBlock", "1": "OneSidedBlock", "3": "OneSidedBlock"}
+    sides = {n: (b.full_A, b.full_G) for n, b in opt.blocks.items()}
+    assert sides == {"0": (False, True), "1": (True, False), "3": (False, False)}
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    after = _lm_steps(model, opt, 4, start=20)
+    twin = _token_lm()
+    twin.load_state_dict(saved[0])
+    twin_opt = _quiet(cls, twin, **kw)
+    twin_opt.load_state_dict(saved[1])
+    assert _lm_steps(twin, twin_opt, 4, start=20) == after
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    # a state of the other structure is refused, naming the option
+    other = _quiet(cls, _token_lm(), **kw, large_factors="per_sample_diagonal")
+    with pytest.raises(ValueError, match="large_factors='diagonal_factor'"):
+        other.load_state_dict(saved[1])
+    twin = _token_lm()
+    other = _quiet(cls, twin, **kw, large_factors="per_sample_diagonal")
+    _lm_steps(twin, other, 2)
+    with pytest.raises(ValueError, match="large_factors='per_sample_diagonal'"):
+        opt.load_state_dict(other.state_dict())
+
+
+def test_large_factors_is_checked():
+    with pytest.raises(ValueError, match="large_factors"):
+        curvature.KFAC(_token_lm(), large_factors="low-rank")
+
+
+@pytest.mark.parametrize("inverse_every", [1000, 1])
+@pytest.mark.parametrize("cls", [curvature.KFAC, curvature.EKFAC])
+def test_one_sided_steps_keep_the_host_reads_of_a_step(cls, inverse_every):
+    from test_optim_syncs import reads_per_step
+
+    count, where = reads_per_step(cls, max_factor_size=5, inverse_every=inverse_every)
+    assert count <= (0 if inverse_every > 1 else 2), dict(where)

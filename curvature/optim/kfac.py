@@ -560,7 +560,7 @@ class KFAC(CurvatureOptimizer):
             free = [n for n in self._layers if n not in blocked and not self._tied.tied(n)]
             diagonal.update({(n, ""): self._diag_index((n, "")) for n in free + groups})
         who, layers = type(self).__name__, [*self._layers, *groups]
-        state, onesided = split_state(who, state, self.large_factors, self._large)
+        state, onesided = split_state(who, state, self.large_factors, self._large, self._index)
         return {**check_kronecker_state(who, state, self._index, diagonal, layers), "one": onesided}
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ per-sample Fisher diagonal (the behaviour before the one-sided blocks).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Collection, Dict, Mapping, Tuple
 
 from torch import Tensor
 
@@ -101,7 +101,9 @@ def new_block(key: Key, values, index: Tensor, max_factor_size: int):
     return DiagonalBlock(block_name(*key), index.reshape(-1))
 
 
-def split_state(who: str, state: Any, mode: str, large: Mapping[Key, Tensor]) -> Tuple[Any, Dict]:
+def split_state(
+    who: str, state: Any, mode: str, large: Mapping[Key, Tensor], kronecker: Collection[Key]
+) -> Tuple[Any, Dict]:
     """The curvature state without its one-sided blocks, and those blocks' states (checked).
 
     Refuses a state saved with the other ``large_factors`` when this model has blocks
@@ -120,14 +122,20 @@ def split_state(who: str, state: Any, mode: str, large: Mapping[Key, Tensor]) ->
         )
     labels = {block_name(*k): k for k in large}
     rest, onesided = {}, {}
-    for k, st in state["diag"].items():
+    for k, st in sorted(state["diag"].items(), key=lambda kv: str(kv[0])):
         if not (isinstance(st, Mapping) and st.get("type") == TYPE):
             rest[k] = st
             continue
         label = block_name(*k) if isinstance(k, (tuple, list)) else str(k)
         key = labels.get(label)
         if key is None:
-            raise refuse(who, f"one-sided block '{label}' is not a block over max_factor_size here")
+            here = "a Kronecker block" if label in {block_name(*k) for k in kronecker} else "none"
+            raise refuse(
+                who,
+                f"block '{label}' was saved as a diagonal block, this optimizer makes it "
+                f"{here} (another block structure: max_factor_size, unsupported or fisher "
+                "differ)",
+            )
         ix = large[key]
         if st.get("index") is None or tuple(st["index"].shape) != tuple(ix.shape):
             raise refuse(who, f"one-sided block '{label}' has another shape than {list(ix.shape)}")

@@ -434,3 +434,64 @@ def onesided_factors(
             ar, gr = a.mean(1), g.sum(2)
             out[suffix] = (_factor(ar, full_A, "nc"), _factor(gr, full_G, "knc"), a.shape[0])
     return out
+
+
+def large_blocks(module, rule, name, layout: ParamLayout, max_size: int) -> Dict[str, Tensor]:
+    """Suffix to index ``[C, D_out, D]`` of the layer's blocks with a factor over ``max_size``."""
+    index = rule.kfac_index(module, layout.local_offsets(name))
+    if index is None:
+        return {}
+    return {s: ix for s, ix in index.items() if max(ix.shape[1], ix.shape[2]) > max_size}
+
+
+def large_statistics(
+    rule, module, calls, name, layout, large, approx, with_g, w, diag_stats, sided=None
+):
+    """Add the diagonals of the layer's ``large`` blocks to ``diag_stats``, never forming them.
+
+    ``diag_stats[(name, suffix)] = [d_sum, count]``: with gradients the Fisher diagonal
+    ``sum w sum_{k,n} grad_nk^2`` ``[C, D_out, D]`` (``count`` None), forward-only the
+    diagonal of ``A`` summed over ``count`` inputs ``[C, 1, D]``.
+
+    ``sided`` (suffix to ``(full_A, full_G)``, with gradients): one-sided statistics
+    instead (:func:`onesided_factors`), ``diag_stats[(name, suffix)] = [A_sum, w G_sum,
+    count, (full_A, full_G)]``, where the rule gives them.
+
+    Returns:
+        The other blocks' statistics like :meth:`~curvature.layers.LayerRule.kfac_factors`,
+        or ``None`` without a diagonal (forward-only, a layer without ``expanded_blocks``).
+
+    """
+    if with_g and sided is not None:
+        res = onesided_factors(rule, module, calls, approx, sided)
+        if res is not None:
+            for suffix in sided:
+                A_sum, G_sum, count = res.pop(suffix)
+                st = diag_stats.setdefault((name, suffix), [0, 0, 0, sided[suffix]])
+                st[0], st[1], st[2] = st[0] + A_sum, st[1] + w * G_sum, st[2] + count
+            return res
+    expanded = rule.expanded_blocks(module, calls)
+    parts = {}
+    if expanded is None:  # a single block (Embedding): its Fisher diagonal, reordered
+        if not with_g:
+            return None
+        d = fisher_diagonal(rule, module, calls)[1][""]
+        pos = layout.module_index(module, name)
+        for suffix, ix in large.items():
+            parts[suffix] = (at_positions(d, pos, ix), None)
+    res = {}
+    for suffix, (a, g) in (expanded or {}).items():
+        if suffix not in large:
+            res[suffix] = expanded_kfac(a, g if with_g else None, approx)
+        elif with_g:
+            parts[suffix] = (expanded_diagonal(a, g), None)
+        else:  # diag(A): over the N S inputs (expand) or the N means (reduce)
+            ar, count = (a, a.shape[0] * a.shape[1]) if approx == "expand" else (a.mean(1), len(a))
+            parts[suffix] = (ar.pow(2).flatten(0, -3).sum(0).unsqueeze(1), count)
+    for suffix, (d_sum, count) in parts.items():
+        st = diag_stats.setdefault((name, suffix), [0, None])
+        if count is None:  # a Fisher diagonal: weighted like G
+            st[0] = st[0] + w * d_sum
+        else:  # forward-only: a mean over the inputs, like A
+            st[0], st[1] = st[0] + d_sum, (st[1] or 0) + count
+    return res

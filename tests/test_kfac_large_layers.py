@@ -28,6 +28,7 @@ pytestmark = pytest.mark.usefixtures("float64_seeded")
 
 SMALL = 5  # max_factor_size of the tests: some blocks of each model are over it
 NO_LIMIT = 10**6
+OLD = dict(large_factors="per_sample_diagonal")  # the per-sample diagonal of large blocks
 
 
 # -- models (each has blocks over and under SMALL) -------------------------------------------
@@ -146,7 +147,7 @@ def _expected_dense(full: curvature.KFACApprox, limited: curvature.KFACApprox, d
 
 
 def _split(fn, model, loss, data, **kw):
-    limited = _quiet(fn, model, loss, data, max_factor_size=SMALL, **kw)
+    limited = _quiet(fn, model, loss, data, max_factor_size=SMALL, **OLD, **kw)
     full = fn(model, loss, data, max_factor_size=NO_LIMIT, **kw)
     return limited, full
 
@@ -175,7 +176,7 @@ def test_diagonal_blocks_are_the_fisher_diagonal(name, fisher):
 @pytest.mark.parametrize("name", ["mlp-ce", "cnn-ce"])
 def test_type2_diagonal_is_the_dense_ggn_diagonal(name):
     model, loss, data = _build(CASES[name])
-    K = _quiet(curvature.kfac, model, loss, data, max_factor_size=SMALL)
+    K = _quiet(curvature.kfac, model, loss, data, max_factor_size=SMALL, **OLD)
     ggn = curvature.ggn(model, loss, data).diagonal()
     for b in K.blocks:
         if isinstance(b, DiagonalBlock):
@@ -184,12 +185,12 @@ def test_type2_diagonal_is_the_dense_ggn_diagonal(name):
 
 def test_diagonals_are_laid_out_like_the_layer_matrix():
     model, loss, data = _build(CASES["embedding-ce"])
-    K = _quiet(curvature.kfac, model, loss, data, max_factor_size=SMALL)
+    K = _quiet(curvature.kfac, model, loss, data, max_factor_size=SMALL, **OLD)
     diag = curvature.diag_ggn(model, loss, data)
     # Embedding's layer matrix is E^T [D, V]
     torch.testing.assert_close(K.diagonals["emb"], diag["emb.weight"].T)
     model, loss, data = _build(CASES["mlp-ce"])
-    K = _quiet(curvature.kfac, model, loss, data, max_factor_size=SMALL)
+    K = _quiet(curvature.kfac, model, loss, data, max_factor_size=SMALL, **OLD)
     diag = curvature.diag_ggn(model, loss, data)
     expected = torch.cat([diag["0.weight"], diag["0.bias"].unsqueeze(1)], 1)  # [W | b]
     torch.testing.assert_close(K.diagonals["0"], expected)
@@ -275,13 +276,15 @@ def test_one_warning_names_the_blocks_sizes_and_the_way_out(method):
     model, loss, data = _build(CASES["cnn-ce"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        getattr(curvature, method)(model, loss, data, max_factor_size=SMALL)
+        getattr(curvature, method)(model, loss, data, max_factor_size=SMALL, **OLD)
     assert len(caught) == 1, [str(w.message) for w in caught]
     msg = str(caught[0].message)
     assert msg.startswith(f"{method}(): Kronecker factors larger than max_factor_size=5 in ")
     assert "'2' (A: 17, G: 3)" in msg and "'5' (A: 13, G: 3)" in msg and "'0'" not in msg
     assert "per-sample Fisher diagonal" in msg and "Pass max_factor_size=17" in msg
     assert caught[0].filename == __file__  # attributed to the user's line
+    with pytest.warns(UserWarning, match=r"that factor diagonal \(OneSidedBlock\)"):
+        getattr(curvature, method)(model, loss, data, max_factor_size=SMALL)
 
 
 @pytest.mark.parametrize("method", [curvature.kfac, curvature.ekfac], ids=["kfac", "ekfac"])
@@ -312,7 +315,7 @@ def test_wide_layer_does_not_stall():
     loss = nn.CrossEntropyLoss()
     start = time.perf_counter()
     with pytest.warns(UserWarning, match=r"'<model>' \(A: 20001, G: 2\)"):
-        K = curvature.kfac(model, loss, (X, y))
+        K = curvature.kfac(model, loss, (X, y), **OLD)
     v = [torch.randn_like(p) for p in model.parameters()]
     out = K.inverse_matvec(v, 1e-3)
     assert time.perf_counter() - start < 10.0
@@ -541,3 +544,37 @@ def test_one_sided_steps_keep_the_host_reads_of_a_step(cls, inverse_every):
 
     count, where = reads_per_step(cls, max_factor_size=5, inverse_every=inverse_every)
     assert count <= (0 if inverse_every > 1 else 2), dict(where)
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+@pytest.mark.parametrize("fisher", ["type-2", "empirical", "mc"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kfac_one_sided_blocks_are_the_full_factors_with_the_large_one_diagonal(
+    case, fisher, method
+):
+    model, loss, data = _build(CASES[case])
+    kw = dict(fisher=fisher, mc_samples=3, seed=4) if fisher == "mc" else dict(fisher=fisher)
+    fn = getattr(curvature, method)
+    K = _quiet(fn, model, loss, data, max_factor_size=SMALL, **kw)
+    ref = curvature.kfac(model, loss, data, max_factor_size=NO_LIMIT, **kw).factors
+    assert K.diagonals == {}
+    sided = {b.name: b for b in K.blocks if isinstance(b, OneSidedBlock)}
+    assert sorted(sided) == sorted(CASES[case].diagonal)
+    for b in K.blocks:
+        if b.name in sided:
+            A, G = (_as_groups(t) for t in ref[b.name])
+            A = A if b.full_A else torch.diag_embed(A.diagonal(dim1=-2, dim2=-1))
+            G = G if b.full_G else torch.diag_embed(G.diagonal(dim1=-2, dim2=-1))
+            want = torch.stack([torch.kron(g, a) for g, a in zip(G, A)])
+            torch.testing.assert_close(b.dense(), want, rtol=1e-10, atol=1e-13)
+    # the approximation's methods on the dense matrix
+    D = K.to_dense()
+    v = [torch.randn_like(p) for p in model.parameters()]
+    flat = torch.cat([t.flatten() for t in v])
+    got = torch.cat([t.flatten() for t in K.matvec(v)])
+    torch.testing.assert_close(got, D @ flat)
+    if method == "kfac":  # EKFAC's other blocks are corrected: exact inverse only there
+        got = torch.cat([t.flatten() for t in K.inverse_matvec(v, 0.1)])
+        torch.testing.assert_close(got, torch.linalg.solve(D + 0.1 * torch.eye(len(D)), flat))
+        torch.testing.assert_close(K.logdet(0.1), torch.logdet(D + 0.1 * torch.eye(len(D))))
+    torch.testing.assert_close(K.trace(), D.trace())

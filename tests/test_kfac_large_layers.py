@@ -578,3 +578,27 @@ def test_kfac_one_sided_blocks_are_the_full_factors_with_the_large_one_diagonal(
         torch.testing.assert_close(got, torch.linalg.solve(D + 0.1 * torch.eye(len(D)), flat))
         torch.testing.assert_close(K.logdet(0.1), torch.logdet(D + 0.1 * torch.eye(len(D))))
     torch.testing.assert_close(K.trace(), D.trace())
+
+
+def test_a_one_sided_block_without_finite_statistics_passes_the_gradient_until_a_refresh():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3))
+    CE = nn.CrossEntropyLoss()
+    opt = _quiet(curvature.KFAC, model, lr=0.1, max_factor_size=SMALL, inverse_every=3)
+    X, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    bad = X.clone()
+    bad[0, 0] = float("nan")
+    for i, data in enumerate([bad, X, X, X]):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        CE(model(data), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        _quiet(opt.step)
+        moved = [b - p.detach() for b, p in zip(before, model.parameters())]
+        if i == 1:  # finite statistics, no refresh since: the plain gradient
+            for m, g in zip(moved, grads):
+                torch.testing.assert_close(m, 0.1 * g)
+        if i == 3:  # refreshed at step 3: preconditioned
+            assert not torch.allclose(moved[0], 0.1 * grads[0])
+            assert opt.blocks["0"].record is not None
+    assert all(torch.isfinite(p).all() for p in model.parameters())

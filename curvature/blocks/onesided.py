@@ -107,14 +107,20 @@ class OneSidedBlock:
 
     # -- refresh ----------------------------------------------------------------------
     def refresh(self) -> None:
-        """Decompose the full side(s) of the current factors (no host synchronization)."""
-        if self.A is None:
+        """Decompose the full side(s) of the current factors (no host synchronization).
+
+        A block whose :attr:`fresh` flag is unread or true (no finite statistics known)
+        keeps its record: zero factors are not decomposed.
+        """
+        if self.A is None or self.fresh is not None:
             return
         self.record = (*_side(self.A, self.full_A), *_side(self.G, self.full_G))
 
     def _eigen(self):
-        if self.record is None:
+        if self.record is None:  # no refresh yet: decompose the current factors
             self.refresh()
+        if self.record is None:  # no finite statistics known: not kept
+            return (*_side(self.A, self.full_A), *_side(self.G, self.full_G))
         return self.record
 
     def eigenvalues(self) -> Tensor:
@@ -133,8 +139,12 @@ class OneSidedBlock:
         """``(block + damping)^{-1} M``, damped ``"exact"``-ly or by the ``"pi"`` heuristic.
 
         From the last refresh's decomposition. While the block has had no finite
-        statistics (:attr:`fresh`), ``M`` itself.
+        statistics (:attr:`fresh`), ``M`` itself; so too without a refresh record while
+        :attr:`fresh` is unread (as a Kronecker block without a record: the plain
+        gradient until the next refresh).
         """
+        if self.record is None and self.fresh is not None:
+            return M
         lA, QA, lG, QG = self._eigen()
         lA, lG = lA.to(M.dtype), lG.to(M.dtype)
         R = M if QG is None else QG.to(M.dtype).mT @ M

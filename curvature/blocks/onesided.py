@@ -40,7 +40,11 @@ def _side(X: Tensor, full: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """``(eigenvalues >= 0, eigenvectors or None)`` of a side (``[C, n, n]`` or ``[C, n]``)."""
     if not full:
         return X.clamp_min(0), None
-    lam, Q = torch.linalg.eigh((X + X.mT) / 2)
+    S = (X + X.mT) / 2
+    try:
+        lam, Q = torch.linalg.eigh(S)
+    except RuntimeError:  # no convergence (rare for a PSD factor): once more in float64
+        lam, Q = (t.to(S.dtype) for t in torch.linalg.eigh(S.double()))
     return lam.clamp_min(0), Q
 
 

@@ -602,3 +602,16 @@ def test_a_one_sided_block_without_finite_statistics_passes_the_gradient_until_a
             assert not torch.allclose(moved[0], 0.1 * grads[0])
             assert opt.blocks["0"].record is not None
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["kfac"])  # ekfac() reads 5 times already without them
+def test_kfac_with_one_sided_blocks_keeps_its_host_reads(method):
+    from test_optim_syncs import CE as ce
+    from test_optim_syncs import HostReads, mlp
+
+    model = mlp(3)
+    X, y = torch.randn(5, 6), torch.randint(0, 4, (5,))
+    with HostReads() as reads:
+        K = _quiet(getattr(curvature, method), model, ce, (X, y), max_factor_size=SMALL)
+    assert any(isinstance(b, OneSidedBlock) for b in K.blocks)
+    assert reads.count <= 2, dict(reads.where)

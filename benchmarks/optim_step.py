@@ -165,8 +165,8 @@ def main(argv=None):
         "KFAC step with inverses every 10 steps 6.9x / 41x / 3.1x (ASDL), an "
         "SGD step 1.2x. The baseline runs on a copy of the model without the "
         "optimizers' hooks. On the CNN, the 12544->128 layer exceeds "
-        "`max_factor_size=4096` and is preconditioned by its per-sample Fisher "
-        "diagonal (ASDL decomposes the full factor), so that row is not a "
+        "`max_factor_size=4096`: its `A` is kept as its diagonal, `G` full "
+        "(`OneSidedBlock`; ASDL decomposes the full factor), so that row is not a "
         "like-for-like comparison. KFAC uses its default pi damping (damped inverses "
         "by Cholesky at each refresh); EKFAC decomposes with `eigh`.\n\n" + table
     )

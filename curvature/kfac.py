@@ -17,10 +17,11 @@ Grouped convolutions have one ``(A_c, G_c)`` pair per group (factors ``[G, D, D]
 Layers without Kronecker structure (normalization layers, the ``torch.func`` fallback)
 get their exact block ``sum_{n,k} vec(grad_nk) vec(grad_nk)^T``, stored as ``G`` with
 ``A = [[1]]``. A block with a factor larger than ``max_factor_size`` (``D`` or ``D_out``)
-is a :class:`~curvature.blocks.DiagonalBlock` instead, the per-sample Fisher diagonal
-``d = sum_{k,n} grad_nk^2`` of its entries, computed without forming the factors (as in
-the optimizers). EKFAC (George et al., 2018) keeps KFAC's eigenbasis and replaces the
-eigenvalues by the second moments of the per-sample (per-vector) gradients in it.
+keeps that factor as its diagonal (:class:`~curvature.blocks.OneSidedBlock`, the large
+factor never formed; as in the optimizers), or with ``large_factors="per_sample_diagonal"``
+is a :class:`~curvature.blocks.DiagonalBlock`, the per-sample Fisher diagonal. EKFAC
+(George et al., 2018) keeps KFAC's eigenbasis and replaces the eigenvalues by the second
+moments of the per-sample (per-vector) gradients in it.
 """
 
 from __future__ import annotations
@@ -32,22 +33,28 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .blocks import DiagonalBlock, EigenCorrectedBlock, KroneckerBlock, eigendecompositions
+from .blocks import (
+    DiagonalBlock,
+    EigenCorrectedBlock,
+    KroneckerBlock,
+    OneSidedBlock,
+    eigendecompositions,
+    onesided_sides,
+)
 from .capture import capture, isolated
 from .dense import Data, batch_weights, batches
 from .layer_stats import (
     MAX_EXACT_BLOCK,
-    at_positions,
     block_name,
     eigenvalue_corrections,
     exact_factors,
-    expanded_diagonal,
     fisher_diagonal,
+    large_blocks,
+    large_statistics,
     layer_numel,
     layer_positions,
     tied_fisher_diagonal,
 )
-from .layers.base import expanded_kfac
 from .layout import ParamLayout, tie_hint
 from .losses import (
     backprop_sources,
@@ -68,8 +75,9 @@ class KFACApprox:
     Attributes:
         blocks: The layers' :class:`~curvature.blocks.KroneckerBlock` (for :func:`ekfac`
             :class:`~curvature.blocks.EigenCorrectedBlock`), and a
-            :class:`~curvature.blocks.DiagonalBlock` for each block whose Kronecker factor
-            exceeds ``max_factor_size``.
+            :class:`~curvature.blocks.OneSidedBlock` (or, with
+            ``large_factors="per_sample_diagonal"``, a :class:`~curvature.blocks.DiagonalBlock`)
+            for each block whose Kronecker factor exceeds ``max_factor_size``.
         param_names: Trainable parameter names in ``model.parameters()`` order.
         uncovered: Names of trainable parameters no block covers (zero rows and
             columns in :meth:`to_dense`).
@@ -95,11 +103,11 @@ class KFACApprox:
     def factors(self) -> Dict[str, Tuple[Tensor, Tensor]]:
         """Block name to ``(A, G)``; ``[D, D]`` each, or ``[groups, D, D]`` if grouped.
 
-        Only the Kronecker blocks: a block over ``max_factor_size`` is in :attr:`diagonals`.
+        Only the full Kronecker blocks: a block over ``max_factor_size`` is not here.
         """
         out = {}
         for b in self.blocks:
-            if not isinstance(b, DiagonalBlock):
+            if not isinstance(b, (DiagonalBlock, OneSidedBlock)):
                 out[b.name] = (b.A[0], b.G[0]) if b.A.shape[0] == 1 else (b.A, b.G)
         return out
 
@@ -190,9 +198,22 @@ class KFACApprox:
 
 # -- collecting statistics ---------------------------------------------------------------
 def _check_args(
-    loss_func, fisher, kfac_approx, mc_samples, unsupported, on_unsupported, max_factor_size, caller
+    loss_func,
+    fisher,
+    kfac_approx,
+    mc_samples,
+    unsupported,
+    on_unsupported,
+    max_factor_size,
+    caller,
+    large_factors="diagonal_factor",
 ):
     """The validated arguments shared by :func:`kfac` and :func:`ekfac`."""
+    if large_factors not in ("diagonal_factor", "per_sample_diagonal"):
+        raise ValueError(
+            f"{caller}(large_factors={large_factors!r}): 'diagonal_factor' (default) or "
+            "'per_sample_diagonal'."
+        )
     unsupported, arg = renamed(unsupported, on_unsupported, "unsupported", "on_unsupported", caller)
     _check_max_factor_size(max_factor_size, caller)
     check_loss(loss_func)
@@ -263,6 +284,7 @@ def kfac(
     unsupported: Union[str, Unsupported] = "warn",
     on_unsupported: Union[str, None] = None,
     max_factor_size: int = 4096,
+    large_factors: str = "diagonal_factor",
 ) -> KFACApprox:
     """KFAC of ``model`` on ``data`` (see the module docstring for the maths).
 
@@ -279,11 +301,15 @@ def kfac(
             covers (they stay in :meth:`KFACApprox.to_dense`'s order with zero blocks).
         on_unsupported: Deprecated name of ``unsupported``.
         max_factor_size: A block with a Kronecker factor larger than this (``D`` or
-            ``D_out`` above it) is a :class:`~curvature.blocks.DiagonalBlock` with the
-            exact per-sample Fisher diagonal of its entries (``fisher="forward-only"``:
-            the diagonal of ``kron(I, A)``), computed without forming the factors, and a
-            warning names it; as in the optimizers. Raise it to keep such factors (memory
-            ``D^2``, inversion ``D^3``).
+            ``D_out`` above it) keeps that factor as its diagonal, computed without
+            forming it, and a warning names it; as in the optimizers. Raise it to keep
+            such factors (memory ``D^2``, inversion ``D^3``).
+        large_factors: Those blocks' structure: ``"diagonal_factor"`` (default; a
+            :class:`~curvature.blocks.OneSidedBlock`, the small factor full; a layer
+            without per-vector inputs and gradients keeps the per-sample diagonal) or
+            ``"per_sample_diagonal"`` (a :class:`~curvature.blocks.DiagonalBlock` with the
+            exact per-sample Fisher diagonal of its entries, in :attr:`KFACApprox.diagonals`).
+            ``fisher="forward-only"``: always the diagonal of ``kron(I, A)``.
 
     Returns:
         A :class:`KFACApprox`.
@@ -298,6 +324,7 @@ def kfac(
         on_unsupported,
         max_factor_size,
         "kfac",
+        large_factors,
     )
     return _kfac(
         model,
@@ -309,6 +336,7 @@ def kfac(
         seed,
         unsupported,
         max_factor_size=max_factor_size,
+        large_factors=large_factors,
     )
 
 
@@ -318,53 +346,6 @@ def _check_max_factor_size(value, caller: str) -> None:
             f"{caller}(max_factor_size={value!r}): a positive int; blocks with a larger "
             "Kronecker factor use the per-sample Fisher diagonal (default 4096)."
         )
-
-
-def _large_blocks(module, rule, name, layout: ParamLayout, max_size: int) -> Dict[str, Tensor]:
-    """Suffix to index ``[C, D_out, D]`` of the layer's blocks with a factor over ``max_size``."""
-    index = rule.kfac_index(module, layout.local_offsets(name))
-    if index is None:
-        return {}
-    return {s: ix for s, ix in index.items() if max(ix.shape[1], ix.shape[2]) > max_size}
-
-
-def _large_statistics(rule, module, calls, name, layout, large, approx, with_g, w, diag_stats):
-    """Add the diagonals of the layer's ``large`` blocks to ``diag_stats``, never forming A, G.
-
-    ``diag_stats[(name, suffix)] = [d_sum, count]``: with gradients the Fisher diagonal
-    ``sum w sum_{k,n} grad_nk^2`` ``[C, D_out, D]`` (``count`` None), forward-only the
-    diagonal of ``A`` summed over ``count`` inputs ``[C, 1, D]``.
-
-    Returns:
-        The other blocks' statistics like :meth:`~curvature.layers.LayerRule.kfac_factors`,
-        or ``None`` without a diagonal (forward-only, a layer without ``expanded_blocks``).
-
-    """
-    expanded = rule.expanded_blocks(module, calls)
-    parts = {}
-    if expanded is None:  # a single block (Embedding): its Fisher diagonal, reordered
-        if not with_g:
-            return None
-        d = fisher_diagonal(rule, module, calls)[1][""]
-        pos = layout.module_index(module, name)
-        for suffix, ix in large.items():
-            parts[suffix] = (at_positions(d, pos, ix), None)
-    res = {}
-    for suffix, (a, g) in (expanded or {}).items():
-        if suffix not in large:
-            res[suffix] = expanded_kfac(a, g if with_g else None, approx)
-        elif with_g:
-            parts[suffix] = (expanded_diagonal(a, g), None)
-        else:  # diag(A): over the N S inputs (expand) or the N means (reduce)
-            ar, count = (a, a.shape[0] * a.shape[1]) if approx == "expand" else (a.mean(1), len(a))
-            parts[suffix] = (ar.pow(2).flatten(0, -3).sum(0).unsqueeze(1), count)
-    for suffix, (d_sum, count) in parts.items():
-        st = diag_stats.setdefault((name, suffix), [0, None])
-        if count is None:  # a Fisher diagonal: weighted like G
-            st[0] = st[0] + w * d_sum
-        else:  # forward-only: a mean over the inputs, like A
-            st[0], st[1] = st[0] + d_sum, (st[1] or 0) + count
-    return res
 
 
 def _kfac(
@@ -379,6 +360,7 @@ def _kfac(
     cls=None,
     *,
     max_factor_size: int = 4096,
+    large_factors: str = "diagonal_factor",
 ):
     layout = ParamLayout.of(model)
     stats: Dict[Tuple[str, str], list] = {}
@@ -398,10 +380,14 @@ def _kfac(
                     continue
                 layers[name] = (module, rule)
                 if name not in large:
-                    large[name] = _large_blocks(module, rule, name, layout, max_factor_size)
+                    large[name] = large_blocks(module, rule, name, layout, max_factor_size)
                 if large[name]:  # the large factors are never formed
                     args = (name, layout, large[name], kfac_approx.value, not forward_only, w)
-                    res = _large_statistics(rule, module, calls, *args, diag_stats)
+                    sided = {
+                        s: onesided_sides(ix, max_factor_size) for s, ix in large[name].items()
+                    }
+                    sided = sided if large_factors == "diagonal_factor" else None
+                    res = large_statistics(rule, module, calls, *args, diag_stats, sided)
                     if res is None:
                         skipped[name] = f"factor > max_factor_size={max_factor_size}, forward-only"
                         continue
@@ -437,10 +423,14 @@ def _kfac(
         else:
             G = G_sum
         blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
-    for (name, suffix), (d_sum, count) in diag_stats.items():
+    for (name, suffix), st in diag_stats.items():
         index = large[name][suffix]
         host_index.append(index.reshape(-1))
-        d = (d_sum if count is None else d_sum / count).expand(index.shape)
+        if len(st) == 4:  # one-sided: [A_sum, G_sum, count, (full_A, full_G)]
+            blocks.append(OneSidedBlock(block_name(name, suffix), index.to(st[0].device), *st[3]))
+            blocks[-1].update(st[0] / st[2], st[1])
+            continue
+        d = (st[0] if st[1] is None else st[0] / st[1]).expand(index.shape)
         blocks.append(DiagonalBlock(block_name(name, suffix), index.to(d.device), d))
     if diag_stats:
         sizes = ", ".join(
@@ -448,11 +438,16 @@ def _kfac(
             for k, ix in ((k, large[k[0]][k[1]]) for k in diag_stats)
         )
         largest = max(max(large[n][s].shape[1:]) for n, s in diag_stats)
+        kinds = {len(st) for st in diag_stats.values()}
+        what = "the per-sample Fisher diagonal (DiagonalBlock, see KFACApprox.diagonals)"
+        what = "the diagonal of kron(I, A) (DiagonalBlock)" if forward_only else what
         warn(
             f"{caller}(): Kronecker factors larger than max_factor_size={max_factor_size} "
             f"in {sizes}; these blocks are "
-            + ("the diagonal of kron(I, A)" if forward_only else "the per-sample Fisher diagonal")
-            + " (DiagonalBlock, see KFACApprox.diagonals) instead of kron(G, A). Pass "
+            + (what if 2 in kinds else "")
+            + (" or " if kinds == {2, 4} else "")
+            + ("kron(G, A) with that factor diagonal (OneSidedBlock)" if 4 in kinds else "")
+            + " instead of kron(G, A). Pass "
             f"max_factor_size={largest} to keep their factors (memory ~ size^2, "
             "inversion ~ size^3)."
         )
@@ -497,6 +492,7 @@ def ekfac(
     unsupported: Union[str, Unsupported] = "warn",
     on_unsupported: Union[str, None] = None,
     max_factor_size: int = 4096,
+    large_factors: str = "diagonal_factor",
 ) -> KFACApprox:
     """EKFAC: KFAC's eigenbasis with eigenvalues from projected per-sample gradients.
 
@@ -505,7 +501,8 @@ def ekfac(
     pass over ``data`` (with the same seed) computes it once the basis is known. The
     arguments are those of :func:`kfac`; the blocks are
     :class:`~curvature.blocks.EigenCorrectedBlock` (and
-    :class:`~curvature.blocks.DiagonalBlock` over ``max_factor_size``, as in :func:`kfac`).
+    :class:`~curvature.blocks.OneSidedBlock` over ``max_factor_size``, as in :func:`kfac`,
+    without eigenvalue corrections).
     """
     if fisher == FisherType.FORWARD_ONLY:
         raise ValueError("ekfac(fisher='forward-only') is undefined: there are no gradients.")
@@ -518,6 +515,7 @@ def ekfac(
         on_unsupported,
         max_factor_size,
         "ekfac",
+        large_factors,
     )
     approx = _kfac(
         model,
@@ -530,6 +528,7 @@ def ekfac(
         unsupported,
         cls=EigenCorrectedBlock,
         max_factor_size=max_factor_size,
+        large_factors=large_factors,
     )
     kron = [b for b in approx.blocks if isinstance(b, EigenCorrectedBlock)]
     outcomes, _ = eigendecompositions(kron, lambda b: 0.0)  # two synchronizations for all

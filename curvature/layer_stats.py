@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from .edges import check_out_buffer
 from .layers import Call, LayerRule
+from .layers.base import expanded_kfac
 from .layout import ParamLayout, ParamSharing
 
 #: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
@@ -381,3 +382,116 @@ def at_positions(values: Tensor, positions: Tensor, wanted: Tensor) -> Tensor:
     order = torch.argsort(positions)
     k = order[torch.searchsorted(positions[order], wanted.reshape(-1).to(values.device))]
     return values[k].view(wanted.shape)
+
+
+def _factor(x: Tensor, full: bool, sub: str) -> Tensor:
+    """``sum x x^T`` over the leading axes (``full``) or its diagonal ``sum x^2``."""
+    return (
+        torch.einsum(f"{sub}i,{sub}j->cij", x, x)
+        if full
+        else x.pow(2).sum(tuple(range(x.dim() - 2)))
+    )
+
+
+def onesided_factors(
+    rule: LayerRule,
+    module: nn.Module,
+    calls: Sequence[Call],
+    approx: str,
+    large: Dict[str, Tuple[bool, bool]],
+) -> Optional[Dict[str, Tuple[Tensor, Tensor, int]]]:
+    """``(A_sum, G_sum, count)`` of every block of a layer, the large sides diagonal.
+
+    ``large`` maps the suffix of each block over ``max_factor_size`` to ``(full_A,
+    full_G)``; a side not kept full is the diagonal of KFAC's factor sum (``[C, D]``
+    or ``[C, D_out]``), computed without forming it: ``sum a^2`` / ``sum g^2`` with the
+    sums and counts of :func:`~curvature.layers.base.expanded_kfac` (``"reduce"``: of
+    the meaned inputs and summed gradients). Blocks not in ``large`` get KFAC's factors.
+    ``None`` when the rule gives neither ``expanded_blocks`` nor
+    ``kfac_diagonal_input`` (the caller keeps the per-sample diagonal).
+    """
+    expanded = rule.expanded_blocks(module, calls)
+    if expanded is None:
+        get = getattr(rule, "kfac_diagonal_input", None)
+        if get is None or set(large) != {""} or large[""][0]:
+            return None
+        A_diag, G_sum, count = get(module, calls, approx)
+        full_G = large[""][1]
+        return {"": (A_diag, G_sum if full_G else G_sum.diagonal(dim1=-2, dim2=-1), count)}
+    out = {}
+    for suffix, (a, g) in expanded.items():
+        if suffix not in large:
+            out[suffix] = expanded_kfac(a, g, approx)
+            continue
+        full_A, full_G = large[suffix]
+        if approx == "expand":  # a [N, S, C, D], g [K, N, S, C, D_out]
+            out[suffix] = (
+                _factor(a, full_A, "nsc"),
+                _factor(g, full_G, "knsc"),
+                a.shape[0] * a.shape[1],
+            )
+        else:
+            ar, gr = a.mean(1), g.sum(2)
+            out[suffix] = (_factor(ar, full_A, "nc"), _factor(gr, full_G, "knc"), a.shape[0])
+    return out
+
+
+def large_blocks(module, rule, name, layout: ParamLayout, max_size: int) -> Dict[str, Tensor]:
+    """Suffix to index ``[C, D_out, D]`` of the layer's blocks with a factor over ``max_size``."""
+    index = rule.kfac_index(module, layout.local_offsets(name))
+    if index is None:
+        return {}
+    return {s: ix for s, ix in index.items() if max(ix.shape[1], ix.shape[2]) > max_size}
+
+
+def large_statistics(
+    rule, module, calls, name, layout, large, approx, with_g, w, diag_stats, sided=None
+):
+    """Add the diagonals of the layer's ``large`` blocks to ``diag_stats``, never forming them.
+
+    ``diag_stats[(name, suffix)] = [d_sum, count]``: with gradients the Fisher diagonal
+    ``sum w sum_{k,n} grad_nk^2`` ``[C, D_out, D]`` (``count`` None), forward-only the
+    diagonal of ``A`` summed over ``count`` inputs ``[C, 1, D]``.
+
+    ``sided`` (suffix to ``(full_A, full_G)``, with gradients): one-sided statistics
+    instead (:func:`onesided_factors`), ``diag_stats[(name, suffix)] = [A_sum, w G_sum,
+    count, (full_A, full_G)]``, where the rule gives them.
+
+    Returns:
+        The other blocks' statistics like :meth:`~curvature.layers.LayerRule.kfac_factors`,
+        or ``None`` without a diagonal (forward-only, a layer without ``expanded_blocks``).
+
+    """
+    if with_g and sided is not None:
+        res = onesided_factors(rule, module, calls, approx, sided)
+        if res is not None:
+            for suffix in sided:
+                A_sum, G_sum, count = res.pop(suffix)
+                st = diag_stats.setdefault((name, suffix), [0, 0, 0, sided[suffix]])
+                st[0], st[1], st[2] = st[0] + A_sum, st[1] + w * G_sum, st[2] + count
+            return res
+    expanded = rule.expanded_blocks(module, calls)
+    parts = {}
+    if expanded is None:  # a single block (Embedding): its Fisher diagonal, reordered
+        if not with_g:
+            return None
+        d = fisher_diagonal(rule, module, calls)[1][""]
+        pos = layout.module_index(module, name)
+        for suffix, ix in large.items():
+            parts[suffix] = (at_positions(d, pos, ix), None)
+    res = {}
+    for suffix, (a, g) in (expanded or {}).items():
+        if suffix not in large:
+            res[suffix] = expanded_kfac(a, g if with_g else None, approx)
+        elif with_g:
+            parts[suffix] = (expanded_diagonal(a, g), None)
+        else:  # diag(A): over the N S inputs (expand) or the N means (reduce)
+            ar, count = (a, a.shape[0] * a.shape[1]) if approx == "expand" else (a.mean(1), len(a))
+            parts[suffix] = (ar.pow(2).flatten(0, -3).sum(0).unsqueeze(1), count)
+    for suffix, (d_sum, count) in parts.items():
+        st = diag_stats.setdefault((name, suffix), [0, None])
+        if count is None:  # a Fisher diagonal: weighted like G
+            st[0] = st[0] + w * d_sum
+        else:  # forward-only: a mean over the inputs, like A
+            st[0], st[1] = st[0] + d_sum, (st[1] or 0) + count
+    return res

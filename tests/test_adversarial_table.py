@@ -724,15 +724,19 @@ def _refilled_buffer(est):
     "factor-above-max_factor_size",
     "A layer whose Kronecker factor exceeds `max_factor_size` (a 20k-wide layer; here "
     "`max_factor_size=6`)",
-    "Warning naming the layer and the sizes; that block is the exact per-sample Fisher "
-    "diagonal, no factor is formed (no stall).",
+    "Warning naming the layer and the sizes; no large factor is formed (no stall): by "
+    "default that factor is kept as its diagonal (`OneSidedBlock`), with "
+    '`large_factors="per_sample_diagonal"` (checked here) the block is the exact '
+    "per-sample Fisher diagonal.",
     ("KFAC-empirical", "KFAC-type-2", "EKFAC-type-2", "kfac()", "ekfac()"),
     outcome="warning",
 )
 def _max_factor_size(est):
     model, CE, (X, y) = mlp(), ce(), batch()
     with pytest.warns(UserWarning, match=r"max_factor_size=6.*'2'"):
-        result = measure(est, model, CE, X, y, max_factor_size=6)
+        result = measure(
+            est, model, CE, X, y, max_factor_size=6, large_factors="per_sample_diagonal"
+        )
     oracle = Oracle(model, CE, X, y, est.fisher)
     compare(est, result, oracle, only=["0"])
     ref = torch.cat([oracle.diag["2.weight"], oracle.diag["2.bias"][:, None]], 1)

@@ -927,6 +927,7 @@ def test_blocks_above_max_factor_size_use_the_per_sample_diagonal():
                 loss_func=lf,
                 max_factor_size=10,
                 damping_mode="exact",
+                large_factors="per_sample_diagonal",
             )
         opt.zero_grad()
         lf(m(X), y).backward()

@@ -12,11 +12,14 @@ at once.
 :class:`EigenCorrectedBlock`  EKFAC: the Kronecker eigenbasis with corrected eigenvalues
 :class:`KroneckerSumBlock`    a sum of Kronecker products (terms), inverted exactly
 :class:`DiagonalBlock`    a Fisher diagonal
+:class:`OneSidedBlock`    ``kron(G, A)`` with a factor over ``max_factor_size`` kept as its
+                          diagonal (the small one full)
 ========================  ==========================================================
 """
 
 from .diagonal import DiagonalBlock
 from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, mean_diagonal
+from .onesided import OneSidedBlock, onesided_sides
 from .records import (
     DampedInverses,
     Eigen,
@@ -38,6 +41,7 @@ __all__ = [
     "GeneralizedEigen",
     "KroneckerBlock",
     "KroneckerSumBlock",
+    "OneSidedBlock",
     "Outcome",
     "Record",
     "block_state",
@@ -47,5 +51,6 @@ __all__ = [
     "ema",
     "invert",
     "mean_diagonal",
+    "onesided_sides",
     "snapshots",
 ]

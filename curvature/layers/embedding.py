@@ -104,7 +104,15 @@ class EmbeddingRule(LayerRule):
             g_list.append(g)
         return torch.cat(idx_list, 1), torch.cat(g_list, -2)
 
-    def kfac_factors(self, module, calls, approx, with_g=True):  # noqa: D102
+    def kfac_diagonal_input(self, module, calls, approx):
+        """``(diag(A_sum) [1, V], G_sum [1, D, D], count)``: KFAC's sums, ``A``'s diagonal only.
+
+        ``"expand"``: ``A`` is diagonal (the token counts); ``"reduce"``: the diagonal of
+        the meaned one-hot inputs' ``sum abar abar^T``.
+        """
+        return self.kfac_factors(module, calls, approx, True, diagonal=True)[""]
+
+    def kfac_factors(self, module, calls, approx, with_g=True, diagonal=False):  # noqa: D102
         V = module.num_embeddings
         idx = torch.cat([c.args[0].reshape(c.args[0].shape[0], -1) for c in calls], 1)
         N, S = idx.shape
@@ -114,11 +122,11 @@ class EmbeddingRule(LayerRule):
         if approx == "expand":
             counts = torch.zeros(V, dtype=weight.dtype, device=idx.device)
             counts.index_put_((idx.reshape(-1),), weight.reshape(-1), accumulate=True)
-            A_sum, count = torch.diag(counts), N * S
+            A_sum, count = (counts if diagonal else torch.diag(counts)), N * S
         else:
             abar = torch.zeros(N, V, dtype=weight.dtype, device=idx.device)
             abar.scatter_add_(1, idx, weight / S)
-            A_sum, count = abar.T @ abar, N
+            A_sum, count = (abar.pow(2).sum(0) if diagonal else abar.T @ abar), N
         G_sum = None
         if with_g:
             _, g = self._flat_batched(module, calls)  # [K, N, S, D]

@@ -83,7 +83,7 @@ def check_kfac_arguments(
     if not isinstance(max_factor_size, int) or max_factor_size < 1:
         raise ValueError(
             f"{who}(max_factor_size={max_factor_size!r}): a positive int; "
-            "blocks with a larger Kronecker factor use the per-sample Fisher diagonal."
+            "blocks with a larger Kronecker factor keep that factor as its diagonal."
         )
     if decompose not in ("split", "all"):
         raise ValueError(

@@ -16,8 +16,10 @@ the previous EKFAC matrix (:class:`~curvature.blocks.EigenCorrectedBlock`). A bl
 reached by two registered outputs (terms; a PINN's interior and boundary residuals) is a
 :class:`~curvature.blocks.KroneckerSumBlock`: every term damped (per factor, or pi with
 its own ``pi``), the sum inverted exactly (more terms are merged into the second; no
-eigenvalue correction). Blocks with a factor larger than ``max_factor_size``, and layers
-without a Kronecker rule under ``unsupported="diagonal"``, are diagonal blocks.
+eigenvalue correction). Blocks with a factor larger than ``max_factor_size`` are
+:class:`~curvature.blocks.OneSidedBlock` (that factor diagonal, :mod:`.large`); layers
+without a Kronecker rule under ``unsupported="diagonal"`` are
+:class:`~curvature.blocks.DiagonalBlock`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..blocks import (
     FactorSnapshot,
     KroneckerBlock,
     KroneckerSumBlock,
+    OneSidedBlock,
     Outcome,
     RefreshStatus,
     block_state,
@@ -43,16 +46,13 @@ from ..blocks import (
 )
 from ..layer_stats import (
     MAX_EXACT_BLOCK,
-    at_positions,
     block_name,
     eigenvalue_corrections,
     exact_factors,
-    expanded_diagonal,
     fisher_diagonal,
     layer_numel,
     layer_positions,
 )
-from ..layers.base import expanded_kfac
 from ..layout import put, take
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
@@ -61,6 +61,14 @@ from .checkpoint import check_kronecker_state, warn_dropped_corrections
 from .config import CurvatureConfig, check_kfac_arguments
 from .deferred import has_statistics, read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
+from .large import (
+    accumulate_large,
+    check_mode,
+    large_message,
+    new_block,
+    restore_onesided,
+    split_state,
+)
 
 Key = Tuple[str, str]
 KINDS = ("A", "G", "g")  # statistics values of a block: A, G, EKFAC's corrections
@@ -106,8 +114,11 @@ class KFAC(CurvatureOptimizer):
             2024) or ``"exact"`` (``kron(G, A) + lambda I`` in the eigenbasis). Sum
             blocks damp every term (``"exact"``: pi). EKFAC's single blocks are exact.
         max_factor_size (int): Blocks with a Kronecker factor larger than this (default
-            4096) use the per-sample Fisher diagonal (with a warning naming them):
+            4096) keep that factor as its diagonal (with a warning naming them):
             decomposing a factor of size 10k takes minutes on a small CPU.
+        large_factors (str): Those blocks' structure: ``"diagonal_factor"`` (default;
+            :class:`~curvature.blocks.OneSidedBlock`, the small factor full) or
+            ``"per_sample_diagonal"`` (the per-sample Fisher diagonal).
         unsupported (str): For parameters no rule covers: ``"warn"`` (default; plain
             gradient, one warning), ``"error"``, or ``"diagonal"`` (diagonal empirical
             Fisher).
@@ -202,6 +213,7 @@ class KFAC(CurvatureOptimizer):
         decompose: str = "split",
         precondition: str = "all",
         inverse_method: str = "cholesky",
+        large_factors: str = "diagonal_factor",
     ):
         check_kfac_arguments(
             type(self).__name__,
@@ -212,6 +224,7 @@ class KFAC(CurvatureOptimizer):
             inverse_method,
         )
         self.max_factor_size = max_factor_size
+        self.large_factors = check_mode(type(self).__name__, large_factors)
         self.decompose, self.precondition = decompose, precondition
         self.inverse_method = inverse_method
         self._blocks: Dict[Key, Any] = {}
@@ -292,11 +305,7 @@ class KFAC(CurvatureOptimizer):
         for ix in list(index.values()) + list(self._large.values()):
             covered.update(ix.reshape(-1).tolist())
         if self._large:
-            warn(
-                f"{type(self).__name__}: Kronecker factors larger than max_factor_size="
-                f"{self.max_factor_size} in {sorted(block_name(*k) for k in self._large)}; "
-                "these blocks are preconditioned by their per-sample Fisher diagonal."
-            )
+            warn(large_message(self, sorted(block_name(*k) for k in self._large)))
         return [n for n, o in self.layout.offsets.items() if o in covered]
 
     def factors(self) -> Dict[str, Any]:
@@ -321,24 +330,7 @@ class KFAC(CurvatureOptimizer):
     def _accumulate(self, name, module, rule, calls, with_g, emit) -> None:
         approx = self.config.kfac_approx.value
         if with_g and any(k[0] == name for k in self._large):
-            expanded = rule.expanded_blocks(module, calls)
-            if expanded is None:  # one block (Embedding): its diagonal in block layout
-                d = fisher_diagonal(rule, module, calls)[1][""]
-                pos = self.layout.module_index(module, name)
-                for (lname, suffix), ix in self._large.items():
-                    if lname == name:
-                        dd = at_positions(d, pos, ix)
-                        emit((name, suffix), [dd.to(stat_dtype(dd))], ("g",))
-                return
-            for suffix, (a, g) in expanded.items():
-                if (name, suffix) in self._large:
-                    d = expanded_diagonal(a, g)
-                    emit((name, suffix), [d.to(stat_dtype(d))], ("g",))
-                else:
-                    A_sum, G_sum, count = expanded_kfac(a, g, approx)
-                    dt = stat_dtype(A_sum)
-                    emit((name, suffix), [A_sum.to(dt), G_sum.to(dt), None], KINDS, count)
-            return
+            return accumulate_large(name, module, rule, calls, approx, self._large, self, emit)
         res = rule.kfac_factors(module, calls, approx, with_g)
         if res is None:
             if (name, "") not in self._index:
@@ -375,8 +367,9 @@ class KFAC(CurvatureOptimizer):
             if key not in self._index:  # a diagonal block
                 block = self._diag.get(key)
                 if block is None:
-                    block = self._diag[key] = DiagonalBlock(block_name(*key), self._diag_index(key))
-                block.update(values[0], beta, valid)
+                    ix = self._large.get(key, self._diag_index(key))
+                    block = self._diag[key] = new_block(key, values, ix, self.max_factor_size)
+                block.update(*values, beta, valid)
                 continue
             A, G, lam = values
             if G is None:  # forward-only: G = I
@@ -457,6 +450,8 @@ class KFAC(CurvatureOptimizer):
         read_flags(waiting, read[len(deferred) :])
         for k in local:
             outcomes[k] = snaps.get(self._blocks[k], Outcome(RefreshStatus.OK))
+        for block in (b for b in self._diag.values() if isinstance(b, OneSidedBlock)):
+            block.refresh()
         for key in keys:
             if getattr(self._blocks[key], "fresh", None) is None:  # else: no statistics yet
                 self._install(key, outcomes[key])
@@ -505,7 +500,7 @@ class KFAC(CurvatureOptimizer):
         for key, block in self._diag.items():  # blocks on the diagonal fallback
             ix = self._ix(block.index, grads.device)
             damping = self._group_damping(self._layer_param(key[0]))
-            put(out, ix, block.inverse_matvec(take(grads, ix), damping))
+            put(out, ix, block.inverse_matvec(take(grads, ix), damping, mode))
         if self.precondition == "owner" and self._comm is not None:
             out = out * self._owned_mask(out)
             self._comm.all_reduce([out], "directions")
@@ -539,6 +534,7 @@ class KFAC(CurvatureOptimizer):
             "blocks": {k: block_state(b) for k, b in self._blocks.items() if has_statistics(b)},
             "diag": {k: b.state_dict() for k, b in self._diag.items()},
             "terms": dict(self._term_of),
+            "large_factors": self.large_factors,
         }
 
     def _checked_curvature_state(self, state: Any) -> Dict[str, Any]:
@@ -549,7 +545,8 @@ class KFAC(CurvatureOptimizer):
             free = [n for n in self._layers if n not in blocked and not self._tied.tied(n)]
             diagonal.update({(n, ""): self._diag_index((n, "")) for n in free + groups})
         who, layers = type(self).__name__, [*self._layers, *groups]
-        return check_kronecker_state(who, state, self._index, diagonal, layers)
+        state, onesided = split_state(who, state, self.large_factors, self._large, self._index)
+        return {**check_kronecker_state(who, state, self._index, diagonal, layers), "one": onesided}
 
     def _load_curvature_state(self, state: Dict[str, Any]) -> None:
         if not issubclass(self.block_type, EigenCorrectedBlock):
@@ -564,6 +561,9 @@ class KFAC(CurvatureOptimizer):
             block = DiagonalBlock(block_name(*k), st["index"])
             block.load_state_dict(st)
             self._diag[tuple(k)] = block
+        self._diag.update(
+            restore_onesided(type(self).__name__, state["one"], self._large, self.max_factor_size)
+        )
         if self.precondition == "owner" and self._comm is not None:
             # the saving rank held only its own blocks' decompositions: every rank
             # decomposes again at the next step (the same step everywhere)

@@ -1,0 +1,220 @@
+"""One-sided Kronecker blocks: a full small factor with a diagonal large one.
+
+For a layer whose factor ``A [D, D]`` or ``G [D_out, D_out]`` exceeds ``max_factor_size``,
+the large factor is kept as its diagonal only (never formed), the small one full: the
+curvature is ``kron(diag(g), A)`` (``D_out`` large), ``kron(G, diag(a))`` (``D`` large)
+or ``kron(diag(g), diag(a))`` (both). ``diag(g)`` is the diagonal of the full ``G`` of
+KFAC (same statistics, same normalization), so the block is KFAC's block with the
+off-diagonal entries of the large factor dropped: it keeps the small side's correlations,
+where a per-sample Fisher diagonal keeps none, and costs a few GEMMs of the layer's size.
+
+With ``M [C, D_out, D]`` the block's entries as matrices and ``lX`` the eigenvalues of a
+side (a diagonal side is its own eigenbasis, ``Q = I``; the full side is decomposed at
+a refresh):
+
+    matvec:                 G M A              (a diagonal side: an elementwise scale)
+    inverse, pi damping:    QG [ (QG^T M QA) / ((lG + sqrt(lambda)/pi) (lA + pi sqrt(lambda))^T) ]
+                            QA^T
+    inverse, exact damping: QG [ (QG^T M QA) / (lG lA^T + lambda) ] QA^T
+
+with ``pi = sqrt(mean lA / mean lG)`` (mean diagonals). The decomposition is refreshed
+with the optimizer's other blocks (the diagonal side snapshotted with it). EKFAC uses
+these blocks as KFAC does, with the optimizer's ``damping_mode`` (no eigenvalue
+corrections).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..linalg import pi_factor
+from .kronecker import ema, update_weight
+
+TYPE = "OneSidedBlock"
+
+
+def _side(X: Tensor, full: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(eigenvalues >= 0, eigenvectors or None)`` of a side (``[C, n, n]`` or ``[C, n]``)."""
+    if not full:
+        return X.clamp_min(0), None
+    S = (X + X.mT) / 2
+    try:
+        lam, Q = torch.linalg.eigh(S)
+    except RuntimeError:  # no convergence (rare for a PSD factor): once more in float64
+        lam, Q = (t.to(S.dtype) for t in torch.linalg.eigh(S.double()))
+    return lam.clamp_min(0), Q
+
+
+class OneSidedBlock:
+    """KFAC's ``kron(G, A)`` with the large side(s) diagonal, on ``index [C, D_out, D]``.
+
+    Attributes:
+        name: The block's name.
+        index: ``[C, D_out, D]`` flat positions of the entries.
+        full_A: Whether ``A`` is kept full (``[C, D, D]``), else its diagonal ``[C, D]``.
+        full_G: Whether ``G`` is kept full (``[C, D_out, D_out]``), else ``[C, D_out]``.
+        A: Running input factor (full or diagonal), or ``None`` before the first update.
+        G: Running output-gradient factor (full or diagonal), or ``None``.
+        record: ``(lA, QA, lG, QG)`` of the last refresh (``Q`` ``None`` for a diagonal
+            side), or ``None``.
+
+    """
+
+    def __init__(self, name: str, index: Tensor, full_A: bool, full_G: bool):
+        self.name = name
+        self.index = index
+        self.full_A, self.full_G = bool(full_A), bool(full_G)
+        self.A: Optional[Tensor] = None
+        self.G: Optional[Tensor] = None
+        self.record: Optional[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]] = None
+        #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
+        self.fresh: Optional[Tensor] = None
+
+    @property
+    def label(self) -> str:
+        """The name shown in messages."""
+        return self.name or "<model>"
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[C, D_out, D]``."""
+        return self.index.shape
+
+    # -- statistics -------------------------------------------------------------------
+    def update(
+        self, A: Tensor, G: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None
+    ) -> None:
+        """Fold new factors into the running ones (as ``KroneckerBlock.update``).
+
+        ``A``, ``G``: this block's shapes (full or diagonal); ``valid`` (0-d device bool,
+        ``None``: true) selects on the device whether they count.
+        """
+        if self.A is None:
+            self.A, self.G = A.clone(), G.clone()
+            self.fresh = None if valid is None else ~valid
+            return
+        w, self.fresh = update_weight(valid, self.fresh, decay, self.A.dtype)
+        self.A = ema(self.A, A, decay, w)
+        self.G = ema(self.G, G, decay, w)
+
+    def flags(self) -> List[Tensor]:
+        """The 0-d device flags the block waits to read (:meth:`read_flags`)."""
+        return [] if self.fresh is None else [self.fresh]
+
+    def read_flags(self, values: List[bool]) -> None:
+        """The host values of :meth:`flags`."""
+        if self.fresh is not None and not values[0]:
+            self.fresh = None
+
+    # -- refresh ----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Decompose the full side(s) of the current factors (no host synchronization).
+
+        A block whose :attr:`fresh` flag is unread or true (no finite statistics known)
+        keeps its record: zero factors are not decomposed.
+        """
+        if self.A is None or self.fresh is not None:
+            return
+        self.record = (*_side(self.A, self.full_A), *_side(self.G, self.full_G))
+
+    def _eigen(self):
+        if self.record is None:  # no refresh yet: decompose the current factors
+            self.refresh()
+        if self.record is None:  # no finite statistics known: not kept
+            return (*_side(self.A, self.full_A), *_side(self.G, self.full_G))
+        return self.record
+
+    def eigenvalues(self) -> Tensor:
+        """``[C, D_out, D]``: ``lG lA^T`` (of the last refresh)."""
+        lA, _, lG, _ = self._eigen()
+        return lG[..., :, None] * lA[..., None, :]
+
+    # -- products ---------------------------------------------------------------------
+    def matvec(self, M: Tensor) -> Tensor:
+        """Block times ``M [C, D_out, D]``: ``G M A`` with the current factors."""
+        A, G = self.A.to(M.dtype), self.G.to(M.dtype)
+        out = G @ M if self.full_G else G[..., :, None] * M
+        return out @ A if self.full_A else out * A[..., None, :]
+
+    def inverse_matvec(self, M: Tensor, damping: float, mode: str = "exact") -> Tensor:
+        """``(block + damping)^{-1} M``, damped ``"exact"``-ly or by the ``"pi"`` heuristic.
+
+        From the last refresh's decomposition. While the block has had no finite
+        statistics (:attr:`fresh`), ``M`` itself; so too without a refresh record while
+        :attr:`fresh` is unread (as a Kronecker block without a record: the plain
+        gradient until the next refresh).
+        """
+        if self.record is None and self.fresh is not None:
+            return M
+        lA, QA, lG, QG = self._eigen()
+        lA, lG = lA.to(M.dtype), lG.to(M.dtype)
+        R = M if QG is None else QG.to(M.dtype).mT @ M
+        R = R if QA is None else R @ QA.to(M.dtype)
+        if mode == "pi":
+            pi = pi_factor(lA.mean(-1), lG.mean(-1))[..., None, None]
+            root = damping**0.5
+            R = R / ((lG[..., :, None] + root / pi) * (lA[..., None, :] + pi * root))
+        else:
+            R = R / (lG[..., :, None] * lA[..., None, :] + damping)
+        R = R if QA is None else R @ QA.to(M.dtype).mT
+        out = R if QG is None else QG.to(M.dtype) @ R
+        return out if self.fresh is None else torch.where(self.fresh, M, out)
+
+    def _full(self, X: Tensor, full: bool) -> Tensor:
+        return X if full else torch.diag_embed(X)
+
+    def trace(self) -> Tensor:
+        """``sum_c tr(G_c) tr(A_c)``."""
+        trA = self.A.diagonal(dim1=-2, dim2=-1).sum(-1) if self.full_A else self.A.sum(-1)
+        trG = self.G.diagonal(dim1=-2, dim2=-1).sum(-1) if self.full_G else self.G.sum(-1)
+        return (trG * trA).sum()
+
+    def logdet(self, damping: float) -> Tensor:
+        """``log det(block + damping I)`` of the current factors."""
+        lA, _ = _side(self.A, self.full_A)
+        lG, _ = _side(self.G, self.full_G)
+        return torch.log(lG[..., :, None] * lA[..., None, :] + damping).sum()
+
+    def dense(self) -> Tensor:
+        """``[C, D_out D, D_out D]`` dense per-group blocks (row-major in ``(o, i)``)."""
+        A, G = self._full(self.A, self.full_A), self._full(self.G, self.full_G)
+        return torch.stack([torch.kron(g, a) for g, a in zip(G, A)])
+
+    # -- state ------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Factors, sides and refresh record (cloned), tagged ``type: "OneSidedBlock"``."""
+
+        def c(t):
+            return None if t is None else t.clone()
+
+        return {
+            "type": TYPE,
+            "full_A": self.full_A,
+            "full_G": self.full_G,
+            "A": c(self.A),
+            "G": c(self.G),
+            "record": None if self.record is None else [c(t) for t in self.record],
+            "index": self.index.clone(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the sides must match this block's)."""
+        if (state.get("full_A"), state.get("full_G")) != (self.full_A, self.full_G):
+            raise ValueError(
+                f"OneSidedBlock '{self.label}': saved with full (A, G) = "
+                f"({state.get('full_A')}, {state.get('full_G')}), this block has "
+                f"({self.full_A}, {self.full_G}) (another max_factor_size?)"
+            )
+        self.A = None if state["A"] is None else state["A"].clone()
+        self.G = None if state["G"] is None else state["G"].clone()
+        rec = state.get("record")
+        self.record = None if rec is None else tuple(None if t is None else t.clone() for t in rec)
+        self.fresh = None
+
+
+def onesided_sides(index: Tensor, max_factor_size: int) -> Tuple[bool, bool]:
+    """``(full_A, full_G)`` of a block on ``index [C, D_out, D]``: full up to the size."""
+    return index.shape[2] <= max_factor_size, index.shape[1] <= max_factor_size

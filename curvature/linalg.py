@@ -262,3 +262,26 @@ def orthonormal_basis(M: Tensor) -> Tensor:
     dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
     Q = torch.linalg.qr(M.to(dtype), mode="reduced").Q
     return Q.to(M.dtype)
+
+
+def eigh_unchecked(M: Tensor) -> Tuple[Tensor, Tensor]:
+    """:func:`eigh` without host synchronization: no finiteness check, no jitter retries.
+
+    For factors whose finiteness is guaranteed on the device (running averages of checked
+    statistics). A decomposition that does not converge is retried once in float64.
+
+    Returns:
+        ``(evals >= 0 [..., D], evecs [..., D, D])`` in ``M``'s dtype.
+
+    """
+    S = (M + M.mT) / 2
+    try:
+        lam, Q = torch.linalg.eigh(S)
+    except RuntimeError:  # no convergence (rare for a PSD factor): once more in float64
+        lam, Q = (t.to(S.dtype) for t in torch.linalg.eigh(S.double()))
+    return lam.clamp_min(0), Q
+
+
+def least_squares(system: Tensor, rhs: Tensor) -> Tensor:
+    """``argmin_x |system x - rhs|`` for a small square ``system [K, K]`` and ``rhs [K]``."""
+    return torch.linalg.lstsq(system, rhs[:, None]).solution[:, 0]

@@ -169,6 +169,16 @@ def test_no_private_name_imported_across_modules():
     assert not offending, _report("imports of private names across modules", offending)
 
 
+def test_only_linalg_calls_torch_linalg():
+    """One module owns every ``torch.linalg`` call (the numerics policy in one place)."""
+    offenders = [
+        str(path.relative_to(PACKAGE.parent))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "linalg.py" and "torch.linalg." in path.read_text()
+    ]
+    assert not offenders, offenders
+
+
 def test_capture_does_not_import_laplacian():
     (found,) = [(rel, tree) for rel, _, tree in sources() if rel == "curvature/capture.py"]
     offending = laplacian_imports(*found)

@@ -70,7 +70,60 @@ def mean_diagonal(M: Tensor) -> Tensor:
     return M.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
 
 
-class KroneckerBlock:
+class RunningFactors:
+    """Running factors ``A``, ``G`` of a block, folded in on the device.
+
+    The statistics half shared by :class:`KroneckerBlock` and
+    :class:`~curvature.blocks.OneSidedBlock`: ``name``, ``index [C, D_out, D]``, the
+    factors ``A`` / ``G`` (whatever shapes the block keeps) and :attr:`fresh`.
+    """
+
+    name: str
+    index: Tensor
+    A: Optional[Tensor]
+    G: Optional[Tensor]
+    #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
+    fresh: Optional[Tensor] = None
+
+    @property
+    def label(self) -> str:
+        """The name shown in messages (``<model>`` for the root module)."""
+        return self.name or "<model>"
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[C, D_out, D]``."""
+        return self.index.shape
+
+    def update(
+        self, A: Tensor, G: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None
+    ) -> None:
+        """Fold new factors into the running ones: ``X <- decay X + (1 - decay) X_new``.
+
+        The first update takes the new factors as they are (copied). ``valid`` (0-d
+        device bool; ``None``: true): whether the new factors count; false ones are zeros
+        and leave the running factors unchanged (selected on the device: see
+        :attr:`fresh` for a block that has only had such updates).
+        """
+        if self.A is None:
+            self.A, self.G = A.clone(), G.clone()
+            self.fresh = None if valid is None else ~valid
+            return
+        w, self.fresh = update_weight(valid, self.fresh, decay, self.A.dtype)
+        self.A = ema(self.A, A, decay, w)
+        self.G = ema(self.G, G, decay, w)
+
+    def flags(self) -> List[Tensor]:
+        """The 0-d device flags the block waits to read (:meth:`read_flags`)."""
+        return [] if self.fresh is None else [self.fresh]
+
+    def read_flags(self, values: List[bool]) -> None:
+        """The host values of :meth:`flags`."""
+        if self.fresh is not None and not values[0]:
+            self.fresh = None
+
+
+class KroneckerBlock(RunningFactors):
     """KFAC's ``blockdiag_c kron(G[c], A[c])`` on ``index``.
 
     Attributes:
@@ -95,44 +148,7 @@ class KroneckerBlock:
         #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
         self.fresh: Optional[Tensor] = None
 
-    @property
-    def label(self) -> str:
-        """The name shown in messages (``<model>`` for the root module)."""
-        return self.name or "<model>"
-
-    @property
-    def shape(self) -> torch.Size:
-        """``[C, D_out, D]``."""
-        return self.index.shape
-
     # -- statistics -------------------------------------------------------------------
-    def update(
-        self, A: Tensor, G: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None
-    ) -> None:
-        """Fold new factors into the running ones: ``X <- decay X + (1 - decay) X_new``.
-
-        The first update takes the new factors as they are (``G`` copied). ``valid``
-        (0-d device bool; ``None``: true): whether the new factors count; false ones are
-        zeros and leave the running factors unchanged (selected on the device: see
-        :attr:`fresh` for a block that has only had such updates).
-        """
-        if self.A is None:
-            self.A, self.G = A, G.clone()
-            self.fresh = None if valid is None else ~valid
-            return
-        w, self.fresh = update_weight(valid, self.fresh, decay, self.A.dtype)
-        self.A = ema(self.A, A, decay, w)
-        self.G = ema(self.G, G, decay, w)
-
-    def flags(self) -> List[Tensor]:
-        """The 0-d device flags the block waits to read (:meth:`read_flags`)."""
-        return [] if self.fresh is None else [self.fresh]
-
-    def read_flags(self, values: List[bool]) -> None:
-        """The host values of :meth:`flags`."""
-        if self.fresh is not None and not values[0]:
-            self.fresh = None
-
     def has_statistics(self) -> bool:
         """Whether finite statistics were folded in (reads :attr:`fresh` if unknown)."""
         if self.A is None:

@@ -25,13 +25,13 @@ corrections).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..linalg import pi_factor
-from .kronecker import ema, update_weight
+from ..linalg import eigh_unchecked, pi_factor
+from .kronecker import RunningFactors
 
 TYPE = "OneSidedBlock"
 
@@ -40,15 +40,10 @@ def _side(X: Tensor, full: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """``(eigenvalues >= 0, eigenvectors or None)`` of a side (``[C, n, n]`` or ``[C, n]``)."""
     if not full:
         return X.clamp_min(0), None
-    S = (X + X.mT) / 2
-    try:
-        lam, Q = torch.linalg.eigh(S)
-    except RuntimeError:  # no convergence (rare for a PSD factor): once more in float64
-        lam, Q = (t.to(S.dtype) for t in torch.linalg.eigh(S.double()))
-    return lam.clamp_min(0), Q
+    return eigh_unchecked(X)
 
 
-class OneSidedBlock:
+class OneSidedBlock(RunningFactors):
     """KFAC's ``kron(G, A)`` with the large side(s) diagonal, on ``index [C, D_out, D]``.
 
     Attributes:
@@ -72,42 +67,6 @@ class OneSidedBlock:
         self.record: Optional[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]] = None
         #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
         self.fresh: Optional[Tensor] = None
-
-    @property
-    def label(self) -> str:
-        """The name shown in messages."""
-        return self.name or "<model>"
-
-    @property
-    def shape(self) -> torch.Size:
-        """``[C, D_out, D]``."""
-        return self.index.shape
-
-    # -- statistics -------------------------------------------------------------------
-    def update(
-        self, A: Tensor, G: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None
-    ) -> None:
-        """Fold new factors into the running ones (as ``KroneckerBlock.update``).
-
-        ``A``, ``G``: this block's shapes (full or diagonal); ``valid`` (0-d device bool,
-        ``None``: true) selects on the device whether they count.
-        """
-        if self.A is None:
-            self.A, self.G = A.clone(), G.clone()
-            self.fresh = None if valid is None else ~valid
-            return
-        w, self.fresh = update_weight(valid, self.fresh, decay, self.A.dtype)
-        self.A = ema(self.A, A, decay, w)
-        self.G = ema(self.G, G, decay, w)
-
-    def flags(self) -> List[Tensor]:
-        """The 0-d device flags the block waits to read (:meth:`read_flags`)."""
-        return [] if self.fresh is None else [self.fresh]
-
-    def read_flags(self, values: List[bool]) -> None:
-        """The host values of :meth:`flags`."""
-        if self.fresh is not None and not values[0]:
-            self.fresh = None
 
     # -- refresh ----------------------------------------------------------------------
     def refresh(self) -> None:

@@ -37,6 +37,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..linalg import least_squares
 from ..warn import warn
 from .updates import damping_factor
 
@@ -91,7 +92,7 @@ def solve_coefficients(gram: Tensor, damped: Tensor, linear: Tensor) -> Tuple[Te
     A singular ``S`` (``delta0`` parallel to ``Delta``) is solved by least squares.
     """
     system = gram + damped
-    c = torch.linalg.lstsq(system, -linear[:, None]).solution[:, 0]
+    c = least_squares(system, -linear)
     model = 0.5 * float(c @ system @ c) + float(linear @ c)
     return c, model
 

@@ -16,6 +16,7 @@ at once.
 """
 
 from .diagonal import DiagonalBlock
+from .gather import BlockGather, BlockViews, inverse_into
 from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, mean_diagonal
 from .records import (
     DampedInverses,
@@ -30,6 +31,8 @@ from .refresh import block_state, eigendecompositions, invert, restore_block, sn
 from .sum import KroneckerSumBlock
 
 __all__ = [
+    "BlockGather",
+    "BlockViews",
     "DampedInverses",
     "DiagonalBlock",
     "Eigen",
@@ -45,6 +48,7 @@ __all__ = [
     "RefreshStatus",
     "eigendecompositions",
     "ema",
+    "inverse_into",
     "invert",
     "mean_diagonal",
     "snapshots",

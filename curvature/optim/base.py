@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..blocks.gather import BlockGather
 from ..capture import unwrap_model
 from ..layer_stats import no_block_reasons
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
@@ -104,6 +105,7 @@ class CurvatureOptimizer(Optimizer):
         self._kl_scale, self._damping_cache = 1.0, (None, None)  # device values, read lazily
         self._reads = DeferredReads(type(self).__name__)  # device values read later
         self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
+        self._gather = BlockGather()  # preconditioning: persistent gather/scatter buffers
         self.generator = torch.Generator().manual_seed(config.seed)
         self._generators = SamplingGenerators(self.generator)  # one per device
         self.steps = 0

@@ -79,15 +79,18 @@ def apply_update(
     """
     if not slots:
         return 1.0, directions.new_ones(0, dtype=torch.bool)
-    views = [directions[s.span] for s in slots]
-    ok = torch.stack([v.sum() for v in views]).mul(0).eq(0)  # finite (barring overflow)
-    sizes = [v.numel() for v in views]
+    sizes = [s.span.stop - s.span.start for s in slots]
     tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
-    if tiled:  # one select over the flat vector
-        clean = directions.masked_fill(~ok.index_select(0, _segments(sizes, ok.device)), 0.0)
-        views = [clean[s.span] for s in slots]
+    if tiled:  # per-parameter sums by one index_add_, one select over the flat vector
+        seg = _segments(sizes, directions.device)
+        sums = directions.new_zeros(len(sizes)).index_add_(0, seg, directions)
+        ok = sums.mul(0).eq(0)  # finite (barring overflow of a sum)
+        clean = directions.masked_fill(~ok.index_select(0, seg), 0.0)
+        views = list(clean.split(sizes))
     else:
+        views = [directions[s.span] for s in slots]
+        ok = torch.stack([v.sum() for v in views]).mul(0).eq(0)  # finite (barring overflow)
         clean = None
         views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(views)]
     nu: Union[float, Tensor] = 1.0
@@ -99,7 +102,7 @@ def apply_update(
         nu = kl_scale(slots, full, grads, kl_clip).to(directions.dtype)
         if clean is not None:
             clean = clean * nu
-            views = [clean[s.span] for s in slots]
+            views = list(clean.split(sizes))
         else:
             views = torch._foreach_mul(views, nu)
     groups: Dict[int, List[int]] = {}
@@ -109,7 +112,7 @@ def apply_update(
     for idx in groups.values():
         g = slots[idx[0]].group
         params = [slots[i].param for i in idx]
-        upd = [views[i].view_as(p).to(p.dtype) for i, p in zip(idx, params)]
+        upd = [_shaped(views[i], p) for i, p in zip(idx, params)]
         if g["weight_decay"]:
             keep = 1 - g["lr"] * g["weight_decay"]
             factors = torch.full_like(ok, keep, dtype=params[0].dtype).where(ok, 1.0)
@@ -144,6 +147,11 @@ def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: i
         "smaller lr, a larger damping or kl_clip=1e-3). Further skipped steps are counted in "
         "optim.skipped_updates without another warning."
     )
+
+
+def _shaped(v: Tensor, p: Tensor) -> Tensor:
+    """``v`` viewed as ``p`` (no call where the shape already fits), in ``p``'s dtype."""
+    return (v if v.shape == p.shape else v.view_as(p)).to(p.dtype)
 
 
 _SEGMENTS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}

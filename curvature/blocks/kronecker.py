@@ -339,7 +339,8 @@ class EigenCorrectedBlock(KroneckerBlock):
         """``Lambda``, or KFAC's eigenvalues while it has had no finite statistics."""
         if self.corrections_fresh is None:
             return self.corrections
-        kfac = super().eigenvalues().to(self.corrections.dtype)
+        r, dtype = self.eigen(), self.corrections.dtype
+        (kfac,) = self._cached("eig", r, dtype, lambda: (KroneckerBlock.eigenvalues(self),))
         return torch.where(self.corrections_fresh, kfac, self.corrections)
 
     def basis(self) -> Optional[Eigen]:

@@ -224,15 +224,19 @@ class StepStatistics:
             flags = {dev: f & ~bad.to(dev) for dev, f in flags.items()}
         i = 0
         skipped: Dict[torch.device, List[Tensor]] = {}
+        slot_flags = _per_contribution(queue, where, flags)
         for slot, values, rows, N in queue:
             n = sum(v is not None for v in values)
             if n == 0:
                 continue
             dev, j = where[i]
-            ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
             i += n
-            skipped.setdefault(dev, []).append(ok)
-            drop = ~ok
+            if dev in slot_flags:  # judged per contribution at once
+                ok, drop = next(slot_flags[dev])
+            else:
+                ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
+                skipped.setdefault(dev, []).append(ok)
+                drop = ~ok
             kept = [None if v is None else v.masked_fill(drop, 0.0) for v in values]
             slot.values = [
                 a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, kept)
@@ -243,6 +247,8 @@ class StepStatistics:
             slot.parts.append((ok, rows, N))
         for oks in skipped.values():
             self._count_skipped(torch.stack(oks))
+        for dev in slot_flags:
+            self._count_skipped(flags[dev])
 
     def require_false(self, flag: Tensor, message: str) -> None:
         """A check on the device: if the 0-d ``flag`` is true, the next flush skips its
@@ -279,6 +285,29 @@ class StepStatistics:
         """The slots (this step's statistics), leaving this object empty."""
         slots, self.slots = self.slots, {}
         return slots
+
+
+def _per_contribution(queue: list, where: dict, flags: Dict[torch.device, Tensor]) -> dict:
+    """Device to an iterator of ``(ok, ~ok)`` per contribution, for the devices whose
+    contributions all have the same number of values (``flags[dev]`` replaced by the
+    contributions' flags): a few calls for all of them instead of a few per contribution.
+    """
+    counts: Dict[torch.device, set] = {}
+    i = 0
+    for _, values, _, _ in queue:
+        n = sum(v is not None for v in values)
+        if n:
+            counts.setdefault(where[i][0], set()).add(n)
+            i += n
+    out = {}
+    for dev, ns in counts.items():
+        if len(ns) != 1:
+            continue
+        (n,) = ns
+        ok = flags[dev] if n == 1 else flags[dev].view(-1, n).all(1)
+        flags[dev] = ok
+        out[dev] = zip(ok.unbind(0), (~ok).unbind(0))
+    return out
 
 
 def normalize(

@@ -18,13 +18,34 @@ and ``G`` its dense curvature (``curvature.layer_stats.exact_factors``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..linalg import damped_inverses, eigh, pi_factor
 from .records import DampedInverses, Eigen, FactorSnapshot, Record
+
+_PENDING = threading.local()  # the lerps deferred by ``batched_ema`` (per thread)
+
+
+@contextmanager
+def batched_ema() -> Iterator[None]:
+    """Defer the in-place running updates of :func:`ema` with a device weight and run
+    them at the end as one ``torch._foreach_lerp_`` (the same values as one ``lerp_``
+    each; one call, one launch of the fused kernel on a GPU). The running values must
+    not be read inside the block.
+    """
+    outer = getattr(_PENDING, "lerps", None)
+    _PENDING.lerps = lerps = ([], [], [])
+    try:
+        yield
+    finally:
+        _PENDING.lerps = outer
+        if lerps[0]:
+            torch._foreach_lerp_(*lerps)
 
 
 def ema(
@@ -33,12 +54,18 @@ def ema(
     """``decay old + (1 - decay) new`` in place of ``old``; ``new`` itself if no ``old``.
 
     ``weight`` (a 0-d tensor from :func:`update_weight`) replaces ``1 - decay``:
-    ``old + weight (new - old)`` in place, computed without reading the weight.
+    ``old + weight (new - old)`` in place, computed without reading the weight (at the
+    end of an enclosing :func:`batched_ema`).
     """
     if old is None:
         return new
     if weight is not None:  # (in the running value's dtype, as mul_/add_ would)
-        return old.lerp_(new.to(old.dtype), weight.to(old.dtype))
+        lerps = getattr(_PENDING, "lerps", None)
+        if lerps is None:
+            return old.lerp_(new.to(old.dtype), weight.to(old.dtype))
+        for pending, x in zip(lerps, (old, new.to(old.dtype), weight.to(old.dtype))):
+            pending.append(x)
+        return old
     return old.mul_(decay).add_(new, alpha=1 - decay)
 
 

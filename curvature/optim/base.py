@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..blocks.gather import BlockGather
+from ..blocks.kronecker import batched_ema
 from ..capture import unwrap_model
 from ..layer_stats import no_block_reasons
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
@@ -391,7 +392,8 @@ class CurvatureOptimizer(Optimizer):
             self._comm.step = self.steps
         stats = collector.finalize(collector.default_dtype())
         if stats:
-            self._update_curvature(stats)
+            with batched_ema():  # the running updates in one call
+                self._update_curvature(stats)
         if self.steps % cfg.inverse_every == 0 or self._needs_refresh():
             self._refresh()
         grads = self._flat_grads()

@@ -327,6 +327,9 @@ def normalize(
 
     """
     out = {}
+    divide: Tuple[list, list, list] = ([], [], [])  # (value, rows, (key, position)): one call
+    scale: Tuple[list, list, list] = ([], [], [])  # likewise for the G-like values
+    fixes = []
     for key in sorted(stats, key=repr) if ordered else list(stats):
         st = stats[key]
         if st.samples == 0 or all(v is None for v in st.values):
@@ -341,13 +344,21 @@ def normalize(
                 sample_fix = st.samples / kept_samples.clamp_min(1)
                 if st.empirical:
                     sample_fix = 1 / sample_fix
-        values = []
-        for v, k in zip(st.values, st.kinds):
-            if v is None:
-                values.append(None)
-                continue
-            v = v / st.rows if k == "A" else v * g_norm
-            fix = row_fix if k == "A" else sample_fix
-            values.append(v if fix is None else v * fix.to(v.dtype))
+        values: List[Optional[Tensor]] = [None] * len(st.values)
+        for i, (v, k) in enumerate(zip(st.values, st.kinds)):
+            if v is not None:
+                todo = divide if k == "A" else scale
+                for pending, x in zip(todo, (v, st.rows if k == "A" else g_norm, (key, i))):
+                    pending.append(x)
+                fix = row_fix if k == "A" else sample_fix
+                if fix is not None:
+                    fixes.append((key, i, fix))
         out[key] = Normalized(values, st.valid())
+    # v / rows and v * g_norm for all values at once (the same values as one call each)
+    for op, (vs, numbers, where) in ((torch._foreach_div, divide), (torch._foreach_mul, scale)):
+        for (key, i), v in zip(where, op(vs, numbers) if vs else []):
+            out[key].values[i] = v
+    for key, i, fix in fixes:
+        v = out[key].values[i]
+        out[key].values[i] = v * fix.to(v.dtype)
     return out

@@ -85,10 +85,23 @@ def update_weight(
     """
     if valid is None:
         return (None if fresh is None else torch.where(fresh, 1.0, 1 - decay).to(dtype)), None
-    w = valid.to(dtype) * (1 - decay)
-    if fresh is None:
-        return w, None
-    return torch.where(fresh, valid.to(dtype), w), fresh & ~valid
+    one, rate, zero = _constants(decay, dtype, valid.device)
+    if fresh is None:  # (exactly valid.to(dtype) * (1 - decay), in one call)
+        return torch.where(valid, rate, zero), None
+    # the weight is valid * (1 if fresh else 1 - decay); still fresh: fresh and not valid
+    return torch.where(valid, torch.where(fresh, one, rate), zero), fresh > valid
+
+
+_CONSTANTS: Dict[Tuple[float, torch.dtype, torch.device], Tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _constants(decay: float, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, ...]:
+    """0-d ``1``, ``1 - decay`` and ``0`` in ``dtype`` on ``device`` (made once, never written)."""
+    key = (decay, dtype, device)
+    if key not in _CONSTANTS:
+        values = torch.tensor([1.0, 1 - decay, 0.0], dtype=dtype).to(device)
+        _CONSTANTS[key] = tuple(values.unbind(0))
+    return _CONSTANTS[key]
 
 
 def mean_diagonal(M: Tensor) -> Tensor:

@@ -221,7 +221,7 @@ class StepStatistics:
             self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
             bad = flag if bad is None else bad | flag
         if bad is not None:  # a failed check: every contribution is skipped
-            flags = {dev: f & ~bad.to(dev) for dev, f in flags.items()}
+            flags = {dev: f > bad.to(dev) for dev, f in flags.items()}  # f and not bad
         i = 0
         skipped: Dict[torch.device, List[Tensor]] = {}
         slot_flags = _per_contribution(queue, where, flags)

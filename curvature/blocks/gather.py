@@ -57,6 +57,8 @@ class _Plan:
         self.outputs = like.new_empty(self.index.numel())
         self.extra = like.new_empty(self.index.numel())
         self.extra_source: Optional[Tensor] = None  # the vector ``extra`` holds entries of
+        #: where the blocks cover every position: the order back to the flat layout
+        self.back = torch.argsort(self.index) if self.index.numel() == like.numel() else None
         self.views: List[BlockViews] = []
         self.extra_views: List[Tensor] = []
         start = 0
@@ -75,6 +77,7 @@ class _Plan:
             and all(a is b for a, b in zip(indices, self.indices))
             and self.inputs.dtype == like.dtype
             and self.inputs.device == like.device
+            and (self.back is None) == (self.index.numel() != like.numel())
         )
 
 
@@ -120,9 +123,8 @@ class BlockGather:
             A new ``[P]`` tensor.
 
         """
-        out = flat.clone()
         if not jobs:
-            return out
+            return flat.clone()
         plan = self._get(indices, flat)
         torch.index_select(flat, 0, plan.index, out=plan.inputs)
         if extra is not None:
@@ -134,7 +136,9 @@ class BlockGather:
         else:
             for job, views in zip(jobs, plan.views):
                 job(views)
-        return out.index_copy_(0, plan.index, plan.outputs)
+        if plan.back is not None:  # every position is in a block: one gather back
+            return plan.outputs.index_select(0, plan.back)
+        return flat.clone().index_copy_(0, plan.index, plan.outputs)
 
 
 __all__: List[str] = ["BlockGather", "BlockViews", "inverse_into"]

@@ -86,7 +86,7 @@ def apply_update(
         seg = _segments(sizes, directions.device)
         sums = directions.new_zeros(len(sizes)).index_add_(0, seg, directions)
         ok = sums.mul(0).eq(0)  # finite (barring overflow of a sum)
-        clean = directions.masked_fill(~ok.index_select(0, seg), 0.0)
+        clean = torch.where(ok.index_select(0, seg), directions, _zero(directions))
         views = list(clean.split(sizes))
     else:
         views = [directions[s.span] for s in slots]
@@ -152,6 +152,17 @@ def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: i
 def _shaped(v: Tensor, p: Tensor) -> Tensor:
     """``v`` viewed as ``p`` (no call where the shape already fits), in ``p``'s dtype."""
     return (v if v.shape == p.shape else v.view_as(p)).to(p.dtype)
+
+
+_ZEROS: Dict[Tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _zero(like: Tensor) -> Tensor:
+    """A 0-d zero in ``like``'s dtype and on its device (made once, never written)."""
+    key = (like.dtype, like.device)
+    if key not in _ZEROS:
+        _ZEROS[key] = like.new_zeros(())
+    return _ZEROS[key]
 
 
 _SEGMENTS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}

@@ -126,6 +126,16 @@ class BlockGather:
         if not jobs:
             return flat.clone()
         plan = self._get(indices, flat)
+        # the products in the vector's dtype even where step() runs under autocast (the
+        # GEMMs write into ``out=`` buffers of that dtype)
+        with torch.autocast(flat.device.type, enabled=False):
+            self._run(plan, flat, jobs, extra)
+        if plan.back is not None:  # every position is in a block: one gather back
+            return plan.outputs.index_select(0, plan.back)
+        return flat.clone().index_copy_(0, plan.index, plan.outputs)
+
+    @staticmethod
+    def _run(plan: _Plan, flat: Tensor, jobs: Sequence[Callable[..., None]], extra) -> None:
         torch.index_select(flat, 0, plan.index, out=plan.inputs)
         if extra is not None:
             if plan.extra_source is not extra:  # gathered again only when it changes
@@ -136,9 +146,6 @@ class BlockGather:
         else:
             for job, views in zip(jobs, plan.views):
                 job(views)
-        if plan.back is not None:  # every position is in a block: one gather back
-            return plan.outputs.index_select(0, plan.back)
-        return flat.clone().index_copy_(0, plan.index, plan.outputs)
 
 
 __all__: List[str] = ["BlockGather", "BlockViews", "inverse_into"]

@@ -55,12 +55,13 @@ class _Plan:
         self.index = torch.cat(flat) if len(flat) > 1 else flat[0]
         self.inputs = like.new_empty(self.index.numel())
         self.outputs = like.new_empty(self.index.numel())
-        self.extra = like.new_empty(self.index.numel())
+        self.extra: Optional[Tensor] = None  # made at the first call with ``extra``
         self.extra_source: Optional[Tensor] = None  # the vector ``extra`` holds entries of
         #: where the blocks cover every position: the order back to the flat layout
         self.back = torch.argsort(self.index) if self.index.numel() == like.numel() else None
         self.views: List[BlockViews] = []
         self.extra_views: List[Tensor] = []
+        self.shapes = [ix.shape for ix in indices]
         start = 0
         for ix in indices:
             stop = start + ix.numel()
@@ -68,7 +69,6 @@ class _Plan:
             out = self.outputs[start:stop].view(ix.shape)
             one = M.dim() == 3 and M.shape[0] == 1
             self.views.append(BlockViews(M, out, M[0] if one else None, out[0] if one else None))
-            self.extra_views.append(self.extra[start:stop].view(ix.shape))
             start = stop
 
     def fits(self, indices: Sequence[Tensor], like: Tensor) -> bool:
@@ -138,6 +138,12 @@ class BlockGather:
     def _run(plan: _Plan, flat: Tensor, jobs: Sequence[Callable[..., None]], extra) -> None:
         torch.index_select(flat, 0, plan.index, out=plan.inputs)
         if extra is not None:
+            if plan.extra is None:
+                plan.extra = flat.new_empty(plan.index.numel())
+                plan.extra_views = [
+                    e.view(s)
+                    for e, s in zip(plan.extra.split([s.numel() for s in plan.shapes]), plan.shapes)
+                ]
             if plan.extra_source is not extra:  # gathered again only when it changes
                 torch.index_select(extra.to(flat.dtype), 0, plan.index, out=plan.extra)
                 plan.extra_source = extra

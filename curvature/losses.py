@@ -392,7 +392,8 @@ def _mc_sources(loss_func, out, target, M, generator, check_targets=True):
 
         def one():
             idx = torch.multinomial(probs, 1, generator=generator).view(-1).to(out.device)
-            onehot = nn.functional.one_hot(idx, C).to(out)
+            # (one_hot would check the drawn labels' range: two host reads on CPU)
+            onehot = out.new_zeros(idx.shape[0], C).scatter_(1, idx.unsqueeze(1), 1.0)
             moved = p.movedim(ax, -1)
             return (moved - onehot.view(moved.shape)).movedim(-1, ax)
 

@@ -209,12 +209,12 @@ def aten_calls_per_step(make, steps=2):
 #: aten calls per training step against ``AdamW(foreach=True)`` (75 with torch 2.x):
 #: today's ratios, slightly rounded up (issue 17 targets: 1.5x, 1.8x, 2x, 1.3x).
 ATEN_RATIO = {
-    "KFAC-empirical": (lambda m: curvature.KFAC(m, loss_func=CE, inverse_every=1000), 2.95),
-    "KFAC-mc": (lambda m: curvature.KFAC(m, loss_func=CE, fisher="mc", inverse_every=1000), 3.4),
-    "EKFAC": (lambda m: curvature.EKFAC(m, loss_func=CE, inverse_every=1000), 4.45),
+    "KFAC-empirical": (lambda m: curvature.KFAC(m, loss_func=CE, inverse_every=1000), 2.0),
+    "KFAC-mc": (lambda m: curvature.KFAC(m, loss_func=CE, fisher="mc", inverse_every=1000), 2.4),
+    "EKFAC": (lambda m: curvature.EKFAC(m, loss_func=CE, inverse_every=1000), 2.95),
     "DiagonalNaturalGradient": (
         lambda m: curvature.DiagonalNaturalGradient(m, loss_func=CE, inverse_every=1000),
-        2.8,
+        1.95,
     ),
 }
 
@@ -311,3 +311,81 @@ def test_a_block_with_only_non_finite_statistics_is_not_saved():
     other = curvature.KFAC(mlp(), lr=0.1, loss_func=CE)
     other.load_state_dict(opt.state_dict())
     assert other.factors() == {}
+
+
+# -- preconditioning through persistent buffers ----------------------------------------------------
+class _Net(nn.Module):
+    """A grouped convolution (blocks of 2 groups), a Linear and a LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 6, 3, groups=2)
+        self.norm = nn.LayerNorm(24)
+        self.fc = nn.Linear(24, 3)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.conv(x).flatten(1)))
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (curvature.KFAC, {"damping_mode": "exact"}),
+        (curvature.KFAC, {"damping_mode": "exact", "factor_decay": 0.5}),
+        (curvature.EKFAC, {}),
+        (curvature.DiagonalNaturalGradient, {}),
+    ],
+)
+def test_preconditioning_inverts_the_damped_curvature_and_keeps_earlier_results(cls, kwargs):
+    # every block type (several groups, one group, the diagonal fallback of LayerNorm)
+    # goes through the shared gather/scatter buffers: (C + lambda) u = v must hold, and
+    # a later call must not change an earlier result
+    torch.manual_seed(0)
+    model = _Net().double()
+    damping = 0.1
+    opt = cls(model, lr=0.01, loss_func=CE, damping=damping, inverse_every=2, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):  # a refresh, then a step with new statistics
+            opt.zero_grad()
+            X, y = torch.randn(7, 4, 4, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+            CE(model(X), y).backward()
+            opt.step()
+    v1 = [torch.randn_like(p) for p in model.parameters()]
+    v2 = [torch.randn_like(p) for p in model.parameters()]
+    u1 = opt.inverse_matvec(v1)
+    kept = [u.clone() for u in u1]
+    u2 = opt.inverse_matvec(v2)
+    for u, k in zip(u1, kept):
+        assert torch.equal(u, k)
+    for u, v in [(u1, v1), (u2, v2)]:
+        back = [c + damping * x for c, x in zip(opt.matvec(u), u)]
+        for b, x in zip(back, v):
+            torch.testing.assert_close(b, x, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (curvature.KFAC, {}),
+        (curvature.KFAC, {"damping_mode": "exact"}),
+        (curvature.DiagonalNaturalGradient, {}),
+    ],
+)
+def test_a_step_inside_autocast_preconditions_in_float32(cls, kwargs):
+    # the preconditioning GEMMs write into float32 buffers: autocast is off for them
+    # (EKFAC's corrections computed in step() would still autocast: not compared)
+    def run(autocast):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+        opt = cls(model, lr=0.01, loss_func=CE, inverse_every=2, **kwargs)
+        for _ in range(3):
+            X, y = torch.randn(5, 6), torch.randint(0, 4, (5,))
+            opt.zero_grad()
+            CE(model(X), y).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                opt.step()
+        return model
+
+    for p, q in zip(run(True).parameters(), run(False).parameters()):
+        assert torch.equal(p, q)

@@ -18,6 +18,7 @@ at once.
 """
 
 from .diagonal import DiagonalBlock
+from .gather import BlockGather, BlockViews, inverse_into
 from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, mean_diagonal
 from .onesided import OneSidedBlock, onesided_sides
 from .records import (
@@ -33,6 +34,8 @@ from .refresh import block_state, eigendecompositions, invert, restore_block, sn
 from .sum import KroneckerSumBlock
 
 __all__ = [
+    "BlockGather",
+    "BlockViews",
     "DampedInverses",
     "DiagonalBlock",
     "Eigen",
@@ -49,6 +52,7 @@ __all__ = [
     "RefreshStatus",
     "eigendecompositions",
     "ema",
+    "inverse_into",
     "invert",
     "mean_diagonal",
     "onesided_sides",

@@ -72,6 +72,15 @@ class DiagonalBlock:
         out = v / (self.d.to(v.dtype) + damping)
         return out if self.fresh is None else torch.where(self.fresh, v, out)
 
+    def inverse_matvec_into(
+        self, v: Any, damping: Union[float, Tensor], mode: str = "exact"
+    ) -> None:
+        """:meth:`inverse_matvec` of ``v.M`` written into ``v.out`` (``BlockViews``)."""
+        torch.add(self.d.to(v.M.dtype), damping, out=v.out)
+        torch.div(v.M, v.out, out=v.out)
+        if self.fresh is not None:
+            torch.where(self.fresh, v.M, v.out, out=v.out)
+
     def dense(self) -> Tensor:
         """``diag(d)`` ``[P_b, P_b]``."""
         return torch.diag(self.d)

@@ -19,13 +19,34 @@ and ``G`` its dense curvature (``curvature.layer_stats.exact_factors``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..linalg import damped_inverses, eigh, pi_factor
 from .records import DampedInverses, Eigen, FactorSnapshot, Record
+
+_PENDING = threading.local()  # the lerps deferred by ``batched_ema`` (per thread)
+
+
+@contextmanager
+def batched_ema() -> Iterator[None]:
+    """Defer the in-place running updates of :func:`ema` with a device weight and run
+    them at the end as one ``torch._foreach_lerp_`` (the same values as one ``lerp_``
+    each; one call, one launch of the fused kernel on a GPU). The running values must
+    not be read inside the block.
+    """
+    outer = getattr(_PENDING, "lerps", None)
+    _PENDING.lerps = lerps = ([], [], [])
+    try:
+        yield
+    finally:
+        _PENDING.lerps = outer
+        if lerps[0]:
+            torch._foreach_lerp_(*lerps)
 
 
 def ema(
@@ -34,12 +55,18 @@ def ema(
     """``decay old + (1 - decay) new`` in place of ``old``; ``new`` itself if no ``old``.
 
     ``weight`` (a 0-d tensor from :func:`update_weight`) replaces ``1 - decay``:
-    ``old + weight (new - old)`` in place, computed without reading the weight.
+    ``old + weight (new - old)`` in place, computed without reading the weight (at the
+    end of an enclosing :func:`batched_ema`).
     """
     if old is None:
         return new
     if weight is not None:  # (in the running value's dtype, as mul_/add_ would)
-        return old.lerp_(new.to(old.dtype), weight.to(old.dtype))
+        lerps = getattr(_PENDING, "lerps", None)
+        if lerps is None:
+            return old.lerp_(new.to(old.dtype), weight.to(old.dtype))
+        for pending, x in zip(lerps, (old, new.to(old.dtype), weight.to(old.dtype))):
+            pending.append(x)
+        return old
     return old.mul_(decay).add_(new, alpha=1 - decay)
 
 
@@ -59,10 +86,23 @@ def update_weight(
     """
     if valid is None:
         return (None if fresh is None else torch.where(fresh, 1.0, 1 - decay).to(dtype)), None
-    w = valid.to(dtype) * (1 - decay)
-    if fresh is None:
-        return w, None
-    return torch.where(fresh, valid.to(dtype), w), fresh & ~valid
+    one, rate, zero = _constants(decay, dtype, valid.device)
+    if fresh is None:  # (exactly valid.to(dtype) * (1 - decay), in one call)
+        return torch.where(valid, rate, zero), None
+    # the weight is valid * (1 if fresh else 1 - decay); still fresh: fresh and not valid
+    return torch.where(valid, torch.where(fresh, one, rate), zero), fresh > valid
+
+
+_CONSTANTS: Dict[Tuple[float, torch.dtype, torch.device], Tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _constants(decay: float, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, ...]:
+    """0-d ``1``, ``1 - decay`` and ``0`` in ``dtype`` on ``device`` (made once, never written)."""
+    key = (decay, dtype, device)
+    if key not in _CONSTANTS:
+        values = torch.tensor([1.0, 1 - decay, 0.0], dtype=dtype).to(device)
+        _CONSTANTS[key] = tuple(values.unbind(0))
+    return _CONSTANTS[key]
 
 
 def mean_diagonal(M: Tensor) -> Tensor:
@@ -147,6 +187,7 @@ class KroneckerBlock(RunningFactors):
         self.inverses: Optional[DampedInverses] = None
         #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
         self.fresh: Optional[Tensor] = None
+        self._cache: Dict[str, tuple] = {}  # per-record products of the record, by dtype
 
     # -- statistics -------------------------------------------------------------------
     def has_statistics(self) -> bool:
@@ -250,6 +291,45 @@ class KroneckerBlock(RunningFactors):
             return Ginv @ M @ Ainv
         return self.in_eigenbasis(M, lambda rot: rot / (self.eigenvalues().to(M.dtype) + damping))
 
+    def inverse_matvec_into(self, v: Any, damping: float, mode: str = "exact") -> None:
+        """:meth:`inverse_matvec` of ``v.M`` written into ``v.out`` (``BlockViews``).
+
+        The same products in the same order (the same values), with the record's
+        matrices for one group cached per record and dtype, and the GEMMs writing into
+        the output: fewer aten calls (kernel launches) per step.
+        """
+        if v.M2 is None:  # several groups: the batched products
+            v.out.copy_(self.inverse_matvec(v.M, damping, mode))
+            return
+        if mode in ("pi", "per_factor"):
+            inv = self.pi_inverses(damping, mode)
+            Ginv, Ainv = self._cached("pi", inv, v.M.dtype, lambda: (inv.Ginv[0], inv.Ainv[0]))
+            torch.mm(torch.mm(Ginv, v.M2), Ainv, out=v.out2)
+            return
+        r = self.eigen()
+        QG, QGt, QA, QAt = self._cached(
+            "q", r, v.M.dtype, lambda: (r.QG[0], r.QG[0].mT, r.QA[0], r.QA[0].mT)
+        )
+        torch.mm(torch.mm(QGt, v.M2), QA, out=v.out2)  # QG^T M QA
+        v.out.div_(self._denominators(damping, v.M.dtype))
+        torch.mm(torch.mm(QG, v.out2), QAt, out=v.out2)
+
+    def _cached(self, kind: str, source: Any, dtype: torch.dtype, make) -> tuple:
+        """``make()``'s tensors in ``dtype``, kept while ``source`` is the current one."""
+        hit = self._cache.get(kind)
+        if hit is None or hit[0] is not source or hit[1] != dtype:
+            hit = (source, dtype, tuple(t.to(dtype) for t in make()))
+            self._cache[kind] = hit
+        return hit[2]
+
+    def _denominators(self, damping: float, dtype: torch.dtype) -> Tensor:
+        """``[C, D_out, D]``: the eigenvalues plus ``damping`` (cached per record)."""
+        hit = self._cache.get("den")
+        if hit is None or hit[0] is not self.record or hit[1] != (damping, dtype):
+            hit = (self.record, (damping, dtype), self.eigenvalues().to(dtype) + damping)
+            self._cache["den"] = hit
+        return hit[2]
+
     def in_eigenbasis(self, M: Tensor, scale) -> Tensor:
         """``QG scale(QG^T M QA) QA^T``: apply ``scale`` in the Kronecker eigenbasis."""
         r = self.eigen()
@@ -333,7 +413,8 @@ class EigenCorrectedBlock(KroneckerBlock):
         """``Lambda``, or KFAC's eigenvalues while it has had no finite statistics."""
         if self.corrections_fresh is None:
             return self.corrections
-        kfac = super().eigenvalues().to(self.corrections.dtype)
+        r, dtype = self.eigen(), self.corrections.dtype
+        (kfac,) = self._cached("eig", r, dtype, lambda: (KroneckerBlock.eigenvalues(self),))
         return torch.where(self.corrections_fresh, kfac, self.corrections)
 
     def basis(self) -> Optional[Eigen]:
@@ -365,6 +446,14 @@ class EigenCorrectedBlock(KroneckerBlock):
 
     def inverse_matvec(self, M: Tensor, damping: float, mode: str = "exact") -> Tensor:  # noqa: D102
         return super().inverse_matvec(M, damping, "exact")
+
+    def inverse_matvec_into(self, v: Any, damping: float, mode: str = "exact") -> None:  # noqa: D102
+        super().inverse_matvec_into(v, damping, "exact")
+
+    def _denominators(self, damping: float, dtype: torch.dtype) -> Tensor:
+        if self.corrections is not None and self.basis() is not None:  # new every step
+            return self._corrected().to(dtype) + damping
+        return super()._denominators(damping, dtype)
 
     def trace(self) -> Tensor:  # noqa: D102
         if self.corrections is None:

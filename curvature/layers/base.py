@@ -306,6 +306,8 @@ class LinearFamilyRule(LayerRule):
         set), where the bias acts on slot 0 only: 1 on slot 0 and 0 on the other slots
         (in a forward Laplacian: the value slot, not the derivative slots).
         """
+        if call.slots is None:
+            return _ones(a.shape[:-1] + (1,), a.dtype, a.device)
         col = a.new_ones(*a.shape[:-1], 1)
         if call.slots is not None:
             col = col.view(a.shape[0], -1, call.slots, *a.shape[2:-1], 1).clone()
@@ -480,6 +482,20 @@ def materialize(a: Tensor, g: Tensor) -> Tensor:
     gt = g.permute(0, 2, 3, 1).reshape(N * C, D_out, S)  # [N C, D_out, S]
     at = a.permute(0, 2, 1, 3).reshape(N * C, S, D)  # [N C, S, D]
     return torch.bmm(gt, at).view(N, C, D_out, D)
+
+
+_ONES: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
+
+
+def _ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A ones tensor, allocated once per shape, dtype and device (read only: never written)."""
+    key = (tuple(shape), dtype, device)
+    hit = _ONES.get(key)
+    if hit is None:
+        if len(_ONES) > 32:  # many batch shapes: start over
+            _ONES.clear()
+        hit = _ONES[key] = torch.ones(key[0], dtype=dtype, device=device)
+    return hit
 
 
 def expanded_kfac(

@@ -33,10 +33,11 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..blocks.gather import BlockGather
+from ..blocks.kronecker import batched_ema
 from ..capture import unwrap_model
 from ..layer_stats import no_block_reasons
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
-from ..linalg import host_values
 from ..options import FisherType, Unsupported
 from ..warn import warn
 from .checkpoint import check_param_state, refuse
@@ -107,6 +108,7 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         self._reads = DeferredReads(type(self).__name__)  # device values read later
         self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
         self.last_step_taken = True  # False: the line search kept the parameters
+        self._gather = BlockGather()  # preconditioning: persistent gather/scatter buffers
         self.generator = torch.Generator().manual_seed(config.seed)
         self._generators = SamplingGenerators(self.generator)  # one per device
         self.steps = 0
@@ -134,18 +136,17 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
     @property
     def skipped_statistics(self) -> int:
         """Contributions skipped as non-finite (a device read; warns of skipped updates)."""
-        self._reads.settle_updates(host_values(self._reads.update_tensors()))
+        self._reads.read_updates()
         return self._skipped_before + self._collector.stats.skipped
 
     @skipped_statistics.setter
     def skipped_statistics(self, value: int) -> None:
         self._skipped_before = int(value) - self._collector.stats.skipped
 
-    @property
-    def skipped_updates(self) -> int:
-        """Steps whose update was skipped (non-finite) for some parameter (a device read)."""
-        self._reads.settle_updates(host_values(self._reads.update_tensors()))
-        return self._reads.skipped_steps
+    skipped_updates = property(
+        lambda self: self._reads.read_updates(),
+        doc="Steps whose update was skipped (non-finite) for some parameter (a device read).",
+    )
 
     last_kl_scale = property(
         lambda self: float(self._kl_scale), doc="The KL factor ``nu`` of the last update (a read)."
@@ -357,11 +358,8 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         ``damping_adaptation_decay``, ``rho < 1/4`` divides it (Levenberg-Marquardt,
         Martens & Grosse 2015).
 
-        With ``line_search_grid`` the best grid point is taken only if its loss is below
-        the closure's loss at the current parameters; otherwise the parameters (and the
-        momentum buffers, which the line search does not use) are kept,
-        ``last_line_search_lr`` is ``None`` and ``last_step_taken`` is ``False``.
-
+        ``line_search_grid`` takes the best grid point only if its loss is below the
+        closure's loss, else keeps the parameters (``last_step_taken`` is ``False``).
         These extra evaluations (and those of ``line_search_grid``, one per candidate
         learning rate) only need the loss. A closure that accepts a ``backward`` keyword
         (``def closure(backward=True): ...``) is called with ``backward=False`` for them
@@ -388,7 +386,8 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
             self._comm.step = self.steps
         stats = collector.finalize(collector.default_dtype())
         if stats:
-            self._update_curvature(stats)
+            with batched_ema():  # the running updates in one call
+                self._update_curvature(stats)
         if self.steps % cfg.inverse_every == 0 or self._needs_refresh():
             self._refresh()
         grads = self._flat_grads()

@@ -89,3 +89,12 @@ def report_uncovered(who: str, listed: List[str], unsupported: Unsupported, tied
     if unsupported == Unsupported.ERROR:
         raise ValueError(msg.replace("they are updated", "pass unsupported='warn' to update them"))
     warn(msg)
+
+
+def no_statistics_message(who: str, names: List[str]) -> str:
+    """The one warning of an optimizer with blocks that have had no statistics yet."""
+    return (
+        f"{who}: no curvature statistics yet for {names} (not reached by the curvature "
+        "backward, a model in eval mode, or only non-finite batches); they get the plain "
+        "gradient."
+    )

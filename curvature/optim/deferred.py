@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..linalg import host_values
 from ..warn import warn
 from .statistics import StepStatistics
 from .updates import skipped_message
@@ -55,6 +56,11 @@ class DeferredReads:
                     bad = (~flags).any().to(torch.int64)
                     self.merged_bad = bad if self.merged_bad is None else self.merged_bad + bad
             self.updates = [(k, torch.stack(v).all(0), step, False) for k, v in merged.items()]
+
+    def read_updates(self) -> int:
+        """Read and settle the update flags now (one synchronization); the skipped steps."""
+        self.settle_updates(host_values(self.update_tensors()))
+        return self.skipped_steps
 
     def update_tensors(self) -> List[Tensor]:
         """The update flags to read, then the merged count (if any)."""

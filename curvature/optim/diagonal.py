@@ -12,12 +12,13 @@ layers without weight sharing); each layer is one :class:`~curvature.blocks.Diag
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
-from ..blocks import DiagonalBlock
+from ..blocks import DiagonalBlock, inverse_into
 from ..layer_stats import fisher_diagonal, layer_positions
 from ..layout import put, take
 from ..linalg import host_values
@@ -26,6 +27,7 @@ from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
 from .checkpoint import check_diagonal_state
 from .config import CurvatureConfig
+from .coverage import no_statistics_message
 from .deferred import read_flags, waiting_flags
 
 
@@ -132,23 +134,16 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         self._reads.settle(self._collector.stats, read[: len(deferred)])
 
     def _precondition(self, grads: Tensor) -> Tensor:
-        out = grads.clone()
         have = {n for n, b in self._diagonals.items() if b.d is not None}
         missing = [n for n in self._layers if n not in have]
         if missing and self.steps > 0 and not self._warned_missing:
             self._warned_missing = True
-            warn(
-                f"{type(self).__name__}: no curvature statistics yet for {missing} (not "
-                "reached by the curvature backward, a model in eval mode, or only "
-                "non-finite batches); they get the plain gradient."
-            )
+            warn(no_statistics_message(type(self).__name__, missing))
         damping = self._damping_vector(grads)
-        for block in self._diagonals.values():
-            if block.d is None:
-                continue
-            ix = self._ix(block.index, grads.device)
-            put(out, ix, block.inverse_matvec(take(grads, ix), take(damping, ix)))
-        return out
+        blocks = [b for b in self._diagonals.values() if b.d is not None]
+        indices = [self._ix(b.index, grads.device) for b in blocks]
+        jobs = [partial(_inverse_into, b) for b in blocks]  # gathered and scattered at once
+        return self._gather.apply(grads, indices, jobs, extra=damping)
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
         out = torch.zeros_like(v)
@@ -180,3 +175,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             block = DiagonalBlock(name, st["index"])
             block.load_state_dict(st)
             self._diagonals[name] = block
+
+
+def _inverse_into(block: DiagonalBlock, views, damping: Tensor) -> None:
+    inverse_into(block, views, damping, "exact")

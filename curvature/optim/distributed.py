@@ -467,7 +467,9 @@ def flat_gradients(layout: Any, comm: Optional[Communicator]) -> Optional[Tensor
     dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
     grads = [p.grad for p in params]
     if all(g is not None and not g.is_sparse and g.device == ref.device for g in grads):
-        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])  # one copy (layout order)
+        flat = torch.cat(  # one copy (layout order)
+            [(g if g.dim() == 1 else g.reshape(-1)).to(dtype) for g in grads]
+        )
     else:
         flat = torch.zeros(layout.numel, dtype=dtype, device=ref.device)
         for n, p in zip(layout.names, params):

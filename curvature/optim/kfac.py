@@ -24,6 +24,7 @@ without a Kronecker rule under ``unsupported="diagonal"`` are
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -40,6 +41,7 @@ from ..blocks import (
     RefreshStatus,
     block_state,
     eigendecompositions,
+    inverse_into,
     invert,
     restore_block,
     snapshots,
@@ -59,6 +61,7 @@ from ..warn import warn
 from .base import CurvatureOptimizer, stat_dtype
 from .checkpoint import check_kronecker_state, warn_dropped_corrections
 from .config import CurvatureConfig, check_kfac_arguments
+from .coverage import no_statistics_message
 from .deferred import has_statistics, read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
 from .large import (
@@ -480,27 +483,23 @@ class KFAC(CurvatureOptimizer):
 
     # -- preconditioning ------------------------------------------------------------------------
     def _precondition(self, grads: Tensor) -> Tensor:
-        out = grads.clone()
-        missing = [k for k in self._index if self._record(k) is None and self._uses(k)]
+        missing = [block_name(*k) for k in self._index if self._record(k) is None and self._uses(k)]
         if missing and self.steps > 0 and not self._warned_missing:
             self._warned_missing = True
-            warn(
-                f"{type(self).__name__}: no curvature statistics yet for "
-                f"{[block_name(*k) for k in missing]} (not reached by the curvature "
-                "backward, a model in eval mode, or only non-finite batches); they get the "
-                "plain gradient."
-            )
+            warn(no_statistics_message(type(self).__name__, missing))
         mode = self.config.damping_mode.value
+        indices, jobs = [], []  # every block's entries gathered and scattered at once
         for key, index in self._index.items():
-            block = self._blocks.get(key)
             if self._record(key) is None or not self._uses(key):
                 continue
-            ix = self._ix(index, grads.device)
-            put(out, ix, block.inverse_matvec(take(grads, ix), self._block_damping(key), mode))
+            indices.append(self._ix(index, grads.device))
+            damping = self._block_damping(key)
+            jobs.append(partial(inverse_into, self._blocks[key], damping=damping, mode=mode))
         for key, block in self._diag.items():  # blocks on the diagonal fallback
-            ix = self._ix(block.index, grads.device)
+            indices.append(self._ix(block.index, grads.device))
             damping = self._group_damping(self._layer_param(key[0]))
-            put(out, ix, block.inverse_matvec(take(grads, ix), damping, mode))
+            jobs.append(partial(inverse_into, block, damping=damping, mode=mode))
+        out = self._gather.apply(grads, indices, jobs)
         if self.precondition == "owner" and self._comm is not None:
             out = out * self._owned_mask(out)
             self._comm.all_reduce([out], "directions")

@@ -221,18 +221,22 @@ class StepStatistics:
             self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
             bad = flag if bad is None else bad | flag
         if bad is not None:  # a failed check: every contribution is skipped
-            flags = {dev: f & ~bad.to(dev) for dev, f in flags.items()}
+            flags = {dev: f > bad.to(dev) for dev, f in flags.items()}  # f and not bad
         i = 0
         skipped: Dict[torch.device, List[Tensor]] = {}
+        slot_flags = _per_contribution(queue, where, flags)
         for slot, values, rows, N in queue:
             n = sum(v is not None for v in values)
             if n == 0:
                 continue
             dev, j = where[i]
-            ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
             i += n
-            skipped.setdefault(dev, []).append(ok)
-            drop = ~ok
+            if dev in slot_flags:  # judged per contribution at once
+                ok, drop = next(slot_flags[dev])
+            else:
+                ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
+                skipped.setdefault(dev, []).append(ok)
+                drop = ~ok
             kept = [None if v is None else v.masked_fill(drop, 0.0) for v in values]
             slot.values = [
                 a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, kept)
@@ -243,6 +247,8 @@ class StepStatistics:
             slot.parts.append((ok, rows, N))
         for oks in skipped.values():
             self._count_skipped(torch.stack(oks))
+        for dev in slot_flags:
+            self._count_skipped(flags[dev])
 
     def require_false(self, flag: Tensor, message: str) -> None:
         """A check on the device: if the 0-d ``flag`` is true, the next flush skips its
@@ -281,6 +287,29 @@ class StepStatistics:
         return slots
 
 
+def _per_contribution(queue: list, where: dict, flags: Dict[torch.device, Tensor]) -> dict:
+    """Device to an iterator of ``(ok, ~ok)`` per contribution, for the devices whose
+    contributions all have the same number of values (``flags[dev]`` replaced by the
+    contributions' flags): a few calls for all of them instead of a few per contribution.
+    """
+    counts: Dict[torch.device, set] = {}
+    i = 0
+    for _, values, _, _ in queue:
+        n = sum(v is not None for v in values)
+        if n:
+            counts.setdefault(where[i][0], set()).add(n)
+            i += n
+    out = {}
+    for dev, ns in counts.items():
+        if len(ns) != 1:
+            continue
+        (n,) = ns
+        ok = flags[dev] if n == 1 else flags[dev].view(-1, n).all(1)
+        flags[dev] = ok
+        out[dev] = zip(ok.unbind(0), (~ok).unbind(0))
+    return out
+
+
 def normalize(
     stats: Dict[StatKey, StepStat], world: int, ordered: bool
 ) -> Dict[StatKey, Normalized]:
@@ -298,6 +327,9 @@ def normalize(
 
     """
     out = {}
+    divide: Tuple[list, list, list] = ([], [], [])  # (value, rows, (key, position)): one call
+    scale: Tuple[list, list, list] = ([], [], [])  # likewise for the G-like values
+    fixes = []
     for key in sorted(stats, key=repr) if ordered else list(stats):
         st = stats[key]
         if st.samples == 0 or all(v is None for v in st.values):
@@ -312,13 +344,21 @@ def normalize(
                 sample_fix = st.samples / kept_samples.clamp_min(1)
                 if st.empirical:
                     sample_fix = 1 / sample_fix
-        values = []
-        for v, k in zip(st.values, st.kinds):
-            if v is None:
-                values.append(None)
-                continue
-            v = v / st.rows if k == "A" else v * g_norm
-            fix = row_fix if k == "A" else sample_fix
-            values.append(v if fix is None else v * fix.to(v.dtype))
+        values: List[Optional[Tensor]] = [None] * len(st.values)
+        for i, (v, k) in enumerate(zip(st.values, st.kinds)):
+            if v is not None:
+                todo = divide if k == "A" else scale
+                for pending, x in zip(todo, (v, st.rows if k == "A" else g_norm, (key, i))):
+                    pending.append(x)
+                fix = row_fix if k == "A" else sample_fix
+                if fix is not None:
+                    fixes.append((key, i, fix))
         out[key] = Normalized(values, st.valid())
+    # v / rows and v * g_norm for all values at once (the same values as one call each)
+    for op, (vs, numbers, where) in ((torch._foreach_div, divide), (torch._foreach_mul, scale)):
+        for (key, i), v in zip(where, op(vs, numbers) if vs else []):
+            out[key].values[i] = v
+    for key, i, fix in fixes:
+        v = out[key].values[i]
+        out[key].values[i] = v * fix.to(v.dtype)
     return out

@@ -41,9 +41,15 @@ def kl_scale(slots: Sequence[ParamSlot], directions: Tensor, grads: Tensor, kl_c
     order, with the curvature approximation as the Fisher). ``nu = 1`` when the sum is
     not positive.
     """
-    total = directions.new_zeros(())
-    for s in slots:
-        total = total + s.group["lr"] ** 2 * torch.dot(directions[s.span], grads[s.span])
+    lrs = {s.group["lr"] for s in slots}
+    whole = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
+    whole = whole and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
+    if len(lrs) == 1 and whole:  # one learning rate over the whole vector: one dot
+        total = lrs.pop() ** 2 * torch.dot(directions, grads)
+    else:
+        total = directions.new_zeros(())
+        for s in slots:
+            total = total + s.group["lr"] ** 2 * torch.dot(directions[s.span], grads[s.span])
     nu = torch.sqrt(kl_clip / total.clamp_min(torch.finfo(total.dtype).tiny)).clamp_max(1.0)
     return torch.where(total > 0, nu, torch.ones_like(nu))
 
@@ -79,15 +85,17 @@ def apply_update(
     """
     if not slots:
         return 1.0, directions.new_ones(0, dtype=torch.bool)
-    views = [directions[s.span] for s in slots]
-    ok = torch.stack([v.sum() for v in views]).mul(0).eq(0)  # finite (barring overflow)
-    sizes = [v.numel() for v in views]
+    sizes = [s.span.stop - s.span.start for s in slots]
     tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
-    if tiled:  # one select over the flat vector
-        clean = directions.masked_fill(~ok.index_select(0, _segments(sizes, ok.device)), 0.0)
-        views = [clean[s.span] for s in slots]
+    if tiled:  # one split, a sum per parameter, one select over the flat vector
+        seg = _segments(sizes, directions.device)
+        ok = torch.stack([v.sum() for v in directions.split(sizes)]).mul(0).eq(0)
+        clean = torch.where(ok.index_select(0, seg), directions, _zero(directions))
+        views = list(clean.split(sizes))
     else:
+        views = [directions[s.span] for s in slots]
+        ok = torch.stack([v.sum() for v in views]).mul(0).eq(0)  # finite (barring overflow)
         clean = None
         views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(views)]
     nu: Union[float, Tensor] = 1.0
@@ -99,7 +107,7 @@ def apply_update(
         nu = kl_scale(slots, full, grads, kl_clip).to(directions.dtype)
         if clean is not None:
             clean = clean * nu
-            views = [clean[s.span] for s in slots]
+            views = list(clean.split(sizes))
         else:
             views = torch._foreach_mul(views, nu)
     groups: Dict[int, List[int]] = {}
@@ -109,21 +117,27 @@ def apply_update(
     for idx in groups.values():
         g = slots[idx[0]].group
         params = [slots[i].param for i in idx]
-        upd = [views[i].view_as(p).to(p.dtype) for i, p in zip(idx, params)]
+        upd = [_shaped(views[i], p) for i, p in zip(idx, params)]
         if g["weight_decay"]:
             keep = 1 - g["lr"] * g["weight_decay"]
-            factors = torch.full_like(ok, keep, dtype=params[0].dtype).where(ok, 1.0)
+            dt = params[0].dtype
+            factors = torch.where(ok, _scalar(keep, dt, ok.device), _scalar(1.0, dt, ok.device))
+            factors = factors.unbind(0)
             torch._foreach_mul_(params, [factors[i] for i in idx])
         if g["momentum"]:
             if okf is None:
-                okf = ok.to(directions.dtype)
+                okf = ok.to(directions.dtype).unbind(0)
             bufs = []
             for p, d in zip(params, upd):
                 st = state[p]
                 if st.get("momentum_buffer") is None:
                     st["momentum_buffer"] = torch.zeros_like(d)
                 bufs.append(st["momentum_buffer"])
-            decay = torch.full_like(ok, g["momentum"], dtype=bufs[0].dtype).where(ok, 1.0)
+            dt = bufs[0].dtype
+            decay = torch.where(
+                ok, _scalar(g["momentum"], dt, ok.device), _scalar(1.0, dt, ok.device)
+            )
+            decay = decay.unbind(0)
             torch._foreach_mul_(bufs, [decay[i] for i in idx])
             torch._foreach_add_(bufs, upd)
             upd = torch._foreach_mul(bufs, [okf[i].to(b.dtype) for i, b in zip(idx, bufs)])
@@ -144,6 +158,29 @@ def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: i
         "smaller lr, a larger damping or kl_clip=1e-3). Further skipped steps are counted in "
         "optim.skipped_updates without another warning."
     )
+
+
+def _shaped(v: Tensor, p: Tensor) -> Tensor:
+    """``v`` viewed as ``p`` (no call where the shape already fits), in ``p``'s dtype."""
+    return (v if v.shape == p.shape else v.view_as(p)).to(p.dtype)
+
+
+_SCALARS: Dict[Tuple[float, torch.dtype, torch.device], Tensor] = {}
+
+
+def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-d ``value`` in ``dtype`` on ``device`` (made once per value, never written)."""
+    key = (value, dtype, device)
+    if key not in _SCALARS:
+        if len(_SCALARS) > 256:  # e.g. a schedule of weight decays: start over
+            _SCALARS.clear()
+        _SCALARS[key] = torch.full((), value, dtype=dtype, device=device)  # (no copy)
+    return _SCALARS[key]
+
+
+def _zero(like: Tensor) -> Tensor:
+    """A 0-d zero in ``like``'s dtype and on its device."""
+    return _scalar(0.0, like.dtype, like.device)
 
 
 _SEGMENTS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}

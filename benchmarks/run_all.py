@@ -312,12 +312,20 @@ def rows_pinn(res: Dict[str, Any]) -> List[Row]:
                 f"{kf['time']:.1f} s)",
                 f"Adam {_s(r['adam_time'])} (final {af['l2']:.1e} after {af['steps']} steps, "
                 f"{af['time']:.1f} s)",
-                "KFAC faster than Adam to the same error",
-                r["met"],
-                f"{_s(r['kfac_time'])} vs {_s(r['adam_time'])}",
+                PINN_TARGET,
+                None,  # a short run cannot test a 300 s target: see docs/laplacians.md
+                "",
             )
         )
     return rows
+
+
+#: Issue 19's PINN target; this worker's short runs do not reach 300 s, so the summary
+#: shows "n/a" and points to the measurement of the target (docs/laplacians.md).
+PINN_TARGET = (
+    "L2 <= 1e-4 within 300 s and >= 10x below the best tuned Adam at equal time (issue 19; "
+    "not tested by this short run: measured in docs/laplacians.md, 'Measured: 2d Poisson')"
+)
 
 
 def rows_laplacian(res: Dict[str, Any]) -> List[Row]:

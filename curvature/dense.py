@@ -20,6 +20,7 @@ from torch.func import functional_call, grad, jacrev, vmap
 from torch.func import hessian as _hessian
 
 from .capture import isolated
+from .layers.norm import batchnorm_train_error, uses_batch_statistics
 from .layout import ParamLayout
 from .losses import backprop_sources, check_loss
 from .products import HessianVectorProducts, ggn_vp, hvp
@@ -66,6 +67,9 @@ def _accumulate(
     model: nn.Module, loss_func: nn.Module, data: Data, block: Callable[..., Tensor]
 ) -> Tensor:
     check_loss(loss_func)
+    for name, module in model.named_modules():  # torch.func cannot update running stats
+        if uses_batch_statistics(module):
+            raise batchnorm_train_error(name, module)
     layout = ParamLayout.of(model)
     params = trainable(model)
     bs = batches(data)

@@ -594,3 +594,13 @@ def _hf_args(tmp_path):
         use_cpu=True,
         disable_tqdm=True,
     )
+
+
+@pytest.mark.parametrize("name", ["ggn", "empirical_fisher", "fisher"])
+def test_dense_references_refuse_batchnorm_in_train_mode_clearly(name):
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    X, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    with pytest.raises(ValueError, match="'1' \\(BatchNorm1d\\) normalizes with batch statistics"):
+        getattr(curvature, name)(model, nn.CrossEntropyLoss(), (X, y))
+    model.eval()  # running statistics: a per-sample function again
+    assert getattr(curvature, name)(model, nn.CrossEntropyLoss(), (X, y)).shape == (34, 34)

@@ -137,7 +137,9 @@ def test_summary_rows_every_workload_and_target():
     lap = [r for r in rows if r["workload"] == "MLP 16-64-64-1 tanh" and r["target"]]
     assert [r["met"] for r in lap] == [True, False]
     pinn = [r for r in rows if r["workload"].startswith("PINN")]
-    assert pinn[0]["met"] is True and "KFAC 1.0 s" in pinn[0]["curvature"]
+    # the short run cannot test issue 19's 300 s target: stated, not judged
+    assert pinn[0]["met"] is None and "KFAC 1.0 s" in pinn[0]["curvature"]
+    assert pinn[0]["target"] == run_all.PINN_TARGET and "300 s" in pinn[0]["target"]
 
 
 def test_summary_table_marks_targets():
@@ -179,7 +181,7 @@ def test_summary_body_and_doc_section(tmp_path):
     del data["benchmarks"]["distributed"]
     body = run_all.summary_body(data)
     assert "Peers installed: opacus 1.6.0; not installed: torchjd." in body
-    assert "Targets of the earlier issues: 5 of 7 met." in body
+    assert "Targets of the earlier issues: 4 of 6 met." in body
     assert "- distributed: not run" in body and "Quick runs" in body
     assert "Not met:" in body and "- transformer block d=128, S=64, N=16: < 1x" in body
     doc = tmp_path / "benchmarks.md"

@@ -1,12 +1,16 @@
 """Physics-informed networks trained with KFAC for Laplacian losses, against Adam, SGD, L-BFGS.
 
-Problems (float64, a 2-64-1 tanh network by default):
+Problems (float64, tanh networks: 2-64-1 for the 2d problems, 5-64-64-48-48-1 for the
+5d Poisson problem, as in Dangel, Mueller & Zeinhofer 2024):
 
 * ``poisson``: ``-Laplacian(u) = 2 pi^2 sin(pi x) sin(pi y)`` on the unit square, ``u = 0`` on
   the boundary; solution ``sin(pi x) sin(pi y)``. 900 interior and 120 boundary points are
   drawn once; the L2 error is the root mean square error on 9000 fresh points.
 * ``heat``: the (1+1)d heat equation ``u_t = u_xx / 4`` on ``(t, x) in [0, 1]^2`` with
   ``u(0, x) = sin(pi x)`` and zero boundary values; solution ``exp(-pi^2 t / 4) sin(pi x)``.
+* ``poisson5d``: ``-Laplacian(u) = pi^2 sum_i sin(pi x_i)`` on ``[0, 1]^5``, ``u = g`` on the
+  boundary with the solution ``g = u = sum_i sin(pi x_i)``. 3000 interior and 500
+  boundary points (a uniform point of a random face) are drawn once.
 
 The loss is ``0.5 mean_n r(x_n)^2 + 0.5 mean_m (u(x_m) - g(x_m))^2`` with the interior
 residual ``r`` computed by the forward Laplacian (the network's own Linear layers run on
@@ -26,6 +30,7 @@ settings). The step (``--update-rule``):
 
     python examples/pinn_poisson.py --optimizers kfac adam --steps 1000 --figure pinn.png
     python examples/pinn_poisson.py --optimizers kfac adam --steps 100000 --time-limit 300
+    python examples/pinn_poisson.py --problem poisson5d --optimizers kfac adam --steps 500
 """
 
 from __future__ import annotations
@@ -98,22 +103,53 @@ def heat(generator: torch.Generator, n_int: int, n_bnd: int, n_eval: int):
     return x_int, x_bnd, targets, x_eval, solution, residual
 
 
-PROBLEMS = {"poisson": poisson, "heat": heat}
+def poisson5d(generator: torch.Generator, n_int: int, n_bnd: int, n_eval: int):
+    """5d Poisson problem with the solution ``sum_i sin(pi x_i)``; inputs ``[N, 5]``."""
+    dim = 5
+
+    def solution(x: Tensor) -> Tensor:
+        return torch.sin(PI * x).sum(-1)
+
+    def f(x: Tensor) -> Tensor:  # -Laplacian(u) = f
+        return PI**2 * solution(x)
+
+    x_int = torch.rand(n_int, dim, generator=generator, dtype=torch.float64)
+    # a uniform point of a random face: coordinate `axis` set to 0 or 1
+    x_bnd = torch.rand(n_bnd, dim, generator=generator, dtype=torch.float64)
+    axis = torch.randint(0, dim, (n_bnd,), generator=generator)
+    side = torch.randint(0, 2, (n_bnd,), generator=generator).to(torch.float64)
+    x_bnd[torch.arange(n_bnd), axis] = side
+    x_eval = torch.rand(n_eval, dim, generator=generator, dtype=torch.float64)
+
+    def residual(model: nn.Module, x: Tensor) -> Tensor:
+        # r = Laplacian(u) + f, via the forward Laplacian: [N]
+        return curvature.laplacian(model, x, method="forward") + f(x)
+
+    return x_int, x_bnd, solution(x_bnd), x_eval, solution, residual
+
+
+#: name -> (problem, input dimension, default hidden widths, default interior / boundary points)
+PROBLEMS = {
+    "poisson": (poisson, 2, (64,), (900, 120)),
+    "heat": (heat, 2, (64,), (900, 120)),
+    "poisson5d": (poisson5d, 5, (64, 64, 48, 48), (3000, 500)),
+}
 
 
 # -- training -------------------------------------------------------------------------------
-def make_model(width: int, depth: int) -> nn.Module:
-    layers: List[nn.Module] = [nn.Linear(2, width), nn.Tanh()]
-    for _ in range(depth - 1):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    layers.append(nn.Linear(width, 1))
+def make_model(d_in: int, widths: Tuple[int, ...]) -> nn.Module:
+    """A tanh network ``d_in - widths[0] - ... - widths[-1] - 1`` in float64."""
+    layers: List[nn.Module] = []
+    for fan_in, fan_out in zip((d_in,) + tuple(widths), widths):
+        layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
+    layers.append(nn.Linear(widths[-1], 1))
     return nn.Sequential(*layers).double()
 
 
 def train(name: str, args, problem) -> Dict[str, List[float]]:
     x_int, x_bnd, g_bnd, x_eval, solution, residual = problem
     torch.manual_seed(args.seed)
-    model = make_model(args.width, args.depth)
+    model = make_model(args.d_in, args.widths)
     mse = nn.MSELoss()
     # the loss is 0.5 MSE(r, 0) + 0.5 MSE(u_b, g): registering r / sqrt(2) and
     # (u_b - g) / sqrt(2) with MSELoss makes the registered losses sum to exactly that
@@ -240,10 +276,12 @@ def main(argv=None) -> Dict[str, Dict[str, List[float]]]:
     parser.add_argument("--problem", choices=sorted(PROBLEMS), default="poisson")
     parser.add_argument("--optimizers", nargs="+", default=["kfac", "adam", "sgd", "lbfgs"])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=1)
-    parser.add_argument("--n-int", type=int, default=900)
-    parser.add_argument("--n-bnd", type=int, default=120)
+    parser.add_argument(
+        "--width", type=int, default=None, help="hidden width (default: the problem's widths)"
+    )
+    parser.add_argument("--depth", type=int, default=None, help="hidden layers of --width")
+    parser.add_argument("--n-int", type=int, default=None, help="default: 900 (5d: 3000)")
+    parser.add_argument("--n-bnd", type=int, default=None, help="default: 120 (5d: 500)")
     parser.add_argument("--n-eval", type=int, default=9000)
     parser.add_argument(
         "--damping",
@@ -275,8 +313,14 @@ def main(argv=None) -> Dict[str, Dict[str, List[float]]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--figure", default=None)
     args = parser.parse_args(argv)
+    make_problem, args.d_in, widths, (n_int, n_bnd) = PROBLEMS[args.problem]
+    if args.width is not None or args.depth is not None:
+        widths = ((args.width or 64),) * (args.depth or 1)
+    args.widths = widths
+    args.n_int = n_int if args.n_int is None else args.n_int
+    args.n_bnd = n_bnd if args.n_bnd is None else args.n_bnd
     gen = torch.Generator().manual_seed(args.seed)
-    problem = PROBLEMS[args.problem](gen, args.n_int, args.n_bnd, args.n_eval)
+    problem = make_problem(gen, args.n_int, args.n_bnd, args.n_eval)
     histories = {name: train(name, args, problem) for name in args.optimizers}
     print(f"\n{args.problem}: final L2 error (at most {args.steps} steps)")
     print("| optimizer | steps | L2 error | loss | time (s) |")

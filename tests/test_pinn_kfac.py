@@ -160,6 +160,66 @@ def test_pinn_example_runs_and_kfac_beats_adam_per_step():
     assert hist["kfac"]["l2"][-1] < hist["adam"]["l2"][-1]
 
 
+def _pinn_example():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pinn_poisson.py"
+    spec = importlib.util.spec_from_file_location("pinn_poisson", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _SumOfSines(nn.Module):
+    """``u(x) = sum_i sin(k pi x_i)`` (``k = 1``: the 5d Poisson solution): ``[N, 1]``."""
+
+    def __init__(self, k=1):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(5, 5, bias=False), nn.Linear(5, 1, bias=False)
+        with torch.no_grad():
+            self.inner.weight.copy_(k * torch.pi * torch.eye(5))
+            self.outer.weight.fill_(1.0)
+
+    def forward(self, x):
+        return self.outer(torch.sin(self.inner(x)))
+
+
+def test_pinn_example_poisson5d_residual_vanishes_at_the_exact_solution():
+    mod = _pinn_example()
+    gen = torch.Generator().manual_seed(0)
+    x_int, x_bnd, g_bnd, x_eval, solution, residual = mod.poisson5d(gen, 50, 40, 30)
+    assert x_int.shape == (50, 5) and x_bnd.shape == (40, 5) and x_eval.shape == (30, 5)
+    # every boundary point is on a face of [0, 1]^5; the targets are the solution there
+    on_face = ((x_bnd == 0) | (x_bnd == 1)).sum(1)
+    assert (on_face == 1).all()
+    expected = (torch.sin(torch.pi * x_bnd)).sum(1)
+    torch.testing.assert_close(g_bnd, expected)
+    exact = _SumOfSines()
+    torch.testing.assert_close(exact(x_eval).squeeze(-1), solution(x_eval))
+    r = residual(exact, x_int)
+    assert r.shape == (50,)
+    torch.testing.assert_close(r, torch.zeros(50), atol=1e-10, rtol=0)
+
+    # a wrong solution (a different frequency) leaves a residual of order one
+    assert residual(_SumOfSines(k=2), x_int).abs().mean() > 1.0
+
+
+def test_pinn_example_poisson5d_kfac_lowers_the_loss():
+    mod = _pinn_example()
+    # the first ~12 steps are rejected while Levenberg-Marquardt raises the damping from
+    # its initial 1e-2 (the initial loss is ~5e2); then the loss falls fast
+    argv = ["--problem", "poisson5d", "--optimizers", "kfac", "--steps", "25"]
+    argv += ["--n-int", "100", "--n-bnd", "50", "--n-eval", "200", "--log-every", "25"]
+    hist = mod.main(argv)["kfac"]
+    assert hist["step"] == [0, 25]
+    assert hist["loss"][-1] < 0.5 * hist["loss"][0]
+    assert hist["l2"][-1] < hist["l2"][0]
+    # the deeper default network of the 5d problem
+    model = mod.make_model(5, (64, 64, 48, 48))
+    assert [m.weight.shape[1] for m in model if isinstance(m, nn.Linear)] == [5, 64, 64, 48, 48]
+
+
 def _block_vector(model, name, vectors):
     """``M [D_out, D_in + 1]``: a layer's entries of ``vectors`` (bias as the last column)."""
     named = dict(zip([n for n, _ in model.named_parameters()], vectors))

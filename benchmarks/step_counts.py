@@ -17,7 +17,9 @@ import argparse
 import os
 import sys
 import time
+import traceback
 import warnings
+from collections import Counter
 
 import torch
 from torch import Tensor, nn
@@ -43,19 +45,40 @@ READS = {
     torch.nonzero,
     torch.equal,
     Tensor.equal,
+    torch.unique,
+    Tensor.unique,
+    torch.masked_select,
 }
 
 
 class HostReads(TorchFunctionMode):
-    """Counts host reads of tensor values (a synchronization each on a GPU)."""
+    """Counts host reads of tensor values (a synchronization each on a GPU).
+
+    Besides the calls in :data:`READS`: indexing with a boolean mask (a ``nonzero`` on
+    the host) and ``repeat_interleave`` with tensor repeats and no ``output_size``.
+    ``where`` counts them by call site in ``curvature`` (the last three frames).
+    """
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.where: Counter = Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += func in READS
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        read = func in READS
+        name = getattr(func, "__name__", "")
+        if name == "__getitem__":  # a boolean mask index: nonzero on the host
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            read = any(isinstance(i, Tensor) and i.dtype == torch.bool for i in idx)
+        if name == "repeat_interleave":  # tensor repeats without output_size
+            read = isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), Tensor)
+            read = read and kwargs.get("output_size") is None
+        if read:
+            self.count += 1
+            frames = [f for f in traceback.extract_stack()[:-1] if "curvature" in f.filename]
+            self.where[f"{name} at " + " < ".join(f"{f.name}:{f.lineno}" for f in frames[-3:])] += 1
+        return func(*args, **kwargs)
 
 
 class AtenCalls(TorchDispatchMode):

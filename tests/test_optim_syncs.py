@@ -11,68 +11,27 @@ must not grow (thresholds slightly above today's counts; see docs/benchmarks.md)
 
 from __future__ import annotations
 
-import traceback
+import pathlib
+import sys
 import warnings
-from collections import Counter
 
 import pytest
 import torch
 from cases import torch_state
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch import nn
 
 import curvature
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from step_counts import AtenCalls, HostReads  # noqa: E402
+
 CE = nn.CrossEntropyLoss()
-_READS = {
-    Tensor.item,
-    Tensor.tolist,
-    Tensor.__bool__,
-    Tensor.__int__,
-    Tensor.__float__,
-    Tensor.__index__,
-    Tensor.cpu,
-    Tensor.numpy,
-    Tensor.nonzero,
-    torch.nonzero,
-    torch.equal,
-    Tensor.equal,
-    torch.unique,
-    Tensor.unique,
-    torch.masked_select,
-}
 
 
 @pytest.fixture(autouse=True)
 def _seed_one_thread():
     with torch_state():
         yield
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the calls that read a tensor's value on the host (a sync on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-        self.where: Counter = Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        read = func in _READS
-        name = getattr(func, "__name__", "")
-        if name == "__getitem__":  # a boolean mask index: nonzero on the host
-            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
-            read = any(isinstance(i, Tensor) and i.dtype == torch.bool for i in idx)
-        if name == "repeat_interleave":  # tensor repeats without output_size
-            read = isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), Tensor)
-            read = read and kwargs.get("output_size") is None
-        if read:
-            self.count += 1
-            frames = [f for f in traceback.extract_stack()[:-1] if "curvature" in f.filename]
-            self.where[f"{name} at " + " < ".join(f"{f.name}:{f.lineno}" for f in frames[-3:])] += 1
-        return func(*args, **kwargs)
 
 
 def mlp(depth=2):
@@ -175,16 +134,6 @@ def test_skipped_updates_are_warned_when_the_counter_is_read():
 
 
 # -- aten calls per training step ------------------------------------------------------------------
-class AtenCalls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def aten_calls_per_step(make, steps=2):
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -39,6 +39,15 @@ RTOL = 1e-8
 # ---------------------------------------------------------------------------------------
 # The brute-force twins and the comparison helper
 # ---------------------------------------------------------------------------------------
+def train_step(opt, model, X, y, loss_func=None) -> float:
+    """One ``zero_grad``, forward, loss (cross-entropy unless given), backward, ``step``."""
+    opt.zero_grad()
+    loss = (loss_func or nn.CrossEntropyLoss())(model(X), y)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
 def as_tuple(X: Inputs) -> Tuple[Tensor, ...]:
     """Model inputs as a tuple (a single tensor becomes a 1-tuple)."""
     return X if isinstance(X, tuple) else (X,)

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from cases import TinyTransformer, torch_state
+from cases import TinyTransformer, torch_state, train_step
 from optimizer_info import optimizer_params, variants
 from torch import nn
 
@@ -53,14 +53,6 @@ def params(model):
 
 def finite(model):
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-def train_step(opt, model, X, y, loss_func=CE):
-    opt.zero_grad()
-    loss = loss_func(model(X), y)
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
 
 
 def snapshot(opt):

@@ -23,7 +23,7 @@ from torch import nn
 import curvature
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from step_counts import AtenCalls, HostReads  # noqa: E402
+from step_counts import AtenCalls, HostReads, per_step  # noqa: E402
 
 CE = nn.CrossEntropyLoss()
 
@@ -135,24 +135,8 @@ def test_skipped_updates_are_warned_when_the_counter_is_read():
 
 # -- aten calls per training step ------------------------------------------------------------------
 def aten_calls_per_step(make, steps=2):
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
-    )
-    opt = make(model)
-    X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
-
-    def step():
-        opt.zero_grad()
-        CE(model(X), y).backward()
-        opt.step()
-
-    for _ in range(2):
-        step()
-    with AtenCalls() as calls:
-        for _ in range(steps):
-            step()
-    return calls.count / steps
+    """Aten calls per training step of the benchmark's MLP (benchmarks/step_counts.py)."""
+    return per_step(make, AtenCalls, steps)
 
 
 #: aten calls per training step against ``AdamW(foreach=True)`` (75 with torch 2.x):

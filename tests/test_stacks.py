@@ -19,7 +19,7 @@ from functools import cache
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import torch_state
+from cases import torch_state, train_step
 from resnets import resnet18
 from torch import nn
 
@@ -46,14 +46,6 @@ def mlp(seed: int = 0) -> nn.Module:
 def batch(seed: int = 0, N: int = 16):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(N, 4, generator=g), torch.randint(0, 3, (N,), generator=g)
-
-
-def train_step(opt, model, X, y, loss_func=CE):
-    opt.zero_grad()
-    loss = loss_func(model(X), y)
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
 
 
 @cache

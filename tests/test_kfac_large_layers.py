@@ -456,6 +456,25 @@ def test_one_sided_products_match_the_dense_block(sides):
     torch.testing.assert_close(block.inverse_matvec(M, lam, "pi"), want)
 
 
+@pytest.mark.parametrize("sides", SIDES, ids=lambda s: f"full_A={s[0]}-full_G={s[1]}")
+def test_one_sided_per_factor_damping_matches_the_dense_damped_factors(sides):
+    """``damping_mode="per_factor"``: ``(G + lambda I) x (A + lambda I)`` (not exact)."""
+    block = _random_block(*sides)
+    M = torch.randn(block.shape)
+    C, lam = block.shape[0], 0.3
+    A = block.A if block.full_A else torch.diag_embed(block.A)
+    G = block.G if block.full_G else torch.diag_embed(block.G)
+    damped = torch.stack(
+        [
+            torch.kron(G[c] + lam * torch.eye(G.shape[-1]), A[c] + lam * torch.eye(A.shape[-1]))
+            for c in range(C)
+        ]
+    )
+    n = damped.shape[-1]
+    want = torch.linalg.solve(damped, M.reshape(C, n, 1)).view(M.shape)
+    torch.testing.assert_close(block.inverse_matvec(M, lam, "per_factor"), want)
+
+
 def test_one_sided_block_state_round_trip_and_running_average():
     block = _random_block(True, False)
     A0, G0 = block.A.clone(), block.G.clone()

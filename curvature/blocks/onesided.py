@@ -99,7 +99,7 @@ class OneSidedBlock(RunningFactors):
         return out @ A if self.full_A else out * A[..., None, :]
 
     def inverse_matvec(self, M: Tensor, damping: float, mode: str = "exact") -> Tensor:
-        """``(block + damping)^{-1} M``, damped ``"exact"``-ly or by the ``"pi"`` heuristic.
+        """``(block + damping)^{-1} M``: ``"exact"``, ``"pi"`` or ``"per_factor"`` damping.
 
         From the last refresh's decomposition. While the block has had no finite
         statistics (:attr:`fresh`), ``M`` itself; so too without a refresh record while
@@ -116,6 +116,8 @@ class OneSidedBlock(RunningFactors):
             pi = pi_factor(lA.mean(-1), lG.mean(-1))[..., None, None]
             root = damping**0.5
             R = R / ((lG[..., :, None] + root / pi) * (lA[..., None, :] + pi * root))
+        elif mode == "per_factor":  # (G + lambda I) x (A + lambda I)
+            R = R / ((lG[..., :, None] + damping) * (lA[..., None, :] + damping))
         else:
             R = R / (lG[..., :, None] * lA[..., None, :] + damping)
         R = R if QA is None else R @ QA.to(M.dtype).mT

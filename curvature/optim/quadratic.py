@@ -175,10 +175,9 @@ class QuadraticRule:
             self._comm.all_reduce([shared], "quadratic model")
             gram = shared.cpu() / self._comm.world
         lam = self._damping_vector(directions)
-        damped = torch.tensor(
-            [[float((lam * a * b).sum()) for b in vectors] for a in vectors], dtype=torch.float64
-        )
-        linear = torch.tensor([float(grads @ v) for v in vectors], dtype=torch.float64)
+        V = torch.stack(vectors)  # [K, P]: the damped Gram and the slopes read in two copies
+        damped = ((V * lam) @ V.T).to(torch.float64).cpu()
+        linear = (V @ grads.to(V.dtype)).to(torch.float64).cpu()
         c, model = solve_coefficients(gram, damped, linear)
         if not (torch.isfinite(c).all() and math.isfinite(model)) or model >= 0:
             warn(

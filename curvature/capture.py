@@ -22,11 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from .capture_quantities import PerSampleQuantities
+from .capture_traced import TracedCalls, receive_pushed
 from .edges import CheckedView, WeakHook, assign_grads, leaves, output_edge
 from .layers import Call, LayerRule
 from .layers.base import current_shared_slots
 from .layers.norm import uses_batch_statistics
-from .layers.select import select_layers, unwrap_model
+from .layers.select import compiled_wrapper, select_layers, unwrap_model
 from .options import Unsupported, renamed
 
 #: Pulls of any capture in progress, process-wide: no capture's push hooks take their ``g``.
@@ -52,7 +53,7 @@ def isolated(owner: Optional[Capture] = None) -> Iterator[None]:
         _EXCLUSIVE.reset(token)
 
 
-class Capture(PerSampleQuantities):
+class Capture(PerSampleQuantities, TracedCalls):
     """Records layer inputs and output edges of one forward; pulls backprops after it.
 
     Use :func:`capture` to create one. After the ``with`` block, the per-sample methods
@@ -77,6 +78,8 @@ class Capture(PerSampleQuantities):
     ):
         unsupported, arg = renamed(unsupported, fallback, "unsupported", "fallback", "capture")
         self.model = unwrap_model(model)
+        self.wrapper = compiled_wrapper(model)  # torch.compile's wrapper, if any
+        self._in_wrapper = False  # a call of the wrapper in progress
         self.layers = select_layers(
             self.model, unsupported, arg=arg, skip_batch_statistics=skip_batch_statistics
         )
@@ -100,6 +103,7 @@ class Capture(PerSampleQuantities):
         self._on_commit: Optional[Callable[..., Any]] = None
         self.late_gradients = 0  # gradients that reached a call after it was handed out
         self.graph_gradients = 0  # gradients with a graph (a create_graph=True backward)
+        self._init_traced()
 
     # -- hooks -------------------------------------------------------------------------
     def attach(self) -> Capture:
@@ -144,6 +148,14 @@ class Capture(PerSampleQuantities):
         post = WeakHook(self, "_root_end", self.model)
         self._handles.append(self.model.register_forward_pre_hook(pre))
         self._handles.append(self.model.register_forward_hook(post))
+        if self.wrapper is not None:  # the wrapper's hooks run outside the compiled graph
+            wrapper = self.wrapper
+            pre = WeakHook(self, "_wrapper_start", wrapper)
+            post = WeakHook(self, "_wrapper_end", wrapper)
+            done = WeakHook(self, "_wrapper_done", wrapper)
+            self._handles.append(wrapper.register_forward_pre_hook(pre))
+            self._handles.append(wrapper.register_forward_hook(post))
+            self._handles.append(wrapper.register_forward_hook(done, always_call=True))
 
     @property
     def suspended(self) -> bool:
@@ -151,15 +163,29 @@ class Capture(PerSampleQuantities):
         owner = _EXCLUSIVE.get()
         return owner is not None and owner != id(self)
 
-    def _root_start(self, module: nn.Module, args: Any) -> None:
+    def _wrapper_start(self, module: nn.Module, args: Any) -> None:
+        self._in_wrapper = True
+        self._root_start(module, args, outside=True)
+
+    def _wrapper_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._root_end(module, args, output, outside=True)
+
+    def _root_start(self, module: nn.Module, args: Any, outside: bool = False) -> None:
+        if self._in_wrapper and not outside:  # the wrapper's hook ran it, outside the graph
+            return
         fn = self._root["start"]() if self._root["start"] is not None else None
         if fn is not None and not self.suspended:
             fn(module, args)
 
-    def _root_end(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _root_end(self, module: nn.Module, args: Any, output: Any, outside: bool = False) -> None:
+        if self._in_wrapper and not outside:
+            return
         fn = self._root["end"]() if self._root["end"] is not None else None
         if fn is not None and not self.suspended:
             fn(module, args, output)
+
+    def _wrapper_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_wrapper = False
 
     @property
     def recording(self) -> bool:
@@ -178,6 +204,7 @@ class Capture(PerSampleQuantities):
     @property
     def calls(self) -> Dict[str, List[Call]]:
         """Layer name to its recorded calls of the current forward(s), in call order."""
+        self._drain()
         return {name: list(calls) for name, calls in self._calls.items()}
 
     def remove_hooks(self) -> None:
@@ -185,9 +212,12 @@ class Capture(PerSampleQuantities):
         self._recording = False
         _remove_handles(self._handles, self._param_handles)
 
-    def _on_forward(self, name: str, module: nn.Module, args, kwargs, output) -> None:
+    def _on_forward(self, name: str, module: nn.Module, args, kwargs, output) -> Any:
+        if torch.compiler.is_compiling() and self._traceable[name]:
+            return self._record_traced(name, args, kwargs, output)  # the tapped output
         if self._recording and not self.suspended:
             self._record(name, module, args, kwargs, output)
+        return None
 
     def _record(self, name: str, module: nn.Module, args, kwargs, output) -> None:
         outs = leaves(output)
@@ -261,6 +291,7 @@ class Capture(PerSampleQuantities):
 
     def commit(self, name: str) -> None:
         """Commit the pending gradients of layer ``name``'s calls (see :meth:`watch_backward`)."""
+        self._drain()
         done = []
         for c in self._calls.get(name, ()):
             if c.pending is None or all(g is None for g in c.pending):
@@ -285,6 +316,7 @@ class Capture(PerSampleQuantities):
         Their ``grads`` are set (zeros for outputs that received none); they are removed
         from the capture, and calls still waiting for their backward stay.
         """
+        self._drain()
         out = []
         for name, module, rule in self.layers:
             done = [c for c in self._calls[name] if any(g is not None for g in c.pushed or ())]
@@ -334,6 +366,9 @@ class Capture(PerSampleQuantities):
         A walk of the autograd graph from ``output`` that stops at the first recorded
         node (for the model's own output, a few nodes away).
         """
+        self._drain()
+        if any(c.tickets for cs in self._calls.values() for c in cs):
+            return True  # a compiled forward's calls: their graph is one opaque node
         targets = {e.node for cs in self._calls.values() for c in cs for e in c.out_edges}
         stack, seen = [output.grad_fn], set()
         while stack:
@@ -348,6 +383,7 @@ class Capture(PerSampleQuantities):
 
     def clear(self) -> None:
         """Forget every recorded call (and its pushed gradients)."""
+        self._inbox.clear()
         for calls in self._calls.values():
             calls.clear()
 
@@ -355,6 +391,7 @@ class Capture(PerSampleQuantities):
     @property
     def batch_size(self) -> int:
         """Batch size ``N`` of the recorded forward."""
+        self._drain()
         sizes = {
             rule.batch_size(module, call)
             for name, module, rule in self.layers
@@ -376,6 +413,7 @@ class Capture(PerSampleQuantities):
 
     def active(self) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
         """``(name, module, rule, calls)`` of every layer with recorded calls."""
+        self._drain()
         return [(n, m, r, list(self._calls[n])) for n, m, r in self.layers if self._calls[n]]
 
     def reached(self, *, take: bool = False) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
@@ -424,7 +462,8 @@ class Capture(PerSampleQuantities):
         active = self.active()
         if not active:
             _ = self.batch_size  # raises the "no forward was recorded" error
-        calls = [c for _, _, _, cs in active for c in cs]
+        calls = [c for _, _, _, cs in active for c in cs if not c.tickets]
+        traced = [c for _, _, _, cs in active for c in cs if c.tickets]  # compiled forwards
         edges = [e for c in calls for e in c.out_edges]
         lead: Tuple[int, ...] = ()
         vmapped = is_grads_batched
@@ -442,14 +481,21 @@ class Capture(PerSampleQuantities):
         self._pushing = False
         _PULLS[0] += 1
         try:
-            grads = torch.autograd.grad(
-                outputs,
-                edges,
-                grad_outputs,
-                retain_graph=retain_graph,
-                allow_unused=True,
-                is_grads_batched=vmapped,
-            )
+            grads = ()
+            if edges:
+                grads = torch.autograd.grad(
+                    outputs,
+                    edges,
+                    grad_outputs,
+                    retain_graph=retain_graph or bool(traced),
+                    allow_unused=True,
+                    is_grads_batched=vmapped,
+                )
+            if traced:
+                grads = (
+                    *grads,
+                    *self._pull_traced(traced, outputs, grad_outputs, vmapped, retain_graph),
+                )
             if is_grads_batched and not vmapped:
                 grads = tuple(None if g is None else g.unsqueeze(0) for g in grads)
         except RuntimeError as err:
@@ -478,9 +524,10 @@ class Capture(PerSampleQuantities):
                 "The given outputs do not depend on the captured forward: compute them "
                 "from the output of the model run inside `with capture(model)`."
             )
+        calls = calls + traced
         it = iter(grads)
         for c in calls:
-            gs = [next(it) for _ in c.out_edges]
+            gs = [next(it) for _ in (c.tickets or c.out_edges)]
             if unreached == "skip" and all(g is None for g in gs):
                 c.grads = None
                 continue
@@ -518,14 +565,8 @@ def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, outpu
         if cap is None or not cap.pushing:
             return None
         g = grad_outputs[output_nr]
-        if g is None:
-            return None
-        if g.requires_grad:  # a create_graph=True pass (a gradient penalty, an HVP)
-            cap.graph_gradients += 1
-        if call.pending is None:  # handed out already: a second backward through it
-            cap.late_gradients += 1
-        else:  # this pass's gradient; committed when the layer's .grad accumulates
-            call.pending[j] = g
+        if g is not None:
+            receive_pushed(cap, call, j, g)
         return None
 
     return prehook

@@ -132,14 +132,14 @@ class WeakHook:
         self._method = method
         self._extra = extra
 
-    def __call__(self, module: nn.Module, *args: Any) -> None:  # noqa: D102
+    def __call__(self, module: nn.Module, *args: Any) -> Any:  # noqa: D102
         owner = self._owner() if self._owner is not None else None
         if owner is None or module is not (self._module() if self._module else None):
             return None
-        if REPLAYING.get():  # a rule replays the module per sample: not a forward of ours
+        # a rule replays the module per sample: not a forward of ours (never compiled)
+        if not torch.compiler.is_compiling() and REPLAYING.get():
             return None
-        getattr(owner, self._method)(*self._extra, module, *args)
-        return None
+        return getattr(owner, self._method)(*self._extra, module, *args)
 
     def __deepcopy__(self, memo: dict) -> WeakHook:
         return WeakHook(None, self._method, None)  # bound to nothing: does nothing

@@ -113,6 +113,10 @@ class Call:
             ``needs_outputs`` (to verify a replay), else ``None``.
         slots: The number ``n`` of stacked slots on axis 1 (weight sharing, the bias on
             slot 0 only) when the call ran inside :func:`shared_slots`, else ``None``.
+        tickets: For a call recorded in a ``torch.compile``'d forward
+            (:mod:`curvature.capture_traced`): the serial number of each output's tap,
+            which stands in for its edge (``out_edges`` is then empty); else ``None``.
+        pulled: The gradients the taps handed over during a pull in progress.
 
     """
 
@@ -130,6 +134,8 @@ class Call:
     pending: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
     slots: Optional[int] = None
     extra_info: Any = field(default=None, repr=False)
+    tickets: Optional[List[int]] = field(default=None, repr=False)
+    pulled: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import List, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -31,6 +31,22 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # the compiled model (no public accessor)
         else:
             return model
+
+
+def compiled_wrapper(model: nn.Module) -> Optional[nn.Module]:
+    """``torch.compile``'s wrapper of the user's model (inside DDP wrappers), else ``None``.
+
+    Its own hooks run outside the compiled region: the capture's forward callbacks go
+    there, so that they split no graph.
+    """
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+            return model
+        else:
+            return None
 
 
 def select_layers(

@@ -37,6 +37,7 @@ from ..blocks.gather import BlockGather
 from ..blocks.kronecker import batched_ema
 from ..capture import unwrap_model
 from ..layer_stats import no_block_reasons
+from ..layers.select import compiled_wrapper
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
 from ..options import FisherType, Unsupported
 from ..warn import warn
@@ -95,6 +96,7 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         self.sync_grads = (not is_ddp(model)) if config.sync_grads is None else config.sync_grads
         self._ddp = model if is_ddp(model) else None
         self.model = unwrap_model(model)
+        self._compiled = compiled_wrapper(model)  # torch.compile's wrapper, if any
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         groups: Any = (
@@ -202,6 +204,7 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
             self._ddp,
             self.config.grad_scaler,
             finish=self._tied.finish,
+            wrapper=self._compiled,
         )
         self._skipped_before += skipped
         self._live[0] = self._collector

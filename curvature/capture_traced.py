@@ -1,0 +1,157 @@
+"""The capture inside a ``torch.compile``'d forward: layer calls recorded through taps.
+
+A mixin of :class:`curvature.capture.Capture`. While dynamo traces the model, a covered
+layer whose output is one tensor and whose rule needs no internal gradient edges is
+recorded without reading any autograd node (which would split the graph):
+
+- its output goes through :func:`curvature.taps.tap` (one opaque node of the graph);
+- its inputs, the output's shape and the tap's ticket are appended to a Python list,
+  which dynamo replays after the compiled graph ran; the list is drained into
+  :class:`~curvature.layers.Call` records whenever the capture is asked for them;
+- in the backward the tap hands the gradient ``g`` w.r.t. the output to
+  :meth:`TracedCalls._tap_backward`, which stores it like the node pre-hook of an eager
+  record (the user's backward, ``"empirical"``), or as the result of a pull.
+
+Other layers (tuple outputs, rules with internal edges: attention, norms over batch
+statistics) are recorded as in eager mode, at the price of a graph break.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .layers import Call
+from .layers.base import LayerRule
+from .taps import register_receiver, tap
+
+
+class TracedCalls:
+    """Tapped layer calls of compiled forwards (see the module docstring)."""
+
+    def _init_traced(self) -> None:
+        self._inbox: List[tuple] = []  # appended by compiled forwards (dynamo replays it)
+        self._key_base = register_receiver(self, "_tap_forward", "_tap_backward")
+        self._layer_names = [name for name, _, _ in self.layers]
+        self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
+        self._traceable = {
+            name: type(rule).extra_edges is LayerRule.extra_edges and not rule.needs_outputs
+            for name, _, rule in self.layers
+        }
+        self._traced_pull: Optional[Dict[int, Tuple[Call, int]]] = None
+
+    def _record_traced(self, name: str, args: Any, kwargs: Any, output: Any) -> Any:
+        """Tap ``output`` and keep the call's inputs (traced by dynamo, no graph break)."""
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return None
+        y, ticket = tap(output, self._key_base + self._layer_index[name])
+        self._inbox.append((name, args, kwargs, ticket, (y.shape, y.dtype, y.device)))
+        return y
+
+    def _tap_forward(self, position: int) -> bool:
+        """Whether the tapped call records (read when the compiled forward runs)."""
+        return self._recording and not self.suspended
+
+    def _drain(self) -> None:
+        """Turn the compiled forwards' records into calls (in call order)."""
+        if not self._inbox:
+            return
+        records = list(self._inbox)
+        self._inbox.clear()  # emptied in place: the compiled frame guards this list
+        for name, args, kwargs, ticket, meta in records:
+            serial = int(ticket)
+            if not serial:  # not recording when it ran
+                continue
+            inputs = list(args) + list(kwargs.values())
+            versions = [(t, t._version) for t in inputs if isinstance(t, Tensor)]
+            call = Call(args, dict(kwargs), versions, [], [meta], [0])
+            call.out_views = [None]
+            call.tickets = [serial]
+            if self._push:
+                call.pushed, call.pending = [None], [None]
+            self._calls[name].append(call)
+
+    def _tap_backward(self, position: int, serial: int, g: Tensor) -> None:
+        """The gradient ``g`` w.r.t. a tapped output arrived in a backward pass."""
+        self._drain()
+        if self._traced_pull is not None:  # our own pull
+            entry = self._traced_pull.get(serial)
+            if entry is not None:
+                call, j = entry
+                call.pulled[j] = g
+            return
+        if not self.pushing:
+            return
+        name = self._layer_names[position]
+        for call in self._calls[name]:
+            tickets = getattr(call, "tickets", None)
+            if tickets and serial in tickets:
+                receive_pushed(self, call, tickets.index(serial), g)
+                return
+
+    def _pull_traced(
+        self,
+        calls: Sequence[Call],
+        outputs: Any,
+        grad_outputs: Any,
+        is_grads_batched: bool,
+        retain_graph: bool,
+    ) -> List[Optional[Tensor]]:
+        """The gradients w.r.t. the tapped outputs of ``calls`` (a pull through the taps).
+
+        One backward per vector of ``grad_outputs`` (a compiled graph's backward cannot
+        be vmapped), to the covered layers' parameters; the taps hand over ``g``.
+        """
+        params = [p for _, m, _ in self.layers for p in m.parameters() if p.requires_grad]
+        outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+        if is_grads_batched:
+            many = isinstance(grad_outputs, (list, tuple))
+            vs = grad_outputs if many else [grad_outputs]
+            K = next(v for v in vs if v is not None).shape[0]
+            rounds = [[None if v is None else v[k] for v in vs] for k in range(K)]
+        else:
+            rounds = [grad_outputs]
+        results: List[List[Optional[Tensor]]] = [[] for _ in calls]
+        self._traced_pull = {s: (c, j) for c in calls for j, s in enumerate(c.tickets)}
+        try:
+            for k, vectors in enumerate(rounds):
+                for c in calls:
+                    c.pulled = [None] * len(c.tickets)
+                last = k == len(rounds) - 1
+                torch.autograd.grad(
+                    outs,
+                    params,
+                    vectors,
+                    retain_graph=retain_graph or not last,
+                    allow_unused=True,
+                )
+                for i, c in enumerate(calls):
+                    results[i].append(c.pulled)
+        finally:
+            self._traced_pull = None
+            for c in calls:
+                c.pulled = None
+        grads: List[Optional[Tensor]] = []
+        for per_round in results:
+            for j in range(len(per_round[0])):
+                gs = [r[j] for r in per_round]
+                if all(g is None for g in gs):
+                    grads.append(None)
+                elif is_grads_batched:
+                    zero = next(g for g in gs if g is not None)
+                    grads.append(torch.stack([zero * 0 if g is None else g for g in gs]))
+                else:
+                    grads.append(gs[0])
+        return grads
+
+
+def receive_pushed(cap: Any, call: Call, j: int, g: Tensor) -> None:
+    """Keep the gradient ``g`` of the user's backward for output ``j`` of ``call``."""
+    if g.requires_grad:  # a create_graph=True pass (a gradient penalty, an HVP)
+        cap.graph_gradients += 1
+    if call.pending is None:  # handed out already: a second backward through it
+        cap.late_gradients += 1
+    else:  # this pass's gradient; committed when the layer's .grad accumulates
+        call.pending[j] = g

@@ -148,27 +148,13 @@ class Capture(PerSampleQuantities, TracedCalls):
         post = WeakHook(self, "_root_end", self.model)
         self._handles.append(self.model.register_forward_pre_hook(pre))
         self._handles.append(self.model.register_forward_hook(post))
-        if self.wrapper is not None:  # the wrapper's hooks run outside the compiled graph
-            wrapper = self.wrapper
-            pre = WeakHook(self, "_wrapper_start", wrapper)
-            post = WeakHook(self, "_wrapper_end", wrapper)
-            done = WeakHook(self, "_wrapper_done", wrapper)
-            self._handles.append(wrapper.register_forward_pre_hook(pre))
-            self._handles.append(wrapper.register_forward_hook(post))
-            self._handles.append(wrapper.register_forward_hook(done, always_call=True))
+        self._hook_wrapper()
 
     @property
     def suspended(self) -> bool:
         """Whether another capture records exclusively now (see :func:`isolated`)."""
         owner = _EXCLUSIVE.get()
         return owner is not None and owner != id(self)
-
-    def _wrapper_start(self, module: nn.Module, args: Any) -> None:
-        self._in_wrapper = True
-        self._root_start(module, args, outside=True)
-
-    def _wrapper_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._root_end(module, args, output, outside=True)
 
     def _root_start(self, module: nn.Module, args: Any, outside: bool = False) -> None:
         if self._in_wrapper and not outside:  # the wrapper's hook ran it, outside the graph
@@ -183,9 +169,6 @@ class Capture(PerSampleQuantities, TracedCalls):
         fn = self._root["end"]() if self._root["end"] is not None else None
         if fn is not None and not self.suspended:
             fn(module, args, output)
-
-    def _wrapper_done(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._in_wrapper = False
 
     @property
     def recording(self) -> bool:

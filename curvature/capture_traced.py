@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .edges import WeakHook
 from .layers import Call
 from .layers.base import LayerRule
 from .taps import register_receiver, tap
@@ -41,6 +42,33 @@ class TracedCalls:
             for name, _, rule in self.layers
         }
         self._traced_pull: Optional[Dict[int, Tuple[Call, int]]] = None
+
+    def _hook_wrapper(self) -> None:
+        """Forward callbacks in the hooks of ``torch.compile``'s wrapper, if there is one.
+
+        They run outside the compiled graph; the model's own root hooks then do nothing
+        (read by the traced forward as a constant: no graph break). The flag is reset
+        after the wrapper's call, also when it raised.
+        """
+        if self.wrapper is None:
+            return
+        wrapper = self.wrapper
+        pre = WeakHook(self, "_wrapper_start", wrapper)
+        post = WeakHook(self, "_wrapper_end", wrapper)
+        done = WeakHook(self, "_wrapper_done", wrapper)
+        self._handles.append(wrapper.register_forward_pre_hook(pre))
+        self._handles.append(wrapper.register_forward_hook(post))
+        self._handles.append(wrapper.register_forward_hook(done, always_call=True))
+
+    def _wrapper_start(self, module: nn.Module, args: Any) -> None:
+        self._in_wrapper = True
+        self._root_start(module, args, outside=True)
+
+    def _wrapper_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._root_end(module, args, output, outside=True)
+
+    def _wrapper_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_wrapper = False
 
     def _record_traced(self, name: str, args: Any, kwargs: Any, output: Any) -> Any:
         """Tap ``output`` and keep the call's inputs (traced by dynamo, no graph break)."""

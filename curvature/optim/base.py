@@ -35,9 +35,8 @@ from torch.optim import Optimizer
 
 from ..blocks.gather import BlockGather
 from ..blocks.kronecker import batched_ema
-from ..capture import unwrap_model
+from ..capture import compiled_wrapper, unwrap_model
 from ..layer_stats import no_block_reasons
-from ..layers.select import compiled_wrapper
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
 from ..options import FisherType, Unsupported
 from ..warn import warn
@@ -94,9 +93,8 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         # DDP averages the gradients itself; a plain model under torch.distributed is
         # treated as replicated data parallelism and its gradients are averaged here.
         self.sync_grads = (not is_ddp(model)) if config.sync_grads is None else config.sync_grads
-        self._ddp = model if is_ddp(model) else None
+        self._ddp, self._compiled = (model if is_ddp(model) else None), compiled_wrapper(model)
         self.model = unwrap_model(model)
-        self._compiled = compiled_wrapper(model)  # torch.compile's wrapper, if any
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         groups: Any = (

@@ -76,8 +76,6 @@ class StatisticsCollector:
             ``flush`` is ``False`` for a layer committed inside the user's backward (more
             layers of that forward follow), ``True`` when the forward's layers are all in;
             ``finish(None)`` when an error cut the fold short. A bound method, held weakly.
-        wrapper: ``torch.compile``'s wrapper of ``model``, if the optimizer was given one:
-            the forward callbacks then run in its hooks, outside the compiled graph.
 
     Attributes:
         due: Whether this step collects statistics (``factor_every``); set by the optimizer.
@@ -101,7 +99,7 @@ class StatisticsCollector:
         ddp: Optional[nn.Module] = None,
         grad_scaler: Any = None,
         finish: Optional[Callable[[Optional[bool]], None]] = None,
-        wrapper: Optional[nn.Module] = None,
+        wrapper: Optional[nn.Module] = None,  # torch.compile's, if given
     ):
         self.who = who
         self.model = model
@@ -137,11 +135,8 @@ class StatisticsCollector:
         self.root_seen = False  # a forward of the model itself ran
         self.root_warned = False
         # BatchNorm in train mode: left out, its parameters get the plain gradient
-        self.capture = Capture(
-            model if wrapper is None else wrapper,
-            unsupported="functorch",
-            skip_batch_statistics=True,
-        )
+        root = model if wrapper is None else wrapper  # torch.compile's wrapper: its hooks
+        self.capture = Capture(root, unsupported="functorch", skip_batch_statistics=True)
         self.capture.attach()
         if fisher == FisherType.EMPIRICAL:
             self.capture.watch_backward(True, on_commit=self._committed)

@@ -17,7 +17,8 @@ puts into the graph as one opaque node (no graph break):
 The receiver pairs ``g`` with the layer inputs that the hook kept in a Python list
 (dynamo replays such appends after the graph), by serial. Both operators copy their
 tensor (an operator's output may not alias its input): one copy of each layer output and
-of its gradient per step, the price of the graph staying whole.
+of its gradient per step, and one more copy of the gradient that is kept (the compiled
+backward may reuse the memory of its own tensors), the price of the graph staying whole.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def _grab(g: Tensor, ticket: Tensor, key: int) -> Tensor:
     if serial:
         owner, position, _, backward = receiver(key)
         if owner is not None:
-            backward(position, serial, g)
+            # a private copy: the compiled backward may reuse the memory of its own
+            # tensors (``g`` and this operator's output) once they are used up
+            backward(position, serial, g.clone())
     return g.clone()
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .capture_quantities import PerSampleQuantities
-from .capture_traced import TracedCalls, receive_pushed
+from .capture_traced import TracedCalls, outside_graph, receive_pushed
 from .edges import CheckedView, WeakHook, assign_grads, leaves, output_edge
 from .layers import Call, LayerRule
 from .layers.base import current_shared_slots
@@ -157,18 +157,19 @@ class Capture(PerSampleQuantities, TracedCalls):
         return owner is not None and owner != id(self)
 
     def _root_start(self, module: nn.Module, args: Any, outside: bool = False) -> None:
-        if self._in_wrapper and not outside:  # the wrapper's hook ran it, outside the graph
-            return
-        fn = self._root["start"]() if self._root["start"] is not None else None
-        if fn is not None and not self.suspended:
-            fn(module, args)
+        self._root_call("start", outside, module, args)
 
     def _root_end(self, module: nn.Module, args: Any, output: Any, outside: bool = False) -> None:
-        if self._in_wrapper and not outside:
+        self._root_call("end", outside, module, args, output)
+
+    def _root_call(self, which: str, outside: bool, *args: Any) -> None:
+        if self._in_wrapper and not outside:  # the wrapper's hook runs it, outside the graph
             return
-        fn = self._root["end"]() if self._root["end"] is not None else None
+        if torch.compiler.is_compiling():  # a model compiled after the capture attached
+            return outside_graph(self._root_call, which, True, *args)  # one graph break
+        fn = self._root[which]() if self._root[which] is not None else None
         if fn is not None and not self.suspended:
-            fn(module, args, output)
+            fn(*args)
 
     @property
     def recording(self) -> bool:

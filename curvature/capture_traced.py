@@ -175,6 +175,12 @@ class TracedCalls:
         return grads
 
 
+@torch.compiler.disable
+def outside_graph(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, run eagerly when called from a forward that dynamo traces."""
+    return fn(*args)
+
+
 def receive_pushed(cap: Any, call: Call, j: int, g: Tensor) -> None:
     """Keep the gradient ``g`` of the user's backward for output ``j`` of ``call``."""
     if g.requires_grad:  # a create_graph=True pass (a gradient penalty, an HVP)

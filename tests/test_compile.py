@@ -159,3 +159,28 @@ def test_per_sample_quantities_of_a_compiled_model():
         return cap.per_sample_grad_norms(losses, retain_graph=True), cap.per_sample_grads(losses)
 
     assert_equal(quantities(torch.compile(model, backend="aot_eager")), quantities(model))
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+@pytest.mark.parametrize("how", ["compiled after", "Module.compile"])
+def test_a_model_compiled_after_the_optimizer_was_built(how, fisher):
+    """The forward callbacks then run inside the compiled call: they leave the graph
+    there (a break before the first and after the last op), which stays one graph."""
+    torch.manual_seed(0)
+    model, counter = mlp(), testing.CompileCounter()
+    kw = {} if fisher == "empirical" else {"loss_func": CE}
+    optim = curvature.KFAC(model, lr=1e-2, damping=1e-3, kl_clip=1e-3, fisher=fisher, **kw)
+    if how == "Module.compile":
+        model.compile(backend=counter)
+        fwd = model
+    else:
+        fwd = torch.compile(model, backend=counter)
+    X, y = torch.randn(48, 20), torch.randint(0, 4, (48,))
+    for i in range(3):
+        optim.zero_grad()
+        CE(fwd(X[16 * i : 16 * i + 16]), y[16 * i : 16 * i + 16]).backward()
+        optim.step()
+    assert counter.frame_count == 1
+    got = optim.factors(), [p.detach().clone() for p in model.parameters()]
+    optim.close()
+    assert_equal(got, train(mlp, fisher, None))

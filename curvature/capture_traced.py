@@ -38,7 +38,8 @@ class TracedCalls:
         self._layer_names = [name for name, _, _ in self.layers]
         self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
         self._traceable = {
-            name: type(rule).extra_edges is LayerRule.extra_edges and not rule.needs_outputs
+            name: not rule.needs_outputs
+            and (rule.extra_edges_optional or type(rule).extra_edges is LayerRule.extra_edges)
             for name, _, rule in self.layers
         }
         self._traced_pull: Optional[Dict[int, Tuple[Call, int]]] = None

@@ -1,8 +1,9 @@
 """``torch.compile``: the optimizers split no graph, and their numbers are the eager ones.
 
-- graph count: dynamo's ``CompileCounter`` backend over three training steps of an MLP
-  and a small CNN gives one graph and no graph break with ``KFAC`` for the empirical
-  Fisher and for ``fisher="mc"`` (as many graphs as the model alone);
+- graph count: dynamo's ``CompileCounter`` backend over three training steps of an MLP,
+  a small CNN and an MLP with LayerNorm and GroupNorm gives one graph and no graph
+  break with ``KFAC`` for the empirical Fisher and for ``fisher="mc"`` (as many graphs
+  as the model alone);
 - exactness: factors and parameters after compiled steps (backends ``"eager"`` and
   ``"aot_eager"``: no C++ compiler needed) equal those of the uncompiled model, bit for
   bit, also with EKFAC, several MC samples, gradient accumulation, a module called twice
@@ -57,6 +58,12 @@ def cnn() -> nn.Module:
     )
 
 
+def normed() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(20, 16), nn.LayerNorm(16), nn.GELU(), nn.GroupNorm(4, 16), nn.Linear(16, 4)
+    )
+
+
 class Twice(nn.Module):
     """One layer called twice per forward, an in-place ReLU after a layer."""
 
@@ -69,7 +76,7 @@ class Twice(nn.Module):
         return self.b(torch.relu_(self.a(torch.relu(self.a(x)))))
 
 
-SHAPES = {mlp: (20,), cnn: (3, 8, 8), Twice: (20,)}
+SHAPES = {mlp: (20,), cnn: (3, 8, 8), normed: (20,), Twice: (20,)}
 
 
 def train(build, fisher, backend, steps=3, cls=curvature.KFAC, pattern="plain", **kw):
@@ -111,20 +118,20 @@ def assert_equal(a, b):
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
-@pytest.mark.parametrize("build", [mlp, cnn])
+@pytest.mark.parametrize("build", [mlp, cnn, normed])
 def test_one_graph_and_no_graph_break(build, fisher):
     """The compiled forward stays one graph: no break from the optimizer's hooks."""
     counter = testing.CompileCounter()
     factors, _ = train(build, fisher, counter)
     assert counter.frame_count == 1
     assert not utils.counters["graph_break"], dict(utils.counters["graph_break"])
-    layers = [n for n, m in build().named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    layers = [n for n, m in build().named_modules() if list(m.parameters(recurse=False))]
     assert set(factors) == set(layers)  # named as in the plain model, no `_orig_mod.`
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
-@pytest.mark.parametrize("build", [mlp, cnn])
+@pytest.mark.parametrize("build", [mlp, cnn, normed])
 def test_compiled_steps_equal_the_eager_ones(build, fisher, backend):
     assert_equal(train(build, fisher, backend), train(build, fisher, None))
 

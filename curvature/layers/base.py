@@ -164,6 +164,9 @@ class LayerRule:
     #: Outputs (flattened positions) that, when views, are the only use of their base
     #: tensor, so the base's gradient edge can stand in for theirs (survives in-place ops).
     base_edge_outputs: Tuple[int, ...] = ()
+    #: Whether :meth:`extra_edges` only saves work (the rule is exact without them): a
+    #: ``torch.compile``'d forward then records the layer without them, in the graph.
+    extra_edges_optional: bool = False
 
     def param_names(self, module: nn.Module) -> List[str]:
         """Names (relative to ``module``) of the trainable parameters the rule covers."""

@@ -77,6 +77,8 @@ class _AffineNormRule(LayerRule):
 class LayerNormRule(_AffineNormRule):
     """``nn.LayerNorm`` over the trailing ``normalized_shape`` axes."""
 
+    extra_edges_optional = True  # the saved statistics only spare their recomputation
+
     def normalized(self, module, x):  # noqa: D102
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
 

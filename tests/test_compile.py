@@ -83,7 +83,8 @@ def train(build, fisher, backend, steps=3, cls=curvature.KFAC, pattern="plain", 
     """Factors, parameters and the backend after ``steps`` steps (``backend=None``: eager)."""
     torch.manual_seed(0)
     model = build()
-    fwd = model if backend is None else torch.compile(model, backend=backend)
+    # fullgraph=True: any graph break would raise
+    fwd = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
     if fisher != "empirical":
         kw["loss_func"] = CE
     optim = cls(fwd, lr=1e-2, damping=1e-3, kl_clip=1e-3, fisher=fisher, **kw)

@@ -167,6 +167,8 @@ class Capture(PerSampleQuantities, TracedCalls):
             return
         if torch.compiler.is_compiling():  # a model compiled after the capture attached
             return outside_graph(self._root_call, which, True, *args)  # one graph break
+        if which == "end" and self._inbox:  # a compiled forward's output nodes (no edges)
+            self._output_nodes = [getattr(t, "grad_fn", None) for t in leaves(args[2])]
         fn = self._root[which]() if self._root[which] is not None else None
         if fn is not None and not self.suspended:
             fn(*args)
@@ -351,9 +353,11 @@ class Capture(PerSampleQuantities, TracedCalls):
         node (for the model's own output, a few nodes away).
         """
         self._drain()
-        if any(c.tickets for cs in self._calls.values() for c in cs):
-            return True  # a compiled forward's calls: their graph is one opaque node
         targets = {e.node for cs in self._calls.values() for c in cs for e in c.out_edges}
+        if any(c.tickets for cs in self._calls.values() for c in cs):
+            if not self._output_nodes:  # a compiled forward's calls, its output unknown
+                return True
+            targets.update(self._output_nodes)  # the compiled graph's own output nodes
         stack, seen = [output.grad_fn], set()
         while stack:
             node = stack.pop()
@@ -368,6 +372,7 @@ class Capture(PerSampleQuantities, TracedCalls):
     def clear(self) -> None:
         """Forget every recorded call (and its pushed gradients)."""
         self._inbox.clear()
+        self._output_nodes = []
         for calls in self._calls.values():
             calls.clear()
 

@@ -43,6 +43,7 @@ class TracedCalls:
             for name, _, rule in self.layers
         }
         self._traced_pull: Optional[Dict[int, Tuple[Call, int]]] = None
+        self._output_nodes: List[Any] = []  # autograd nodes of the last model output
 
     def _hook_wrapper(self) -> None:
         """Forward callbacks in the hooks of ``torch.compile``'s wrapper, if there is one.

@@ -192,3 +192,26 @@ def test_a_model_compiled_after_the_optimizer_was_built(how, fisher):
     got = optim.factors(), [p.detach().clone() for p in model.parameters()]
     optim.close()
     assert_equal(got, train(mlp, fisher, None))
+
+
+def test_mc_pulls_from_the_compiled_models_loss_only():
+    """``loss_func`` called on another model's output first (a distillation term): the
+    curvature backward still starts from the loss of the compiled model's output."""
+
+    def run(backend):
+        torch.manual_seed(0)
+        model, other = mlp(), nn.Linear(20, 4)
+        fwd = model if backend is None else torch.compile(model, backend=backend)
+        optim = curvature.KFAC(fwd, lr=1e-2, damping=1e-3, fisher="mc", loss_func=CE)
+        X, y = torch.randn(16, 20), torch.randint(0, 4, (16,))
+        for _ in range(2):
+            optim.zero_grad()
+            out = fwd(X)
+            extra = CE(other(X), y)
+            (CE(out, y) + extra).backward()
+            optim.step()
+        factors = optim.factors()
+        optim.close()
+        return factors
+
+    assert_equal(run("aot_eager"), run(None))

@@ -116,9 +116,8 @@ class TracedCalls:
             return
         name = self._layer_names[position]
         for call in self._calls[name]:
-            tickets = getattr(call, "tickets", None)
-            if tickets and serial in tickets:
-                receive_pushed(self, call, tickets.index(serial), g)
+            if call.tickets and serial in call.tickets:
+                receive_pushed(self, call, call.tickets.index(serial), g)
                 return
 
     def _pull_traced(
@@ -170,8 +169,9 @@ class TracedCalls:
                 if all(g is None for g in gs):
                     grads.append(None)
                 elif is_grads_batched:
-                    zero = next(g for g in gs if g is not None)
-                    grads.append(torch.stack([zero * 0 if g is None else g for g in gs]))
+                    shape = next(g for g in gs if g is not None)
+                    gs = [torch.zeros_like(shape) if g is None else g for g in gs]
+                    grads.append(torch.stack(gs))
                 else:
                     grads.append(gs[0])
         return grads

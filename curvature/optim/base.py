@@ -203,6 +203,7 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
             self.config.grad_scaler,
             finish=self._tied.finish,
         )
+        self._collector.projections = [] if self.config.update_rule == "quadratic" else None
         self._skipped_before += skipped
         self._live[0] = self._collector
         self._layers = self._collector.layers

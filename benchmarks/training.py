@@ -53,8 +53,6 @@ import common  # noqa: E402
 import curvature  # noqa: E402
 
 ADAM_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
-CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock
-_now = [time.perf_counter]  # the clock of the runs (--clock cpu: this process's CPU time)
 SGD_GRID = (1e-2, 3e-2, 1e-1, 3e-1)
 
 
@@ -161,7 +159,7 @@ def autoencoder(budget: float) -> Workload:
         kfac_rows={
             "KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": bce},
             # adaptive: learning rate, momentum and damping from the quadratic model, in the
-            # plain loop below (no closure), nothing searched
+            # plain loop of train() (no closure), nothing searched
             "KFAC adaptive (update_rule=quadratic), fisher=mc": {
                 "fisher": "mc",
                 "loss_func": bce,
@@ -217,7 +215,6 @@ def train(wl: Workload, method: str, kind: str, options: Dict[str, Any], seed: i
     order = torch.Generator().manual_seed(1000 + seed)
     run = Run(method, seed)
     clock, step, N = 0.0, 0, len(wl.y)
-    now = _now[0]
     perm, pos = torch.randperm(N, generator=order), 0
 
     def check() -> bool:
@@ -238,7 +235,7 @@ def train(wl: Workload, method: str, kind: str, options: Dict[str, Any], seed: i
 
     check()
     while clock < wl.budget:
-        t0 = now()
+        t0 = time.perf_counter()
         for _ in range(wl.eval_every):
             if pos + wl.batch > N:
                 perm, pos = torch.randperm(N, generator=order), 0
@@ -249,7 +246,7 @@ def train(wl: Workload, method: str, kind: str, options: Dict[str, Any], seed: i
             loss.backward()
             opt.step()
             step += 1
-        clock += now() - t0
+        clock += time.perf_counter() - t0
         if check():
             break
     return run
@@ -420,9 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--doc", action="store_true", help="write docs/benchmarks.md's section")
     p.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy machine)")
     p.add_argument("--from-json", default=None, help="report (and --doc) from a saved run")
-    p.add_argument("--clock", choices=tuple(CLOCK), default="wall", help="cpu: process time")
     args = p.parse_args(argv)
-    _now[0] = CLOCK[args.clock]
     torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]
     grids: Dict[str, Sequence[float]] = {"adam": ADAM_GRID, "sgd": SGD_GRID}
@@ -456,7 +451,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": common.machine_line(),
         "threads": args.threads,
-        "clock": args.clock,
         "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     if args.json:

@@ -184,6 +184,7 @@ class QuadraticRule:
             self._plain_quadratic_update(grads, directions)
             return
         self._collector.losses.clear()  # the closure's own calls: not a plain loop's losses
+        self._collector.projections.clear()  # the closure's statistics (not used here)
         who = type(self).__name__
         slots = self._slots()
         previous = [self.state[s.param].get("previous_update") for s in slots]

@@ -104,15 +104,30 @@ def test_linear_least_squares_coefficients_are_the_hand_2x2_solve(cls, factor_ev
     opt.close()
 
 
+def conv_net():
+    """Shared positions (S = 9) and groups (C = 2) in the first layer."""
+    return nn.Sequential(
+        nn.Unflatten(1, (2, 3, 3)),
+        nn.Conv2d(2, 4, 2, groups=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
+
+
+@pytest.mark.parametrize("net", ["mlp", "conv"])
 @pytest.mark.parametrize("loss_func", [MSE, CE], ids=["mse", "ce"])
 @pytest.mark.parametrize("cls", [curvature.KFAC, curvature.EKFAC])
-def test_a_network_uses_the_batch_ggn_not_its_kronecker_approximation(cls, loss_func):
+def test_a_network_uses_the_batch_ggn_not_its_kronecker_approximation(cls, loss_func, net):
     """A tanh network (Kronecker != GGN): with ``fisher="type-2"`` the 2x2 model is the
     exact GGN of the step's batch, from the pulled layer inputs and output gradients;
     brute force: the dense GGN and the 2x2 solve."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-    X = torch.randn(16, 3, dtype=torch.float64)
+    if net == "mlp":
+        model = nn.Sequential(nn.Linear(18, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    else:
+        model = conv_net().double()
+    X = torch.randn(16, 18, dtype=torch.float64)
     y = torch.randn(16, 3, dtype=torch.float64) if loss_func is MSE else torch.randint(0, 3, (16,))
     opt = cls(model, damping=1e-1, fisher="type-2", loss_func=loss_func, update_rule="quadratic")
     theta0 = flat(model)
@@ -132,6 +147,35 @@ def test_a_network_uses_the_batch_ggn_not_its_kronecker_approximation(cls, loss_
     assert opt.last_update_coefficients == pytest.approx((alpha, mu), rel=1e-6)
     d = flat(model) - theta1
     assert opt.last_model_change == pytest.approx(float(0.5 * d @ C @ d + g @ d), rel=1e-6)
+    opt.close()
+
+
+def test_a_layer_without_linear_structure_falls_back_to_the_kronecker_curvature():
+    """An embedding has no ``(a, g)`` projection: the step's model is ``v^T (C + lambda) w``
+    with ``C`` the Kronecker-factored curvature (brute force: ``optim.matvec``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Flatten(), nn.Linear(6, 2)).double()
+    X, y = torch.randint(0, 7, (16, 2)), torch.randn(16, 2, dtype=torch.float64)
+    opt = curvature.KFAC(
+        model, damping=1e-1, fisher="type-2", loss_func=MSE, update_rule="quadratic"
+    )
+    theta0 = flat(model)
+    train_step(opt, model, X, y, MSE)
+    theta1 = flat(model)
+    model.zero_grad()
+    MSE(model(X), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    g = torch.cat([t.flatten() for t in grads])
+    train_step(opt, model, X, y, MSE)
+    assert opt.last_step_taken
+    Delta = -torch.cat([d.flatten() for d in opt.inverse_matvec(grads)])
+    V = torch.stack([Delta, theta1 - theta0], 1)
+    CV = torch.stack(
+        [torch.cat([t.flatten() for t in opt.matvec(opt.layout.unflatten(v))]) for v in V.T], 1
+    )
+    S = V.T @ CV + opt.param_groups[0]["damping"] * V.T @ V
+    alpha, mu = torch.linalg.solve(S, -V.T @ g).tolist()
+    assert opt.last_update_coefficients == pytest.approx((alpha, mu), rel=1e-6)
     opt.close()
 
 

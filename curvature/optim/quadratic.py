@@ -348,7 +348,10 @@ class QuadraticRule:
         for ctx, layers in last.values():
             u = None
             for name, blocks in layers:
-                for suffix, ix in self._projection_index(name, V.device).items():
+                index = self._projection_index(name, V.device)
+                if blocks is None or index is None or set(index) != set(blocks):
+                    return None  # a layer without linear structure (e.g. an embedding)
+                for suffix, ix in index.items():
                     a, g = blocks[suffix]  # [N, S, C, D], [..., N, S, C, D_out]
                     Vc = V.to(a.dtype).index_select(1, ix.reshape(-1))
                     z = torch.einsum("nscd,kcod->knsco", a, Vc.view(V.shape[0], *ix.shape))
@@ -364,7 +367,7 @@ class QuadraticRule:
             gram = gram / self._comm.world
         return gram
 
-    def _projection_index(self, name: str, device: torch.device) -> Dict[str, Tensor]:
+    def _projection_index(self, name: str, device: torch.device) -> Optional[Dict[str, Tensor]]:
         """A layer's ``kfac_index``: suffix to the flat positions ``[C, D_out, D]``."""
         cache = self.__dict__.setdefault("_projection_ix", {})
         if (name, device) not in cache:
@@ -373,13 +376,9 @@ class QuadraticRule:
                 id(p): self.layout.span(n).start
                 for n, p in zip(self.layout.names, self.layout.params)
             }
-            offsets = {
-                n: starts[id(p)]
-                for n, p in module.named_parameters(recurse=False)
-                if id(p) in starts
-            }
+            offsets = {n: starts[id(p)] for n, p in module.named_parameters() if id(p) in starts}
             index = rule.kfac_index(module, offsets)
-            cache[(name, device)] = {k: v.to(device) for k, v in index.items()}
+            cache[(name, device)] = index and {k: v.to(device) for k, v in index.items()}
         return cache[(name, device)]
 
     def _plain_adapt_damping(self, group) -> None:

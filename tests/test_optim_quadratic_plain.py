@@ -322,3 +322,21 @@ def test_only_the_adaptation_steps_read_the_device():
         counts.append(reads.count)
     assert counts == [0, 0, 1, 0], counts
     opt.close()
+
+
+def test_freezing_a_layer_mid_run_keeps_training():
+    """A rebuild (parameters frozen between steps) keeps the loss of the forward before it
+    and the flat positions of the remaining layers."""
+    model, X, y = classifier()
+    opt = curvature.KFAC(model, fisher="mc", loss_func=CE, update_rule="quadratic")
+    for _ in range(3):
+        train_step(opt, model, X[:64], y[:64], CE)
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        losses = [train_step(opt, model, X[:64], y[:64], CE) for _ in range(6)]
+    assert torch.equal(model[0].weight, frozen)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    opt.close()

@@ -254,8 +254,12 @@ class QuadraticRule:
     def _observed_loss(self, like: Tensor) -> Tensor:
         """``h``: the sum of the ``loss_func`` values since the last step (over the ranks)."""
         mine = {id(p) for p in self.layout.params}
-        losses = [v for v, into in self._collector.losses if reaches(into.grad_fn, mine)]
-        self._collector.losses.clear()
+        seen = self._collector.losses
+        before = self.__dict__.get("_loss_list", seen)  # a rebuilt collector: the old list
+        self._loss_list = seen
+        entries = seen if before is seen else before + seen
+        losses = [v for v, into in entries if reaches(into.grad_fn, mine)]
+        seen.clear()
         if not losses:
             raise ValueError(
                 f"{type(self).__name__}(update_rule='quadratic').step() without a closure "
@@ -270,7 +274,8 @@ class QuadraticRule:
         return h
 
     def _plain_quadratic_update(self, grads: Tensor, directions: Tensor) -> None:
-        """The rule without a closure: ``C`` is the Kronecker-factored curvature, the loss
+        """The rule without a closure: ``C`` is the batch Fisher / GGN from the pulled
+        statistics (:meth:`_batch_gram`; else the Kronecker-factored curvature), the loss
         of the next forward measures the step, a blow-up is rolled back one step later.
 
         Every quantity stays on the device (``torch.where`` selects); the host reads the
@@ -282,7 +287,10 @@ class QuadraticRule:
         ref = group.get("quadratic_loss")
         previous = [self.state[s.param].get("previous_update") for s in slots]
         with_momentum = all(p is not None for p in previous)
-        keep = torch.ones((), dtype=torch.bool, device=h.device)
+        # after a rebuild (parameters (un)frozen) the curvature restarts: measure, no move
+        same = self.__dict__.get("_plain_layout", self.layout) is self.layout
+        keep = torch.full((), same, dtype=torch.bool, device=h.device)
+        self._plain_layout = self.layout
         if ref is not None:  # judge the last step by this forward's loss
             ref, last_model = ref.to(h), group["quadratic_model"].to(h)
             bad = ~torch.isfinite(h) | (h > ref + ref.abs())
@@ -295,11 +303,11 @@ class QuadraticRule:
             )
             group["quadratic_bad"] = group["quadratic_bad"] + bad.to(h.dtype)
             h = torch.where(bad, ref, h)  # the loss at the parameters we keep
-            keep = ~bad
+            keep = keep & ~bad
             if with_momentum:  # roll the blown-up step back; its momentum goes
                 for s, p in zip(slots, previous):
                     s.param.sub_(p * bad.to(p.dtype))
-                previous = [p * keep.to(p.dtype) for p in previous]
+            previous = [None if p is None else p * keep.to(p.dtype) for p in previous]
         else:
             for key in ("quadratic_actual", "quadratic_predicted", "quadratic_bad"):
                 group[key] = zero
@@ -370,6 +378,9 @@ class QuadraticRule:
     def _projection_index(self, name: str, device: torch.device) -> Optional[Dict[str, Tensor]]:
         """A layer's ``kfac_index``: suffix to the flat positions ``[C, D_out, D]``."""
         cache = self.__dict__.setdefault("_projection_ix", {})
+        if cache.get("layout") is not self.layout:  # a rebuild (parameters (un)frozen)
+            cache.clear()
+            cache["layout"] = self.layout
         if (name, device) not in cache:
             module, rule = self._collector.layers[name]
             starts = {

@@ -32,11 +32,12 @@ the time ``Delta`` is known, so the products come from the curvature backward th
 optimizer ran on that graph (``"mc"``, ``"type-2"``, ``"rademacher"``): the collector keeps
 each pulled layer's expanded inputs ``a [N, S, C, D]`` and source gradients
 ``g [L, N, S, C, D_out]`` until ``step()``, and ``(J v)^T s_l = sum g^T V a`` per sample and
-source gives ``v^T F w`` for the batch's Fisher / GGN ``F`` (``_batch_gram``); without them (``"empirical"``, a step off ``factor_every``, a layer without
-that structure) the Kronecker-factored curvature. The loss of the step is read from the
-next forward's ``loss_func`` calls, the reduction ratio summed over the adaptation interval;
-a blow-up is rolled back at the next ``step()``. Everything stays on the device except one
-read per damping adaptation.
+source gives ``v^T F w`` for the batch's Fisher / GGN ``F`` (``_batch_gram``); without
+them (``"empirical"``, a step off ``factor_every``, a layer without that structure) the
+Kronecker-factored curvature. The loss of the step is read from the next forward's
+``loss_func`` calls, the reduction ratio summed over the adaptation interval; a blow-up
+is rolled back at the next ``step()``. Everything stays on the device except one read per
+damping adaptation.
 """
 
 from __future__ import annotations

@@ -305,7 +305,11 @@ class QuadraticRule:
         self._plain_layout = self.layout
         if ref is not None:  # judge the last step by this forward's loss
             ref, last_model = ref.to(h), group["quadratic_model"].to(h)
-            bad = ~torch.isfinite(h) | (h > ref + ref.abs())
+            # a blow-up: not finite, or twice the larger of the last loss and the running
+            # level of the kept losses (batches of one model differ by 2x and more when the
+            # loss is small: the last batch's loss alone rejected sound steps)
+            level = torch.maximum(ref, group.get("quadratic_level", ref).to(h))
+            bad = ~torch.isfinite(h) | (h > level + level.abs())
             counted = (last_model < 0) & ~bad
             group["quadratic_actual"] = group["quadratic_actual"] + torch.where(
                 counted, h - ref, zero
@@ -315,6 +319,7 @@ class QuadraticRule:
             )
             group["quadratic_bad"] = group["quadratic_bad"] + bad.to(h.dtype)
             h = torch.where(bad, ref, h)  # the loss at the parameters we keep
+            group["quadratic_level"] = torch.where(bad, level, 0.9 * level + 0.1 * h)
             keep = keep & ~bad
             if with_momentum:  # roll the blown-up step back; its momentum goes
                 for s, p in zip(slots, previous):

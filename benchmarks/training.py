@@ -156,7 +156,16 @@ def autoencoder(budget: float) -> Workload:
         evaluate=evaluate,
         reached=lambda m: False,  # set from the tuned Adam's loss at its budget
         target_text="the training loss of the best tuned Adam at the end of its budget",
-        kfac_rows={"KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": bce}},
+        kfac_rows={
+            "KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": bce},
+            # adaptive: learning rate, momentum and damping from the quadratic model, in the
+            # plain loop of train() (no closure), nothing searched
+            "KFAC adaptive (update_rule=quadratic), fisher=mc": {
+                "fisher": "mc",
+                "loss_func": bce,
+                "update_rule": "quadratic",
+            },
+        },
     )
     return wl
 

@@ -204,6 +204,7 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
             finish=self._tied.finish,
             wrapper=self._compiled,
         )
+        self._collector.projections = [] if self.config.update_rule == "quadratic" else None
         self._skipped_before += skipped
         self._live[0] = self._collector
         self._layers = self._collector.layers

@@ -8,16 +8,14 @@ model. What it collects depends on the Fisher type:
   gradients of the user's own ``loss.backward()`` w.r.t. each layer output. With
   ``g = c grad l_n`` (``c = R`` for a mean loss on one process), the statistics are
   ``c^2 sum g g^T`` (normalized in :mod:`.statistics`).
-- ``"mc"``, ``"type-2"``, ``"rademacher"``: at the end of each training forward of the
-  model (or at :meth:`register_output`), the vectors of
-  :func:`~curvature.losses.backprop_sources` are backpropagated on the existing graph in
-  one batched call; the user's backward is untouched.
+- ``"mc"``, ``"type-2"``, ``"rademacher"``: at the end of each training forward (or at
+  :meth:`register_output`), the vectors of :func:`~curvature.losses.backprop_sources`
+  are backpropagated on the existing graph in one batched call.
 - ``"forward-only"``: inputs only, ``G = I``.
 
 Each layer's calls go to the optimizer's ``accumulate(name, module, rule, calls, with_g,
-emit)``, which calls ``emit((name, suffix), values, kinds, rows)`` for the sums it
-derives; the collector adds the term number and the :class:`BatchContext` of the
-forward and keeps them in :class:`StepStatistics`.
+emit)``, which calls ``emit((name, suffix), values, kinds, rows)`` per sum; the collector
+adds the term number and the forward's :class:`BatchContext` (into :class:`StepStatistics`).
 """
 
 from __future__ import annotations
@@ -61,21 +59,19 @@ class StatisticsCollector:
         who: The optimizer's name, for messages.
         model: The (unwrapped) model.
         fisher: The Fisher type.
-        loss_func: The loss module (``None`` for ``"empirical"`` / ``"forward-only"``
-            without one: a mean loss is assumed).
+        loss_func: The loss module (``None``: a mean loss, ``"empirical"`` / ``"forward-only"``).
         mc_samples: Samples for ``"mc"`` / ``"rademacher"``.
         auto_output: Pull from the model output at the end of each training forward.
         accumulate: The optimizer's per-layer statistics function (module docstring).
         generator: The sampling generator (MC labels, Rademacher signs).
-        comm: The communicator under ``torch.distributed`` (``None`` on one process).
+        comm: The communicator under ``torch.distributed`` (``None``: one process).
         ddp: The DDP wrapper of the model, if any (early reduction launch).
-        grad_scaler: A ``torch.amp.GradScaler`` whose scale is removed from empirical
-            statistics.
-        finish: Called as ``finish(flush)`` after the layers of each fold were
-            accumulated (statistics that need several layers at once: tied parameters);
-            ``flush`` is ``False`` for a layer committed inside the user's backward (more
-            layers of that forward follow), ``True`` when the forward's layers are all in;
-            ``finish(None)`` when an error cut the fold short. A bound method, held weakly.
+        grad_scaler: A ``torch.amp.GradScaler`` (its scale removed from empirical statistics).
+        finish: Called as ``finish(flush)`` after the layers of each fold were accumulated
+            (statistics of several layers at once: tied parameters); ``flush`` is ``False``
+            for a layer committed inside the user's backward (more layers follow), ``True``
+            when the forward's layers are all in; ``finish(None)`` when an error cut the
+            fold short. A bound method, held weakly.
 
     Attributes:
         due: Whether this step collects statistics (``factor_every``); set by the optimizer.
@@ -119,6 +115,7 @@ class StatisticsCollector:
         self.due = True
         self.evaluating = False
         self.sink: Optional[Dict[str, list]] = None  # outputs of an update-rule evaluation
+        self.losses, self.projections = [], None  # plain-loop quadratic rule (list: on)
         self.closed = False
         self.stats = StepStatistics()
         self.registered = False
@@ -241,12 +238,15 @@ class StatisticsCollector:
         self._launch_early()
 
     def _output_seen(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """A ``loss_func`` call during an evaluation with a :attr:`sink`: keep its input."""
-        if self.sink is None or self.closed:
-            return
+        """A ``loss_func`` call: keep its input (:attr:`sink`) or value (``projections``)."""
         values = list(args) + [kwargs[k] for k in ("input", "target") if k in kwargs]
-        if len(values) >= 2 and isinstance(values[0], Tensor) and values[0].grad_fn is not None:
+        if self.closed or len(values) < 2 or getattr(values[0], "grad_fn", None) is None:
+            return
+        if self.sink is not None:
             self.sink["called"].append((values[0], module, values[1]))
+        elif self.projections is not None and self.model.training and not self.evaluating:
+            if isinstance(output, Tensor) and output.numel() == 1:  # the input: whose loss
+                self.losses.append((output.detach().reshape(()), values[0]))
 
     def _check_targets(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Empirical Fisher, ``CrossEntropyLoss(reduction="mean")``: no ignored targets.
@@ -477,10 +477,12 @@ class StatisticsCollector:
                     if not cs:
                         continue
                     ctx, with_g = self._prepare(module, rule, cs, context)
+                    term = self.term if self.registered else 0
+                    if self.projections is not None and isinstance(context, BatchContext):
+                        self.projections.append((ctx, term, name, rule.expanded_blocks(module, cs)))
 
-                    def emit(key, values, kinds, rows=0, _ctx=ctx):
-                        term = self.term if self.registered else 0
-                        stats.add((*key, term), values, kinds, _ctx, rows)
+                    def emit(key, values, kinds, rows=0, _ctx=ctx, _term=term):
+                        stats.add((*key, _term), values, kinds, _ctx, rows)
 
                     self._accumulate()(name, module, rule, cs, with_g, emit)
                 if finish is not None:

@@ -145,7 +145,8 @@ class KFAC(CurvatureOptimizer):
             (default None: off; ``step`` then needs a closure); the one with the lowest
             loss is taken, replacing the groups' learning rates.
         update_rule (str): ``"fixed"`` (default: ``lr``, ``momentum``) or ``"quadratic"``
-            (both from the local quadratic model: :mod:`curvature.optim.quadratic`).
+            (both from the local quadratic model, in a plain loop or with a closure:
+            :mod:`curvature.optim.quadratic`).
         distributed (bool | None): Average the curvature over the ranks of
             ``torch.distributed`` (default None: when it is initialized with more than one
             rank; see docs/distributed.md).

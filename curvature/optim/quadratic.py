@@ -26,13 +26,25 @@ the loss up (a non-finite loss, or more than twice the loss before) is rejected:
 parameters are kept, the momentum is dropped (``mu = 0`` next step) and ``lambda`` grows by
 ``1 / decay^k`` (``damping_adaptation_decay``) at the ``k``-th rejection in a row (a far
 too small ``lambda`` recovers in a few dozen steps).
+
+**Plain loop** (``step()`` without a closure): the user's backward has freed the graph by
+the time ``Delta`` is known, so the products come from the curvature backward the
+optimizer ran on that graph (``"mc"``, ``"type-2"``, ``"rademacher"``): the collector keeps
+each pulled layer's expanded inputs ``a [N, S, C, D]`` and source gradients
+``g [L, N, S, C, D_out]`` until ``step()``, and ``(J v)^T s_l = sum g^T V a`` per sample and
+source gives ``v^T F w`` for the batch's Fisher / GGN ``F`` (``_batch_gram``); without
+them (``"empirical"``, a step off ``factor_every``, a layer without that structure) the
+Kronecker-factored curvature. The loss of the step is read from the next forward's
+``loss_func`` calls, the reduction ratio summed over the adaptation interval; a blow-up
+is rolled back at the next ``step()``. Everything stays on the device except one read per
+damping adaptation.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -115,8 +127,39 @@ class QuadraticRule:
 
     """
 
-    last_update_coefficients: Optional[Tuple[float, float]] = None
-    last_model_change: Optional[float] = None
+    _coefficients: Any = None  # (alpha, mu): floats, or a device [2] in a plain loop
+    _model_change: Any = None
+    _taken: Any = True
+
+    @property
+    def last_update_coefficients(self) -> Optional[Tuple[float, float]]:
+        """``(alpha, mu)`` of the last step (``None`` before; read from the device)."""
+        c = self._coefficients
+        return tuple(c.tolist()) if isinstance(c, Tensor) else c
+
+    @last_update_coefficients.setter
+    def last_update_coefficients(self, value: Any) -> None:
+        self._coefficients = value
+
+    @property
+    def last_model_change(self) -> Optional[float]:
+        """``M(delta)`` of the last step, the predicted loss change (``0.0``: no move)."""
+        m = self._model_change
+        return float(m) if isinstance(m, Tensor) else m
+
+    @last_model_change.setter
+    def last_model_change(self, value: Any) -> None:
+        self._model_change = value
+
+    @property
+    def last_step_taken(self) -> bool:
+        """``False`` when the last step kept the parameters (a rejected or skipped step)."""
+        t = self._taken
+        return bool(t) if isinstance(t, Tensor) else t
+
+    @last_step_taken.setter
+    def last_step_taken(self, value: Any) -> None:
+        self._taken = value
 
     def _check_quadratic(self, closure: Any) -> None:
         """Refuse what the rule cannot do: weight decay (``closure=None``: at construction),
@@ -130,7 +173,7 @@ class QuadraticRule:
                 f"{who}(update_rule='quadratic', weight_decay>0): not supported; add the "
                 "penalty to the loss."
             )
-        if closure is not None and not takes_backward(closure):
+        if callable(closure) and not takes_backward(closure):
             raise ValueError(
                 f"{who}(update_rule='quadratic').step() needs a closure with a backward "
                 "keyword (def closure(backward=True): ...): the rule evaluates it once more "
@@ -149,6 +192,11 @@ class QuadraticRule:
 
     def _quadratic_update(self, closure, loss: Tensor, grads: Tensor, directions: Tensor) -> None:
         """Choose ``(alpha, mu)`` by the 2x2 solve and move the parameters."""
+        if closure is None:
+            self._plain_quadratic_update(grads, directions)
+            return
+        self._collector.losses.clear()  # the closure's own calls: not a plain loop's losses
+        self._collector.projections.clear()  # the closure's statistics (not used here)
         who = type(self).__name__
         slots = self._slots()
         previous = [self.state[s.param].get("previous_update") for s in slots]
@@ -213,3 +261,212 @@ class QuadraticRule:
             factor = decay ** -group["quadratic_rejections"]
         for g in self.param_groups:
             g["damping"] = g["damping"] * factor
+
+    # -- plain loop: no closure ----------------------------------------------------------------
+    def _observed_loss(self, like: Tensor) -> Tensor:
+        """``h``: the sum of the ``loss_func`` values since the last step (over the ranks)."""
+        mine = {id(p) for p in self.layout.params}
+        seen = self._collector.losses
+        before = self.__dict__.get("_loss_list", seen)  # a rebuilt collector: the old list
+        self._loss_list = seen
+        entries = seen if before is seen else before + seen
+        losses = [v for v, into in entries if reaches(into.grad_fn, mine)]
+        seen.clear()
+        if not losses:
+            raise ValueError(
+                f"{type(self).__name__}(update_rule='quadratic').step() without a closure "
+                "measures each step with the loss of the next forward: call the loss_func "
+                "passed to the optimizer in the training loop (a scalar loss, model in train "
+                "mode, gradients enabled), or pass a closure with a backward keyword."
+            )
+        h = torch.stack([v.to(like.device, plain_dtype(like)) for v in losses]).sum()
+        if self._comm is not None:
+            self._comm.all_reduce([h], "quadratic loss")
+            h = h / self._comm.world
+        return h
+
+    def _plain_quadratic_update(self, grads: Tensor, directions: Tensor) -> None:
+        """The rule without a closure: ``C`` is the batch Fisher / GGN from the pulled
+        statistics (:meth:`_batch_gram`; else the Kronecker-factored curvature), the loss
+        of the next forward measures the step, a blow-up is rolled back one step later.
+
+        Every quantity stays on the device (``torch.where`` selects); the host reads the
+        interval's sums once every ``damping_adaptation_interval`` steps.
+        """
+        group, slots = self.param_groups[0], self._slots()
+        h = self._observed_loss(grads)
+        zero = h.new_zeros(())
+        ref = group.get("quadratic_loss")
+        previous = [self.state[s.param].get("previous_update") for s in slots]
+        with_momentum = all(p is not None for p in previous)
+        # after a rebuild (parameters (un)frozen) the curvature restarts: measure, no move
+        same = self.__dict__.get("_plain_layout", self.layout) is self.layout
+        keep = torch.full((), same, dtype=torch.bool, device=h.device)
+        self._plain_layout = self.layout
+        if ref is not None:  # judge the last step by this forward's loss
+            ref, last_model = ref.to(h), group["quadratic_model"].to(h)
+            # a blow-up: not finite, or twice the larger of the last loss and the running
+            # level of the kept losses (batches of one model differ by 2x and more when the
+            # loss is small: the last batch's loss alone rejected sound steps)
+            level = torch.maximum(ref, group.get("quadratic_level", ref).to(h))
+            bad = ~torch.isfinite(h) | (h > level + level.abs())
+            counted = (last_model < 0) & ~bad
+            group["quadratic_actual"] = group["quadratic_actual"] + torch.where(
+                counted, h - ref, zero
+            )
+            group["quadratic_predicted"] = group["quadratic_predicted"] + torch.where(
+                counted, last_model, zero
+            )
+            group["quadratic_bad"] = group["quadratic_bad"] + bad.to(h.dtype)
+            h = torch.where(bad, ref, h)  # the loss at the parameters we keep
+            group["quadratic_level"] = torch.where(bad, level, 0.9 * level + 0.1 * h)
+            keep = keep & ~bad
+            if with_momentum:  # roll the blown-up step back; its momentum goes
+                for s, p in zip(slots, previous):
+                    s.param.sub_(p * bad.to(p.dtype))
+            previous = [None if p is None else p * keep.to(p.dtype) for p in previous]
+        else:
+            for key in ("quadratic_actual", "quadratic_predicted", "quadratic_bad"):
+                group[key] = zero
+        vectors = [-directions]
+        if with_momentum:
+            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
+        V = torch.stack(vectors)  # [K, P]
+        lam = self._damping_vector(directions)
+        gram = self._batch_gram(V)
+        if gram is None:  # no pulled statistics this step: the Kronecker-factored curvature
+            gram = V @ torch.stack([self._curvature_matvec(v) for v in vectors]).T
+        system = (gram.to(V.dtype) + (V * lam) @ V.T).to(h.dtype)
+        linear = (V @ grads.to(V.dtype)).to(h.dtype)
+        c, model = solve_on_device((system + system.T) / 2, linear)
+        ok = keep & torch.isfinite(c).all() & torch.isfinite(model) & (model < 0)
+        c, model = torch.where(ok, c, zero), torch.where(ok, model, zero)
+        delta = torch.where(ok, c[: len(vectors)].to(V.dtype) @ V, 0.0)
+        for s in slots:
+            step = delta[s.span].view_as(s.param).to(s.param.dtype)
+            s.param.add_(step)
+            self.state[s.param]["previous_update"] = step
+        group["quadratic_loss"], group["quadratic_model"] = h, model
+        self._coefficients, self._model_change, self._taken = c, model, ok
+        interval = self.config.damping_adaptation_interval
+        if self.steps > 0 and self.steps % interval == 0:
+            self._plain_adapt_damping(group)
+
+    def _batch_gram(self, V: Tensor) -> Optional[Tensor]:
+        """``[K, K]``: ``v_i^T F v_j`` with ``F`` the Fisher of this step's last pull (the
+        MC / type-2 / Rademacher curvature of the batch, not its Kronecker approximation),
+        from the pulled layer inputs ``a`` and output gradients ``g`` the collector kept:
+        ``u_i[k, n] = sum_layers sum_s g[k, n, s]^T V_i a[n, s]`` (``(J v_i)^T`` times the
+        ``k``-th source) and ``F = scale * sum_{k, n} u_i u_j`` per term. ``None`` when
+        nothing was pulled (``"empirical"``, a step off ``factor_every``).
+        """
+        records = self._collector.projections
+        if not records:
+            return None
+        last: dict = {}  # term -> (ctx, [(name, blocks)]): the last pull of each term
+        for ctx, term, name, blocks in records:
+            if term not in last or last[term][0] is not ctx:
+                last[term] = (ctx, [])
+            last[term][1].append((name, blocks))
+        records.clear()
+        gram = V.new_zeros(V.shape[0], V.shape[0], dtype=torch.float64)
+        for ctx, layers in last.values():
+            u = None
+            for name, blocks in layers:
+                index = self._projection_index(name, V.device)
+                if blocks is None or index is None or set(index) != set(blocks):
+                    return None  # a layer without linear structure (e.g. an embedding)
+                for suffix, ix in index.items():
+                    a, g = blocks[suffix]  # [N, S, C, D], [..., N, S, C, D_out]
+                    Vc = V.to(a.dtype).index_select(1, ix.reshape(-1))
+                    z = torch.einsum("nscd,kcod->knsco", a, Vc.view(V.shape[0], *ix.shape))
+                    part = torch.einsum("knsco,lnsco->kln", z, g.reshape(-1, *g.shape[-4:]))
+                    u = part if u is None else u + part  # [K, L, N]: summed over the layers
+            if u is None:
+                continue
+            U = u.flatten(1).double()
+            scale = ctx.g_scale / ctx.samples if ctx.reduction == "mean" else ctx.g_scale
+            gram = gram + scale * (U @ U.T)
+        if self._comm is not None:  # the Fisher of the union of the ranks' batches
+            self._comm.all_reduce([gram], "quadratic model")
+            gram = gram / self._comm.world
+        return gram
+
+    def _projection_index(self, name: str, device: torch.device) -> Optional[Dict[str, Tensor]]:
+        """A layer's ``kfac_index``: suffix to the flat positions ``[C, D_out, D]``."""
+        cache = self.__dict__.setdefault("_projection_ix", {})
+        if cache.get("layout") is not self.layout:  # a rebuild (parameters (un)frozen)
+            cache.clear()
+            cache["layout"] = self.layout
+        if (name, device) not in cache:
+            module, rule = self._collector.layers[name]
+            starts = {
+                id(p): self.layout.span(n).start
+                for n, p in zip(self.layout.names, self.layout.params)
+            }
+            offsets = {n: starts[id(p)] for n, p in module.named_parameters() if id(p) in starts}
+            index = rule.kfac_index(module, offsets)
+            cache[(name, device)] = index and {k: v.to(device) for k, v in index.items()}
+        return cache[(name, device)]
+
+    def _plain_adapt_damping(self, group) -> None:
+        """Levenberg-Marquardt on the interval's summed actual and predicted changes (one
+        host read); rejections in the interval raise ``lambda`` instead.
+        """
+        actual, predicted, bad = torch.stack(
+            [group["quadratic_actual"], group["quadratic_predicted"], group["quadratic_bad"]]
+        ).tolist()
+        zero = group["quadratic_actual"].new_zeros(())
+        for key in ("quadratic_actual", "quadratic_predicted", "quadratic_bad"):
+            group[key] = zero
+        # per interval decay^interval (Martens & Grosse's omega = (19/20)^T1): a rate per step
+        decay = self.config.damping_adaptation_decay**self.config.damping_adaptation_interval
+        streak = group.get("quadratic_rejections", 0)
+        if bad > 0:  # 1/decay^k at the k-th rejection in a row
+            factor = math.prod(decay ** -(streak + i) for i in range(1, int(bad) + 1))
+            group["quadratic_rejections"] = streak + int(bad)
+        else:
+            group["quadratic_rejections"] = 0
+            rho = actual / predicted if predicted < 0 else None
+            self.last_reduction_ratio = rho
+            factor = 1.0 if rho is None else damping_factor(rho, decay)
+        for g in self.param_groups:
+            g["damping"] = g["damping"] * factor
+
+
+def reaches(node: Any, params: Set[int]) -> bool:
+    """Whether the autograd graph under ``node`` accumulates into one of ``params`` (ids):
+    the loss is this model's (a walk that stops at the first parameter found).
+    """
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if id(getattr(node, "variable", None)) in params:
+            return True
+        seen.add(node)
+        stack.extend(f for f, _ in node.next_functions)
+    return False
+
+
+def plain_dtype(like: Tensor) -> torch.dtype:
+    """The loss bookkeeping's dtype: float64 where the device has it."""
+    return torch.float32 if like.device.type == "mps" else torch.float64
+
+
+def solve_on_device(system: Tensor, linear: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(c [2], M)``: the 2x2 (or 1x1) solve of :func:`solve_coefficients` without a
+    host read (Cramer's rule; a nearly singular 2x2 system falls back to ``mu = 0``).
+    """
+    a, l0 = system[0, 0], linear[0]
+    alone = torch.stack([-l0 / a, torch.zeros_like(a)])
+    if system.shape[0] == 1:
+        c = alone
+    else:
+        b, d, l1 = system[0, 1], system[1, 1], linear[1]
+        det = a * d - b * b
+        pair = torch.stack([(b * l1 - d * l0) / det, (b * l0 - a * l1) / det])
+        c = torch.where(det > 1e-10 * a * d, pair, alone)
+    model = 0.5 * (linear * c[: linear.shape[0]]).sum()
+    return c, model

@@ -176,6 +176,7 @@ def train(name: str, args, problem) -> Dict[str, List[float]]:
             kl_clip=None,
             update_rule="quadratic" if args.update_rule == "quadratic" else "fixed",
             damping_adaptation_interval=args.adaptation_interval,
+            damping_adaptation_decay=args.adaptation_decay,
             line_search_grid=(
                 [2.0**-k for k in range(0, args.grid_max + 1)]
                 if args.update_rule == "line-search"
@@ -212,9 +213,9 @@ def train(name: str, args, problem) -> Dict[str, List[float]]:
     for step in range(args.steps + 1):
         out_of_time = args.time_limit is not None and clock() - start > args.time_limit
         if out_of_time or step % args.log_every == 0 or step == args.steps:
-            with torch.no_grad():
+            with torch.no_grad():  # no graph, and no statistics for KFAC
                 err = (model(x_eval).squeeze(-1) - solution(x_eval)).pow(2).mean().sqrt().item()
-            loss = float(loss_fn()[0].detach())
+                loss = float(loss_fn()[0])
             history["step"].append(step)
             history["time"].append(clock() - start)
             history["l2"].append(err)
@@ -299,6 +300,9 @@ def main(argv=None) -> Dict[str, Dict[str, List[float]]]:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument(
         "--adaptation-interval", type=int, default=1, help="quadratic rule: adapt lambda every"
+    )
+    parser.add_argument(
+        "--adaptation-decay", type=float, default=0.95, help="quadratic rule: lambda's LM factor"
     )
     parser.add_argument(
         "--update-rule",

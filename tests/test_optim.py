@@ -1129,7 +1129,8 @@ def test_quadratic_rule_resumes_from_a_state_dict_bit_for_bit():
 
 def test_quadratic_rule_rejects_a_step_that_blows_the_loss_up():
     """Every move more than doubles the loss: the parameters stay, the momentum is dropped,
-    and the damping grows by ``1/decay``, then ``1/decay^2`` (accelerating back-off)."""
+    and the k-th rejection in a row multiplies the damping by ``decay^(-2^(k-1))``: 1/0.95,
+    1/0.95^2, 1/0.95^4 (the exponent doubles: a cumulative 1/0.95^7 after three)."""
     X, y = batch()
     ce = nn.CrossEntropyLoss()
     model = mlp()
@@ -1152,4 +1153,8 @@ def test_quadratic_rule_rejects_a_step_that_blows_the_loss_up():
     assert opt.param_groups[0]["damping"] == pytest.approx(1e-2 / 0.95)
     opt.step(closure)
     assert opt.param_groups[0]["damping"] == pytest.approx(1e-2 / 0.95**3)
+    opt.step(closure)
+    assert opt.last_step_taken is False
+    assert opt.param_groups[0]["damping"] == pytest.approx(1e-2 / 0.95**7)
+    assert_lists_close(params(model), start, atol=0)
     opt.close()

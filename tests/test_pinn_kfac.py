@@ -207,8 +207,8 @@ def test_pinn_example_poisson5d_residual_vanishes_at_the_exact_solution():
 
 def test_pinn_example_poisson5d_kfac_lowers_the_loss():
     mod = _pinn_example()
-    # the first ~12 steps are rejected while Levenberg-Marquardt raises the damping from
-    # its initial 1e-2 (the initial loss is ~5e2); then the loss falls fast
+    # the first steps are rejected while the rule's back-off raises the damping from its
+    # initial 1e-2 (the initial loss is ~5e2); then the loss falls fast
     argv = ["--problem", "poisson5d", "--optimizers", "kfac", "--steps", "25"]
     argv += ["--n-int", "100", "--n-bnd", "50", "--n-eval", "200", "--log-every", "25"]
     hist = mod.main(argv)["kfac"]

@@ -776,7 +776,8 @@ def plot(results: Dict[str, Any], path: str) -> bool:
             values = [m[key] for m in r["metrics"]]
             row[0].plot(r["steps"], values, label=r["method"])
             row[1].plot(r["times"], values, label=r["method"])
-        for ax, xlabel in zip(row, ("steps", "time [s]")):
+        when = {"cpu": "CPU time [s]", "wall": "wall time [s]"}.get(res.get("clock"), "time [s]")
+        for ax, xlabel in zip(row, ("steps", when)):
             if target is not None:
                 ax.axhline(target, color="k", ls="--", lw=0.8, label=label)
             ax.set_xlabel(xlabel)
@@ -910,6 +911,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for name in args.workloads.split(","):
         if name in PINN_WORKLOADS or name in IMAGE_BUDGETS:
             results[name] = run_new_workload(name, args, seeds)
+            results[name]["clock"] = args.clock
             continue
         wl = WORKLOADS[name](args.ae_budget if name == "autoencoder" else args.budget)
         print(f"{wl.title}: {wl.target_text}", flush=True)

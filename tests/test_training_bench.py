@@ -4,6 +4,7 @@ import pathlib
 import sys
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -259,3 +260,12 @@ def test_plot_metric_per_workload_kind():
     res = pinn_fixture()
     res["plot_target"] = 1e-4
     assert training.plot_metric(res)[:2] == ("l2", 1e-4)
+
+
+def test_plot_writes_the_figure_where_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = {"fmnist-mlp": fixture()["fmnist-mlp"], "pinn-heat": pinn_fixture()}
+    res["resnet18"] = image_fixture(5.0)
+    res["pinn-heat"]["plot_target"] = 1e-4
+    path = tmp_path / "training.png"
+    assert training.plot(res, str(path)) and path.stat().st_size > 0

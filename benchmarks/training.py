@@ -820,7 +820,7 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
         if args.quick:
             grids = {"adam": (1e-3, 3e-3)}
         print(f"{PINN_WORKLOADS[name][1]}: {budget:g} s per run", flush=True)
-        return run_pinn(name, budget, seeds, grids, args.clock)
+        return run_pinn(name, budget, seeds, grids, args.clock, lbfgs=not args.quick)
     budget = getattr(args, IMAGE_BUDGETS[name])
     if name == "resnet18":
         wl = resnet18_fmnist(budget, width=args.resnet_width)
@@ -877,12 +877,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument(
         "--workloads",
         default=",".join(list(WORKLOADS) + list(PINN_WORKLOADS)),
-        help="comma-separated",
+        help=f"comma-separated, of {', '.join(list(WORKLOADS) + list(PINN_WORKLOADS))}",
     )
     p.add_argument("--seeds", default="0,1,2", help="comma-separated; the grid runs on the first")
     p.add_argument("--budget", type=float, default=60.0, help="seconds per run (fmnist-mlp)")
     p.add_argument("--ae-budget", type=float, default=120.0, help="seconds per autoencoder run")
-    p.add_argument("--quick", action="store_true", help="2 grid points per baseline, no SGD")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 grid points per baseline; no SGD (MLP, autoencoder, PINNs) and no L-BFGS",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--figure", default=None, help="PNG of the loss curves")
     p.add_argument("--doc", action="store_true", help="write docs/benchmarks.md's section")

@@ -803,6 +803,12 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
         default="wall",
         help="wall time, or the process's CPU time (fair on a shared machine with --threads 1)",
     )
+    p.add_argument(
+        "--only",
+        default=None,
+        help="image workloads: run only these of adam, adamw, sgd, kfac (comma-separated; "
+        "to split one workload over several processes, merged by --from-json)",
+    )
     p.add_argument("--pinn-budget", type=float, default=20.0, help="seconds per 2-d PINN run")
     p.add_argument("--pinn5d-budget", type=float, default=30.0, help="seconds per 5-d run")
     p.add_argument("--cnn-budget", type=float, default=30.0, help="seconds per small-CNN run")
@@ -822,16 +828,34 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
         print(f"{PINN_WORKLOADS[name][1]}: {budget:g} s per run", flush=True)
         return run_pinn(name, budget, seeds, grids, args.clock, lbfgs=not args.quick)
     budget = getattr(args, IMAGE_BUDGETS[name])
+    only = None if args.only is None else args.only.split(",")
     if name == "resnet18":
         wl = resnet18_fmnist(budget, width=args.resnet_width)
     else:
         wl = WORKLOADS[name](budget)
     assert wl.grids is not None
     grids = {k: v[1:3] for k, v in wl.grids.items()} if args.quick else wl.grids
+    if only is not None:
+        grids = {k: v for k, v in grids.items() if k in only}
+        wl.kfac_rows = wl.kfac_rows if "kfac" in only else {}
     print(f"{wl.title}: {wl.target_text}", flush=True)
     res = run_workload(wl, seeds, grids)
     res["target_loss"], res["compare"], res["budget"] = None, wl.compare, budget
     return res
+
+
+def merge_results(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The workloads of several saved runs; a workload split over several (``--only``) is
+    joined: its grids and runs, in the order of ``runs``."""
+    out: Dict[str, Any] = {}
+    for run in runs:
+        for name, res in run["results"].items():
+            if name not in out:
+                out[name] = {**res, "grids": dict(res["grids"]), "runs": list(res["runs"])}
+            else:
+                out[name]["grids"].update(res["grids"])
+                out[name]["runs"] += res["runs"]
+    return out
 
 
 def new_workloads_head(results: Dict[str, Any]) -> str:
@@ -910,7 +934,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for path in args.from_json.split(","):
             with open(path) as f:
                 runs.append(json.load(f))
-        write_report({k: v for r in runs for k, v in r["results"].items()}, runs, args)
+        write_report(merge_results(runs), runs, args)
         return
     for name in args.workloads.split(","):
         if name in PINN_WORKLOADS or name in IMAGE_BUDGETS:

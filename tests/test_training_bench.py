@@ -269,3 +269,18 @@ def test_plot_writes_the_figure_where_matplotlib_is_installed(tmp_path):
     res["pinn-heat"]["plot_target"] = 1e-4
     path = tmp_path / "training.png"
     assert training.plot(res, str(path)) and path.stat().st_size > 0
+
+
+def test_merge_results_joins_a_workload_split_over_processes():
+    a, b = image_fixture(5.0), image_fixture(5.0)
+    a["runs"], b["grids"] = a["runs"][:2], {"sgd": [image_run("SGD+momentum lr=0.1", 0, 6, 0.9)]}
+    b["runs"] = b["runs"][2:]
+    other = {"fmnist-mlp": fixture()["fmnist-mlp"]}
+    merged = training.merge_results(
+        [{"results": {"resnet18": a}}, {"results": {"resnet18": b, **other}}]
+    )
+    assert list(merged) == ["resnet18", "fmnist-mlp"]
+    assert set(merged["resnet18"]["grids"]) == {"adamw", "sgd"}
+    names = [r["method"] for r in merged["resnet18"]["runs"]]
+    assert names == ["AdamW lr=0.001", "SGD+momentum lr=0.1", "KFAC defaults"]
+    assert len(a["runs"]) == 2  # the inputs are left alone

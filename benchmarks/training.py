@@ -388,6 +388,7 @@ def run_pinn(
     grids: Dict[str, Sequence[float]],
     clock: str = "wall",
     lbfgs: bool = True,
+    kfac: bool = True,
 ) -> Dict[str, Any]:
     """The grids on the first seed, the best point of each, L-BFGS and KFAC on every seed.
 
@@ -421,7 +422,7 @@ def run_pinn(
         out["runs"].append(best)
     for kind, lr in chosen.items():
         out["runs"] += [go(kind, lr, s) for s in seeds[1:]]
-    methods = (["lbfgs"] if lbfgs else []) + ["kfac"]
+    methods = (["lbfgs"] if lbfgs else []) + (["kfac"] if kfac else [])
     out["runs"] += [go(m, None, s) for m in methods for s in seeds]
     adam = [r for r in out["runs"] if r["method"].startswith("Adam") and r["seed"] == seeds[0]]
     if adam:
@@ -809,6 +810,11 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
         help="image workloads: run only these of adam, adamw, sgd, kfac (comma-separated; "
         "to split one workload over several processes, merged by --from-json)",
     )
+    p.add_argument(
+        "--lrs",
+        default=None,
+        help="image and PINN workloads: run only these points of the grids (comma-separated)",
+    )
     p.add_argument("--pinn-budget", type=float, default=20.0, help="seconds per 2-d PINN run")
     p.add_argument("--pinn5d-budget", type=float, default=30.0, help="seconds per 5-d run")
     p.add_argument("--cnn-budget", type=float, default=30.0, help="seconds per small-CNN run")
@@ -820,42 +826,72 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
 
 def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) -> Dict:
     """A PINN workload (:func:`run_pinn`) or an image workload (:func:`run_workload`)."""
+    only = None if args.only is None else args.only.split(",")
+    lrs = None if args.lrs is None else [float(x) for x in args.lrs.split(",")]
     if name in PINN_WORKLOADS:
         budget = args.pinn5d_budget if name == "pinn-poisson5d" else args.pinn_budget
-        grids = {"adam": ADAM_GRID, "sgd": PINN_SGD_GRID}
+        grids: Dict[str, Sequence[float]] = {"adam": ADAM_GRID, "sgd": PINN_SGD_GRID}
         if args.quick:
             grids = {"adam": (1e-3, 3e-3)}
+        grids = split_grids(grids, only, lrs)
         print(f"{PINN_WORKLOADS[name][1]}: {budget:g} s per run", flush=True)
-        return run_pinn(name, budget, seeds, grids, args.clock, lbfgs=not args.quick)
+        lbfgs = not args.quick and (only is None or "lbfgs" in only)
+        kfac = only is None or "kfac" in only
+        return run_pinn(name, budget, seeds, grids, args.clock, lbfgs=lbfgs, kfac=kfac)
     budget = getattr(args, IMAGE_BUDGETS[name])
-    only = None if args.only is None else args.only.split(",")
     if name == "resnet18":
         wl = resnet18_fmnist(budget, width=args.resnet_width)
     else:
         wl = WORKLOADS[name](budget)
     assert wl.grids is not None
     grids = {k: v[1:3] for k, v in wl.grids.items()} if args.quick else wl.grids
-    if only is not None:
-        grids = {k: v for k, v in grids.items() if k in only}
-        wl.kfac_rows = wl.kfac_rows if "kfac" in only else {}
+    grids = split_grids(grids, only, lrs)
+    if only is not None and "kfac" not in only:
+        wl.kfac_rows = {}
     print(f"{wl.title}: {wl.target_text}", flush=True)
     res = run_workload(wl, seeds, grids)
     res["target_loss"], res["compare"], res["budget"] = None, wl.compare, budget
     return res
 
 
+def split_grids(
+    grids: Dict[str, Sequence[float]], only: Optional[List[str]], lrs: Optional[List[float]]
+) -> Dict[str, Sequence[float]]:
+    """The grid kinds in ``only`` (all if ``None``), each restricted to ``lrs``."""
+    kinds = {k: v for k, v in grids.items() if only is None or k in only}
+    if lrs is None:
+        return kinds
+    return {k: [x for x in v if any(math.isclose(x, y) for y in lrs)] for k, v in kinds.items()}
+
+
 def merge_results(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """The workloads of several saved runs; a workload split over several (``--only``) is
-    joined: its grids and runs, in the order of ``runs``."""
+    """The workloads of several saved runs; a workload split over several (``--only``,
+    ``--lrs``) is joined: its grid points and runs, in the order of ``runs``. Where one
+    grid was split, only the best point over all its parts stays among the rows."""
     out: Dict[str, Any] = {}
     for run in runs:
         for name, res in run["results"].items():
             if name not in out:
                 out[name] = {**res, "grids": dict(res["grids"]), "runs": list(res["runs"])}
-            else:
-                out[name]["grids"].update(res["grids"])
-                out[name]["runs"] += res["runs"]
+                continue
+            joined = out[name]
+            old_runs, joined["runs"] = joined["runs"], []
+            for kind, trials in res["grids"].items():
+                joined["grids"][kind] = list(joined["grids"].get(kind, [])) + list(trials)
+            for trials in joined["grids"].values():
+                best = _best_point(joined, trials)["method"]  # over all parts: its rows
+                joined["runs"] += [r for r in old_runs + res["runs"] if r["method"] == best]
+            joined["runs"] += [r for r in old_runs + res["runs"] if " lr=" not in r["method"]]
     return out
+
+
+def _best_point(res: Dict[str, Any], trials: List[Dict[str, Any]]) -> Dict[str, Any]:
+    if res.get("kind") == "pinn":
+        return min(trials, key=pinn_final)
+    hit = [t for t in trials if t["time_to_target"] is not None]
+    if hit:
+        return min(hit, key=lambda t: t["time_to_target"])
+    return min(trials, key=lambda t: t["losses"][-1] if not t["diverged"] else math.inf)
 
 
 def new_workloads_head(results: Dict[str, Any]) -> str:

@@ -284,3 +284,27 @@ def test_merge_results_joins_a_workload_split_over_processes():
     names = [r["method"] for r in merged["resnet18"]["runs"]]
     assert names == ["AdamW lr=0.001", "SGD+momentum lr=0.1", "KFAC defaults"]
     assert len(a["runs"]) == 2  # the inputs are left alone
+
+
+def test_merge_results_of_one_grid_split_keeps_the_best_point_over_all_parts():
+    a, b = pinn_fixture(), pinn_fixture()
+    # part a: Adam 1e-3 (3e-3 L2) and 3e-3 (1e-3), SGD, KFAC; part b: Adam 1e-2 (5e-4) only
+    b["grids"] = {"adam": [pinn_run("Adam lr=0.01", 0, 5e-4)]}
+    b["runs"] = [pinn_run("Adam lr=0.01", 0, 5e-4)]
+    merged = training.merge_results([{"results": {"p": a}}, {"results": {"p": b}}])["p"]
+    assert [t["method"] for t in merged["grids"]["adam"]] == [
+        "Adam lr=0.001",
+        "Adam lr=0.003",
+        "Adam lr=0.01",
+    ]
+    names = [r["method"] for r in merged["runs"]]
+    assert names == ["Adam lr=0.01", "KFAC (example defaults)", "KFAC (example defaults)"]
+    # the ratio uses the best Adam of all parts: 5e-4 / 1e-4 = 5x
+    assert "= 5.0x" in training.report({"p": merged}, [0])
+
+
+def test_split_grids_by_kind_and_learning_rate():
+    grids = {"adam": training.ADAM_GRID, "sgd": training.PINN_SGD_GRID}
+    assert training.split_grids(grids, None, None) == grids
+    assert training.split_grids(grids, ["sgd"], None) == {"sgd": training.PINN_SGD_GRID}
+    assert training.split_grids(grids, ["adam"], [3e-4, 1e-2]) == {"adam": [3e-4, 1e-2]}

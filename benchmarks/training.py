@@ -700,6 +700,7 @@ def image_verdicts(
         ]
         out.append(f"- {m}: " + "; ".join(cells))
     out.append("")
+    out += equal_time_accuracy(methods, seeds)
     bound = res["compare"].get("bound")
     for m, by in methods.items():
         if not m.startswith("KFAC"):
@@ -740,6 +741,33 @@ def image_verdicts(
 
 
 PLOT_LABELS = {"loss": "training loss", "l2": "L2 error", "test_acc": "test accuracy"}
+
+
+def equal_time_accuracy(methods: Dict[str, Dict[int, Dict]], seeds: Sequence[int]) -> List[str]:
+    """Per seed, each run's test accuracy at its last check at or before the shortest run's end.
+
+    A run ends at the first check past the budget, so a method with slow steps (KFAC) can
+    end later than the others; this line compares all at the same time (runs stopped at the
+    target are left out: they reached it).
+    """
+    out = []
+    for s in seeds:
+        runs = {m: by[s] for m, by in methods.items() if s in by}
+        open_runs = [r for r in runs.values() if r["time_to_target"] is None]
+        if len(open_runs) < 2:
+            continue
+        t = min(r["times"][-1] for r in open_runs)
+        cells = []
+        for m, r in runs.items():
+            if r["time_to_target"] is not None:
+                continue
+            k = max(i for i, x in enumerate(r["times"]) if x <= t)
+            acc = r["metrics"][k]["test_acc"]
+            cells.append(f"{m} {100 * acc:.1f}% ({r['times'][k]:.0f} s, {r['steps'][k]} steps)")
+        out += [
+            f"- at equal time, seed {s} (last check at or before {t:.0f} s): " + "; ".join(cells)
+        ]
+    return out + ([""] if out else [])
 
 
 def _ratio(r: Optional[float]) -> str:

@@ -308,3 +308,16 @@ def test_split_grids_by_kind_and_learning_rate():
     assert training.split_grids(grids, None, None) == grids
     assert training.split_grids(grids, ["sgd"], None) == {"sgd": training.PINN_SGD_GRID}
     assert training.split_grids(grids, ["adam"], [3e-4, 1e-2]) == {"adam": [3e-4, 1e-2]}
+
+
+def test_equal_time_accuracy_reads_each_curve_at_the_shortest_end():
+    res = image_fixture(None)
+    kfac = res["runs"][2]
+    kfac.update(times=[0.0, 4.0, 9.0], steps=[0, 10, 20])
+    kfac["metrics"] = [{"loss": 1.0, "test_acc": 0.1}, {"loss": 0.5, "test_acc": 0.8}]
+    kfac["metrics"].append({"loss": 0.3, "test_acc": 0.88})
+    base = image_run("SGD+momentum lr=0.1", 0, None, 0.85)  # ends at 5 s
+    res["runs"] = [base, kfac]
+    text = training.report({"resnet18": res}, [0])
+    line = "- at equal time, seed 0 (last check at or before 5 s): SGD+momentum lr=0.1 85.0%"
+    assert line + " (5 s, 100 steps); KFAC defaults 80.0% (4 s, 10 steps)" in text

@@ -913,6 +913,7 @@ def merge_results(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
                 best = _best_point(joined, trials)["method"]  # over all parts: its rows
                 joined["runs"] += [r for r in old_runs + res["runs"] if r["method"] == best]
             joined["runs"] += [r for r in old_runs + res["runs"] if " lr=" not in r["method"]]
+            joined["runs"].sort(key=lambda r: r["method"].startswith("KFAC"))  # KFAC last
     return out
 
 

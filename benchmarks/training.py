@@ -947,9 +947,11 @@ def new_workloads_head(results: Dict[str, Any]) -> str:
             "images, batch 128, cross-entropy; the target is the test accuracy on the whole "
             "test set (eval mode), checked every 100 steps outside the clock; the loss of the "
             "curves is on a fixed 5,000-image training subset. ResNet-18's baselines are "
-            "AdamW (weight decay 1e-2) and SGD with momentum 0.9, the CNN's Adam and SGD, "
-            "over the grids above. KFAC rows: `curvature.KFAC(model)` and the safe start of "
-            "docs/optimizers.md, `curvature.KFAC(model, kl_clip=1e-3)`.\n\n"
+            "AdamW (weight decay 1e-2) and SGD with momentum 0.9, the CNN's Adam and SGD: "
+            f"Adam / AdamW over lr {', '.join(f'{x:g}' for x in ADAM_GRID)}, SGD over lr "
+            f"{', '.join(f'{x:g}' for x in IMAGE_SGD_GRID)}. KFAC rows: "
+            "`curvature.KFAC(model)` and the safe start of docs/optimizers.md, "
+            "`curvature.KFAC(model, kl_clip=1e-3)`.\n\n"
         )
     for name, res in results.items():
         if name == "resnet18":

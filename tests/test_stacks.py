@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import gc
 import importlib.util
+import pathlib
+import sys
 import warnings
 from functools import cache
 
@@ -20,10 +22,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cases import torch_state, train_step
-from resnets import resnet18
 from torch import nn
 
 import curvature
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from resnets import resnet18  # noqa: E402  (benchmarks/resnets.py, shared with training.py)
 
 CE = nn.CrossEntropyLoss()
 

@@ -2,7 +2,9 @@
 
 import pathlib
 import sys
+import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -90,3 +92,232 @@ def test_train_stops_at_the_target_and_counts_steps():
     r = training.train(wl, "SGD", "sgd", {"lr": 0.05}, 0)
     assert r.time_to_target is not None and r.steps_to_target % 5 == 0
     assert r.losses[-1] <= 1e-2 < r.losses[-2]
+
+
+# -- the PINN and image workloads ----------------------------------------------------------
+def pinn_run(method, seed, l2, steps=100):
+    return {
+        "method": method,
+        "seed": seed,
+        "steps": [0, steps],
+        "times": [0.0, 30.0],
+        "losses": [1.0, 0.1],
+        "metrics": [{"loss": 1.0, "l2": 1.0}, {"loss": 0.1, "l2": l2}],
+        "steps_to_target": None,
+        "time_to_target": None,
+        "diverged": False,
+    }
+
+
+def pinn_fixture(kfac_l2=(1e-4, 2e-4)):
+    return {
+        "kind": "pinn",
+        "title": "PINN",
+        "target": "10x",
+        "grids": {
+            "adam": [pinn_run("Adam lr=0.001", 0, 3e-3), pinn_run("Adam lr=0.003", 0, 1e-3)],
+            "sgd": [pinn_run("SGD+momentum lr=0.001", 0, float("nan"))],
+        },
+        "runs": [
+            pinn_run("Adam lr=0.003", 0, 1e-3),
+            pinn_run("Adam lr=0.003", 1, 1e-3),
+            pinn_run("KFAC (example defaults)", 0, kfac_l2[0], 20),
+            pinn_run("KFAC (example defaults)", 1, kfac_l2[1], 20),
+        ],
+    }
+
+
+def test_pinn_report_ratio_at_equal_time_and_verdict_per_seed():
+    text = training.report({"pinn-heat": pinn_fixture()}, [0, 1])
+    # 1e-3 / 1e-4 = 10x on seed 0 but 5x on seed 1: not met on each seed
+    assert "= 10.0x, 5.0x" in text and "**not met**" in text
+    assert "| KFAC (example defaults) | 1.00e-04 (20) | 2.00e-04 (20) |" in text
+    assert "0.003: L2 1.00e-03 after 100 steps" in text  # the grid's best point
+    assert "**met**" in training.report({"pinn-heat": pinn_fixture((1e-4, 1e-4))}, [0, 1])
+
+
+def test_pinn_final_treats_divergence_as_infinite():
+    assert training.pinn_final(pinn_run("SGD", 0, float("nan"))) == float("inf")
+    best = min(pinn_fixture()["grids"]["adam"], key=training.pinn_final)
+    assert best["method"] == "Adam lr=0.003"
+
+
+def test_run_pinn_runs_the_example_and_compares_at_equal_time():
+    torch.set_num_threads(1)
+    res = training.run_pinn("pinn-heat", 0.3, [0], {"adam": (1e-3, 1e-2)}, clock="cpu", lbfgs=False)
+    methods = [r["method"] for r in res["runs"]]
+    assert methods[-1] == "KFAC (example defaults)" and methods[0].startswith("Adam lr=")
+    assert len(res["grids"]["adam"]) == 2
+    best = min(res["grids"]["adam"], key=training.pinn_final)
+    assert res["runs"][0]["method"] == best["method"]
+    for r in res["runs"]:  # every run stops at the budget: equal time
+        assert r["times"][-1] >= 0.3 and r["steps"][-1] > 0 and 0 < r["metrics"][-1]["l2"]
+    assert res["plot_target"] == training.pinn_final(best) / 10
+    assert training.plot_metric(res)[0] == "l2"
+    assert "target >= 10x on each seed" in training.report({"pinn-heat": res}, [0])
+
+
+def image_run(method, seed, t, acc):
+    r = run(method, seed, t)
+    r["metrics"] = [{"loss": 1.0, "test_acc": 0.1}, {"loss": 0.2, "test_acc": acc}]
+    return r
+
+
+def image_fixture(kfac_time, bound=1.0):
+    return {
+        "title": "ResNet",
+        "target": "test accuracy >= 90%",
+        "compare": {"bound": bound, "accuracy": 0.9},
+        "grids": {"adamw": [image_run("AdamW lr=0.001", 0, 8.0, 0.91)]},
+        "runs": [
+            image_run("AdamW lr=0.001", 0, 8.0, 0.91),
+            image_run("SGD+momentum lr=0.1", 0, 6.0, 0.90),
+            image_run("KFAC defaults", 0, kfac_time, 0.88 if kfac_time is None else 0.9),
+        ],
+    }
+
+
+def test_image_verdict_against_the_fastest_baseline_of_every_kind():
+    # SGD (6 s) is the best baseline, not AdamW (8 s): 7 / 6 > 1
+    text = training.report({"resnet18": image_fixture(7.0)}, [0])
+    assert "best tuned baseline's = 1.17" in text and "**not met**" in text
+    assert "- KFAC defaults: seed 0: 90.0% after 7 s / 100 steps" in text
+    assert "**met**" in training.report({"resnet18": image_fixture(5.0)}, [0])
+    text = training.report({"resnet18": image_fixture(None)}, [0])
+    assert "= inf" in text and "**not met**" in text
+    text = training.report({"cnn": image_fixture(5.0, bound=None)}, [0])
+    assert "sets no target" in text and "met**" not in text
+
+
+def test_image_verdict_when_no_baseline_reaches_the_target():
+    res = image_fixture(5.0)
+    res["runs"] = [image_run("AdamW lr=0.001", 0, None, 0.85), res["runs"][2]]
+    assert "0 (no baseline reached it)" in training.report({"resnet18": res}, [0])
+    res["runs"][1] = image_run("KFAC defaults", 0, None, 0.87)
+    text = training.report({"resnet18": res}, [0])
+    assert "= n/a" in text and "**not met** (neither KFAC nor" in text
+
+
+def tiny_images(n=96):
+    g = torch.Generator().manual_seed(0)
+    X, Xte = torch.rand(n, 784, generator=g), torch.rand(64, 784, generator=g)
+    return X, torch.randint(0, 10, (n,), generator=g), Xte, torch.randint(0, 10, (64,))
+
+
+def test_image_workloads_train_cnn_and_resnet18_with_batchnorm():
+    import warnings
+
+    torch.set_num_threads(1)
+    for wl in (
+        training.small_cnn(0.01, data=tiny_images()),
+        training.resnet18_fmnist(0.01, data=tiny_images(), width=4),
+    ):
+        wl.eval_every, wl.batch = 3, 16
+        assert wl.X.shape == (96, 1, 28, 28) and wl.compare["accuracy"] == 0.9
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # KFAC's BatchNorm note
+            res = training.run_workload(wl, [0], {k: v[:1] for k, v in wl.grids.items()})
+        names = [r["method"] for r in res["runs"]]
+        assert names[-2:] == ["KFAC defaults", "KFAC safe start, kl_clip=1e-3"]
+        assert {n.split(" lr=")[0] for n in names[:-2]} == (
+            {"AdamW", "SGD+momentum"} if wl.name == "resnet18" else {"Adam", "SGD+momentum"}
+        )
+        for r in res["runs"]:
+            assert r["steps"][-1] == 3 and 0 <= r["metrics"][-1]["test_acc"] <= 1
+        res["compare"] = wl.compare
+        assert "Test accuracy at the end of the run" in training.report({wl.name: res}, [0])
+    assert any(isinstance(m, nn.BatchNorm2d) for m in wl.make_model().modules())
+
+
+def test_cpu_clock_option_and_the_train_loop_uses_it(monkeypatch):
+    ticks = iter(range(1000))
+    monkeypatch.setattr(training, "clock_now", lambda: float(next(ticks)))
+    X = torch.randn(32, 3)
+    mse = nn.MSELoss()
+    wl = training.Workload(
+        name="toy",
+        title="toy",
+        make_model=lambda: nn.Linear(3, 1),
+        X=X,
+        y=X[:, :1],
+        loss_func=mse,
+        batch=8,
+        budget=3.0,
+        eval_every=2,
+        evaluate=lambda m: {"loss": 1.0},
+        reached=lambda m: False,
+        target_text="never",
+    )
+    r = training.train(wl, "SGD", "sgd", {"lr": 0.01}, 0)
+    # each block of 2 steps reads the fake clock twice: 1 "second" per block, 3 blocks
+    assert r.times == [0.0, 1.0, 2.0, 3.0] and r.steps == [0, 2, 4, 6]
+    assert training.CLOCKS["cpu"] is time.process_time
+
+
+def test_plot_metric_per_workload_kind():
+    assert training.plot_metric(image_fixture(5.0))[:2] == ("test_acc", 0.9)
+    assert training.plot_metric({"target_loss": 0.3})[:2] == ("loss", 0.3)
+    res = pinn_fixture()
+    res["plot_target"] = 1e-4
+    assert training.plot_metric(res)[:2] == ("l2", 1e-4)
+
+
+def test_plot_writes_the_figure_where_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = {"fmnist-mlp": fixture()["fmnist-mlp"], "pinn-heat": pinn_fixture()}
+    res["resnet18"] = image_fixture(5.0)
+    res["pinn-heat"]["plot_target"] = 1e-4
+    path = tmp_path / "training.png"
+    assert training.plot(res, str(path)) and path.stat().st_size > 0
+
+
+def test_merge_results_joins_a_workload_split_over_processes():
+    a, b = image_fixture(5.0), image_fixture(5.0)
+    a["runs"], b["grids"] = a["runs"][:2], {"sgd": [image_run("SGD+momentum lr=0.1", 0, 6, 0.9)]}
+    b["runs"] = b["runs"][2:]
+    other = {"fmnist-mlp": fixture()["fmnist-mlp"]}
+    merged = training.merge_results(
+        [{"results": {"resnet18": a}}, {"results": {"resnet18": b, **other}}]
+    )
+    assert list(merged) == ["resnet18", "fmnist-mlp"]
+    assert set(merged["resnet18"]["grids"]) == {"adamw", "sgd"}
+    names = [r["method"] for r in merged["resnet18"]["runs"]]
+    assert names == ["AdamW lr=0.001", "SGD+momentum lr=0.1", "KFAC defaults"]
+    assert len(a["runs"]) == 2  # the inputs are left alone
+
+
+def test_merge_results_of_one_grid_split_keeps_the_best_point_over_all_parts():
+    a, b = pinn_fixture(), pinn_fixture()
+    # part a: Adam 1e-3 (3e-3 L2) and 3e-3 (1e-3), SGD, KFAC; part b: Adam 1e-2 (5e-4) only
+    b["grids"] = {"adam": [pinn_run("Adam lr=0.01", 0, 5e-4)]}
+    b["runs"] = [pinn_run("Adam lr=0.01", 0, 5e-4)]
+    merged = training.merge_results([{"results": {"p": a}}, {"results": {"p": b}}])["p"]
+    assert [t["method"] for t in merged["grids"]["adam"]] == [
+        "Adam lr=0.001",
+        "Adam lr=0.003",
+        "Adam lr=0.01",
+    ]
+    names = [r["method"] for r in merged["runs"]]
+    assert names == ["Adam lr=0.01", "KFAC (example defaults)", "KFAC (example defaults)"]
+    # the ratio uses the best Adam of all parts: 5e-4 / 1e-4 = 5x
+    assert "= 5.0x" in training.report({"p": merged}, [0])
+
+
+def test_split_grids_by_kind_and_learning_rate():
+    grids = {"adam": training.ADAM_GRID, "sgd": training.PINN_SGD_GRID}
+    assert training.split_grids(grids, None, None) == grids
+    assert training.split_grids(grids, ["sgd"], None) == {"sgd": training.PINN_SGD_GRID}
+    assert training.split_grids(grids, ["adam"], [3e-4, 1e-2]) == {"adam": [3e-4, 1e-2]}
+
+
+def test_equal_time_accuracy_reads_each_curve_at_the_shortest_end():
+    res = image_fixture(None)
+    kfac = res["runs"][2]
+    kfac.update(times=[0.0, 4.0, 9.0], steps=[0, 10, 20])
+    kfac["metrics"] = [{"loss": 1.0, "test_acc": 0.1}, {"loss": 0.5, "test_acc": 0.8}]
+    kfac["metrics"].append({"loss": 0.3, "test_acc": 0.88})
+    base = image_run("SGD+momentum lr=0.1", 0, None, 0.85)  # ends at 5 s
+    res["runs"] = [base, kfac]
+    text = training.report({"resnet18": res}, [0])
+    line = "- at equal time, seed 0 (last check at or before 5 s): SGD+momentum lr=0.1 85.0%"
+    assert line + " (5 s, 100 steps); KFAC defaults 80.0% (4 s, 10 steps)" in text

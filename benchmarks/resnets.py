@@ -1,4 +1,5 @@
-"""ResNet-18 for the tests: torchvision's when it imports, else a faithful copy.
+"""ResNet-18 for the tests and benchmarks/training.py: torchvision's when it imports, else
+a faithful copy.
 
 The copy follows ``torchvision.models.resnet.resnet18``: a 7x7 stride-2 stem with
 BatchNorm, ReLU and a 3x3 max-pool, four stages of two ``BasicBlock`` each (3x3 convs

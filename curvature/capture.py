@@ -96,6 +96,8 @@ class Capture(PerSampleQuantities):
         weakref.finalize(self, _remove_handles, self._handles, self._param_handles)
         self._recording = False
         self._push = False  # push mode: node pre-hooks store g during the user's backward
+        #: push mode: each recorded call's pre-hook state (held by the hooks, the call weakly)
+        self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pushing = True  # off while our own pulls run
         self._on_commit: Optional[Callable[..., Any]] = None
         self.late_gradients = 0  # gradients that reached a call after it was handed out
@@ -220,8 +222,9 @@ class Capture(PerSampleQuantities):
             call.pushed = [None] * len(edges)
             call.pending = [None] * len(edges)
             ref = weakref.ref(self)
+            box = self._hooked[call] = _HookedCall(call)
             for j, edge in enumerate(edges):
-                edge.node.register_prehook(_make_prehook(ref, call, j, edge.output_nr))
+                edge.node.register_prehook(_make_prehook(ref, box, j, edge.output_nr))
         self._calls[name].append(call)
 
     def watch_backward(
@@ -274,10 +277,17 @@ class Capture(PerSampleQuantities):
         if done and callback is not None:
             self._calls[name] = [c for c in self._calls[name] if c not in done]
             for c in done:
-                assign_grads(c, c.pushed, ())
-                c.pushed = c.pending = None
+                self._hand_out(c)
             module, rule = next((m, r) for n, m, r in self.layers if n == name)
             callback(name, module, rule, done)
+
+    def _hand_out(self, call: Call) -> None:
+        """A call's committed gradients become its ``grads``; a later backward is late."""
+        assign_grads(call, call.pushed, ())
+        call.pushed = call.pending = None
+        box = self._hooked.pop(call, None)
+        if box is not None:
+            box.handed_out = True
 
     def take_pushed(self) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
         """Calls whose gradients a user backward committed since the last take.
@@ -292,8 +302,7 @@ class Capture(PerSampleQuantities):
                 continue
             self._calls[name] = [c for c in self._calls[name] if c not in done]
             for c in done:
-                assign_grads(c, c.pushed, ())
-                c.pushed = c.pending = None
+                self._hand_out(c)
             out.append((name, module, rule, done))
         return out
 
@@ -512,7 +521,23 @@ def _remove_handles(*lists: List[Any]) -> None:
         handles.clear()
 
 
-def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, output_nr: int):
+class _HookedCall:
+    """What a call's backward pre-hooks hold: the call, weakly, and whether it was handed out.
+
+    The autograd nodes keep their hooks as long as the graph lives, and the call holds
+    edges to those nodes: a strong reference would make a cycle through C++ (which
+    ``gc`` cannot collect) and keep the call's inputs and gradients alive after they
+    were consumed.
+    """
+
+    __slots__ = ("call", "handed_out")
+
+    def __init__(self, call: Call):
+        self.call = weakref.ref(call)
+        self.handed_out = False
+
+
+def _make_prehook(ref: weakref.ReferenceType[Capture], box: _HookedCall, j: int, output_nr: int):
     def prehook(grad_outputs):
         cap = ref()
         if cap is None or not cap.pushing:
@@ -522,11 +547,12 @@ def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, outpu
             return None
         if g.requires_grad:  # a create_graph=True pass (a gradient penalty, an HVP)
             cap.graph_gradients += 1
-        if call.pending is None:  # handed out already: a second backward through it
+        call = box.call()
+        if box.handed_out:  # a second backward through it
             cap.late_gradients += 1
-        else:  # this pass's gradient; committed when the layer's .grad accumulates
+        elif call is not None:  # this pass's gradient; committed when .grad accumulates
             call.pending[j] = g
-        return None
+        return None  # (a call dropped unconsumed: nothing to keep)
 
     return prehook
 

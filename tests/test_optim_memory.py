@@ -15,6 +15,7 @@ properties of a training step of the benchmark's MLP (784-512-256-10, batch 128)
 
 from __future__ import annotations
 
+import gc
 import pathlib
 import sys
 
@@ -45,25 +46,37 @@ def _seed_one_thread():
         yield
 
 
-def per_sample_sizes(model: nn.Module, N: int, K: int = 1):
-    """Element counts of per-sample (per-vector) weight gradients of the model's layers."""
-    sizes = set()
+def per_sample_check(model: nn.Module, N: int, K: int = 1):
+    """A test ``t -> bool``: is ``t`` a per-sample (per-vector) weight gradient?
+
+    Its element count is ``N`` or ``K N`` times a layer's weight (with or without the
+    bias column), and it ends with that weight's matrix ``[D_out, D]`` or its flattened
+    ``[D_out D]`` (sizes alone would mistake a pulled gradient ``[K, N, D_out']`` for one).
+    """
+    shapes = {}
     for mod in model.modules():
         w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
-        if isinstance(w, torch.Tensor):
-            n = w.numel() + (b.numel() if isinstance(b, torch.Tensor) else 0)
-            sizes |= {k * N * m for k in range(1, K + 1) for m in (w.numel(), n)}
-    return sizes
+        if isinstance(w, torch.Tensor) and w.dim() >= 2:
+            rows, cols = w.shape[0], w[0].numel()
+            for c in (cols, cols + (1 if isinstance(b, torch.Tensor) else 0)):
+                for k in {1, K}:
+                    shapes.setdefault(k * N * rows * c, set()).update({(rows, c), (rows * c,)})
+
+    def check(t: torch.Tensor) -> bool:
+        ends = shapes.get(t.numel(), ())
+        return any(tuple(t.shape[-len(e) :]) == e for e in ends)
+
+    return check
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_no_per_sample_gradients_in_a_step(name, fisher):
-    sizes = per_sample_sizes(mlp(), 128)
+    is_per_sample = per_sample_check(mlp(), 128)
     seen = []
 
     def on_alloc(func, t):
-        if t.numel() in sizes:
+        if is_per_sample(t):
             seen.append((str(func), tuple(t.shape)))
 
     make = OPTIMIZERS[name]
@@ -75,10 +88,11 @@ def test_no_per_sample_gradients_in_a_step(name, fisher):
 def test_the_check_sees_per_sample_gradients():
     """The twin: per-sample gradients of the same MLP are seen by the same check."""
     torch.manual_seed(0)
-    model, sizes, seen = mlp(), per_sample_sizes(mlp(), 128), []
+    model, seen = mlp(), []
+    is_per_sample = per_sample_check(model, 128)
     X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
     loss = nn.CrossEntropyLoss()
-    with LiveBytes(lambda f, t: seen.append(t.numel()) if t.numel() in sizes else None):
+    with LiveBytes(lambda f, t: seen.append(t.numel()) if is_per_sample(t) else None):
         curvature.per_sample_grads(model, loss, X, y)
     assert 128 * 784 * 512 in seen
 
@@ -115,3 +129,47 @@ def test_peak_counts_a_temporary():
         del y
     assert live.peak == 8000 and live.current == 4000
     del x
+
+
+def reachable_tensors(obj) -> list:
+    """Every tensor reachable from ``obj`` through Python references (modules excluded)."""
+    out, seen, stack = [], set(), [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, nn.Module)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        else:
+            stack += gc.get_referents(o)
+    return out
+
+
+FUNCTIONS = {
+    "kfac": lambda m, X, y: curvature.kfac(m, CE, (X, y)),
+    "kfac-empirical": lambda m, X, y: curvature.kfac(m, CE, (X, y), fisher="empirical"),
+    "ekfac": lambda m, X, y: curvature.ekfac(m, CE, (X, y)),
+    "diag_ggn": lambda m, X, y: curvature.diag_ggn(m, CE, (X, y)),
+    "diag_ggn-mc": lambda m, X, y: curvature.diag_ggn(m, CE, (X, y), fisher="mc"),
+}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_curvature_functions_keep_nothing_and_no_per_sample(name):
+    """``kfac()``, ``ekfac()``, ``diag_ggn()`` on the MLP: no ``[K, N, *W.shape]`` tensor
+    (``K = 10`` vectors for type-2), and nothing alive after the call but the result."""
+    f, seen = FUNCTIONS[name], []
+    with LiveBytes() as live:
+        torch.manual_seed(0)
+        model = mlp()
+        is_per_sample = per_sample_check(model, 128, K=10)
+        X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
+        f(model, X, y)  # a first call (its small constants are made once per process)
+        live.mark()
+        live.on_alloc = lambda func, t: seen.append(tuple(t.shape)) if is_per_sample(t) else None
+        out = f(model, X, y)
+        live.on_alloc = None
+        kept = live.alive_since_mark(reachable_tensors(out))
+    assert not seen, f"{name}: per-sample sized tensors allocated: {seen}"
+    assert kept <= FLAGS, f"{name}: {kept} bytes alive after the call besides the result"

@@ -21,8 +21,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
+from .capture_hooks import HookedCall, make_commit_hook, make_prehook
 from .capture_quantities import PerSampleQuantities
-from .capture_traced import TracedCalls, outside_graph, receive_pushed
+from .capture_traced import TracedCalls, outside_graph
 from .edges import CheckedView, WeakHook, assign_grads, leaves, output_edge
 from .layers import Call, LayerRule
 from .layers.base import current_shared_slots
@@ -99,6 +100,8 @@ class Capture(PerSampleQuantities, TracedCalls):
         weakref.finalize(self, _remove_handles, self._handles, self._param_handles)
         self._recording = False
         self._push = False  # push mode: node pre-hooks store g during the user's backward
+        #: push mode: each recorded call's pre-hook state (held by the hooks, the call weakly)
+        self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pushing = True  # off while our own pulls run
         self._on_commit: Optional[Callable[..., Any]] = None
         self.late_gradients = 0  # gradients that reached a call after it was handed out
@@ -236,8 +239,9 @@ class Capture(PerSampleQuantities, TracedCalls):
             call.pushed = [None] * len(edges)
             call.pending = [None] * len(edges)
             ref = weakref.ref(self)
+            box = self._hooked[call] = HookedCall(call)
             for j, edge in enumerate(edges):
-                edge.node.register_prehook(_make_prehook(ref, call, j, edge.output_nr))
+                edge.node.register_prehook(make_prehook(ref, box, j, edge.output_nr))
         self._calls[name].append(call)
 
     def watch_backward(
@@ -272,7 +276,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         for name, module, _ in self.layers:
             for p in module.parameters():
                 if p.requires_grad:
-                    hook = _make_commit_hook(ref, name)
+                    hook = make_commit_hook(ref, name)
                     self._param_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def commit(self, name: str) -> None:
@@ -291,10 +295,17 @@ class Capture(PerSampleQuantities, TracedCalls):
         if done and callback is not None:
             self._calls[name] = [c for c in self._calls[name] if c not in done]
             for c in done:
-                assign_grads(c, c.pushed, ())
-                c.pushed = c.pending = None
+                self._hand_out(c)
             module, rule = next((m, r) for n, m, r in self.layers if n == name)
             callback(name, module, rule, done)
+
+    def _hand_out(self, call: Call) -> None:
+        """A call's committed gradients become its ``grads``; a later backward is late."""
+        assign_grads(call, call.pushed, ())
+        call.pushed = call.pending = None
+        box = self._hooked.pop(call, None)
+        if box is not None:
+            box.handed_out = True
 
     def take_pushed(self) -> List[Tuple[str, nn.Module, LayerRule, List[Call]]]:
         """Calls whose gradients a user backward committed since the last take.
@@ -310,8 +321,7 @@ class Capture(PerSampleQuantities, TracedCalls):
                 continue
             self._calls[name] = [c for c in self._calls[name] if c not in done]
             for c in done:
-                assign_grads(c, c.pushed, ())
-                c.pushed = c.pending = None
+                self._hand_out(c)
             out.append((name, module, rule, done))
         return out
 
@@ -546,28 +556,6 @@ def _remove_handles(*lists: List[Any]) -> None:
         for handle in handles:
             handle.remove()
         handles.clear()
-
-
-def _make_prehook(ref: weakref.ReferenceType[Capture], call: Call, j: int, output_nr: int):
-    def prehook(grad_outputs):
-        cap = ref()
-        if cap is None or not cap.pushing:
-            return None
-        g = grad_outputs[output_nr]
-        if g is not None:
-            receive_pushed(cap, call, j, g)
-        return None
-
-    return prehook
-
-
-def _make_commit_hook(ref: weakref.ReferenceType[Capture], name: str):
-    def hook(param: Tensor) -> None:
-        cap = ref()
-        if cap is not None:
-            cap.commit(name)
-
-    return hook
 
 
 def capture(

@@ -279,7 +279,7 @@ def expanded_diagonal(a: Tensor, g: Tensor) -> Tensor:
     chunk = max(1, 2**22 // max(1, g.shape[0] * g[0, 0, 0].numel() * a.shape[-1]))
     for i in range(0, N, chunk):
         gr = torch.einsum("knsco,nsci->kncoi", g[:, i : i + chunk], a[i : i + chunk])
-        part = gr.pow(2).sum((0, 1))
+        part = gr.pow_(2).sum((0, 1))  # (squared in place: one chunk-sized temporary)
         d = part if d is None else d + part
     return d
 
@@ -367,7 +367,7 @@ def rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Tens
     chunk = max(1, 2**22 // max(1, K * a.shape[2] * QA.shape[-1] * QG.shape[-1]))
     for i in range(0, N, chunk):
         grad = torch.einsum("knscp,nscj->kncpj", gr[:, i : i + chunk], ar[i : i + chunk])
-        part = grad.pow(2).sum((0, 1))
+        part = grad.pow_(2).sum((0, 1))  # (squared in place: one chunk-sized temporary)
         out = part if out is None else out + part
     return out
 

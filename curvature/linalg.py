@@ -15,8 +15,8 @@ from torch import Tensor
 
 
 def symmetrize(M: Tensor) -> Tensor:
-    """``(M + M^T) / 2`` over the last two axes."""
-    return 0.5 * (M + M.transpose(-1, -2))
+    """``(M + M^T) / 2`` over the last two axes (one temporary: the sum, halved in place)."""
+    return (M + M.transpose(-1, -2)).mul_(0.5)
 
 
 def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
@@ -203,12 +203,15 @@ def damped_inverses(
     for M, shift in zip(mats, shifts):
         dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
         shift = torch.as_tensor(shift, dtype=dtype, device=M.device)
-        eye = torch.eye(M.shape[-1], dtype=dtype, device=M.device)
-        L, info = torch.linalg.cholesky_ex(symmetrize(M.to(dtype)) + shift[..., None, None] * eye)
+        damped = symmetrize(M.to(dtype))  # + shift I, in place (no identity matrices)
+        damped.diagonal(dim1=-2, dim2=-1).add_(shift[..., None])
+        L, info = torch.linalg.cholesky_ex(damped)
+        del damped
         factors.append((L, shift))
         infos.append(info.ne(0).any())
     out = []
-    for M, (L, shift), bad, name in zip(mats, factors, host_values(infos), names):
+    for M, bad, name in zip(mats, host_values(infos), names):
+        L, shift = factors.pop(0)  # (each factor freed once its inverse is taken)
         if bad:
             evals, evecs = eigh(M, name=name)
             shifted = evals + shift.to(evals.dtype)[..., None]

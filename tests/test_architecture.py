@@ -53,6 +53,7 @@ TORCH_PRIVATE = frozenset(
         "_foreach_mul_",  # torch._foreach_mul_
         "_foreach_add_",  # torch._foreach_add_
         "_foreach_div",  # torch._foreach_div (statistics normalized in one call)
+        "_foreach_div_",  # torch._foreach_div_ (the same, in place)
         "_foreach_lerp_",  # torch._foreach_lerp_ (the running averages in one call)
     }
 )

@@ -59,6 +59,11 @@ class _Plan:
         self.extra_source: Optional[Tensor] = None  # the vector ``extra`` holds entries of
         #: where the blocks cover every position: the order back to the flat layout
         self.back = torch.argsort(self.index) if self.index.numel() == like.numel() else None
+        if self.back is not None and like.numel() < 2**31:  # (index_copy_ takes int64 only)
+            # 32-bit positions: the index vectors are as large as the parameters (the
+            # index of a single block is a view of the block's own: kept as it is)
+            self.back = self.back.int()
+            self.index = self.index.int() if len(flat) > 1 else self.index
         self.views: List[BlockViews] = []
         self.extra_views: List[Tensor] = []
         self.shapes = [ix.shape for ix in indices]

@@ -215,9 +215,14 @@ class KroneckerBlock(RunningFactors):
         return Eigen(lA, QA, lG, QG)
 
     def install(self, record: Record) -> None:
-        """Use ``record`` from now on (cached inverses are recomputed when needed)."""
+        """Use ``record`` from now on (cached inverses are recomputed when needed).
+
+        The products cached from the previous record are dropped with it, so that it and
+        its inverses are freed before the new ones are computed.
+        """
         self.record = record
         self.inverses = None
+        self._cache = {}
 
     def pi_shifts(self, damping: float) -> tuple:
         """``(pi sqrt(lambda), sqrt(lambda) / pi)``, ``[C]`` each, from the refresh record."""

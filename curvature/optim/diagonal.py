@@ -139,9 +139,14 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         if missing and self.steps > 0 and not self._warned_missing:
             self._warned_missing = True
             warn(no_statistics_message(type(self).__name__, missing))
-        damping = self._damping_vector(grads)
         blocks = [b for b in self._diagonals.values() if b.d is not None]
         indices = [self._ix(b.index, grads.device) for b in blocks]
+        dampings = {g["damping"] for g in self.param_groups}
+        if len(dampings) == 1:  # one number: no [P] damping vector (nor its gathered copy)
+            (damping,) = dampings
+            jobs = [partial(_inverse_into, b, damping=damping) for b in blocks]
+            return self._gather.apply(grads, indices, jobs)
+        damping = self._damping_vector(grads)
         jobs = [partial(_inverse_into, b) for b in blocks]  # gathered and scattered at once
         return self._gather.apply(grads, indices, jobs, extra=damping)
 

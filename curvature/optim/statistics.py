@@ -354,11 +354,15 @@ def normalize(
                 if fix is not None:
                     fixes.append((key, i, fix))
         out[key] = Normalized(values, st.valid())
-    # v / rows and v * g_norm for all values at once (the same values as one call each)
-    for op, (vs, numbers, where) in ((torch._foreach_div, divide), (torch._foreach_mul, scale)):
-        for (key, i), v in zip(where, op(vs, numbers) if vs else []):
+    # v / rows and v * g_norm for all values at once (the same values as one call each),
+    # in place: the sums are this step's own (flush made them), so no second copy of every
+    # factor is alive at once
+    for op, (vs, numbers, where) in ((torch._foreach_div_, divide), (torch._foreach_mul_, scale)):
+        if vs:
+            op(vs, numbers)
+        for (key, i), v in zip(where, vs):
             out[key].values[i] = v
     for key, i, fix in fixes:
         v = out[key].values[i]
-        out[key].values[i] = v * fix.to(v.dtype)
+        out[key].values[i] = v.mul_(fix.to(v.dtype))
     return out

@@ -71,7 +71,7 @@ def apply_update(
 
     Args:
         slots: The parameters with a gradient, their groups and flat spans.
-        directions: ``[P]`` preconditioned gradient ``d``.
+        directions: ``[P]`` preconditioned gradient ``d`` (overwritten: the update's own).
         grads: ``[P]`` gradient ``g``.
         state: The optimizer's per-parameter state (``momentum_buffer``).
         kl_clip: The KL clipping bound, or ``None``.
@@ -91,7 +91,9 @@ def apply_update(
     if tiled:  # one split, a sum per parameter, one select over the flat vector
         seg = _segments(sizes, directions.device)
         ok = torch.stack([v.sum() for v in directions.split(sizes)]).mul(0).eq(0)
-        clean = torch.where(ok.index_select(0, seg), directions, _zero(directions))
+        # in place: the directions are the caller's own ([P] less at the step's peak)
+        out = directions if directions is not grads else None
+        clean = torch.where(ok.index_select(0, seg), directions, _zero(directions), out=out)
         views = list(clean.split(sizes))
     else:
         views = [directions[s.span] for s in slots]
@@ -106,7 +108,7 @@ def apply_update(
                 full[s.span] = v
         nu = kl_scale(slots, full, grads, kl_clip).to(directions.dtype)
         if clean is not None:
-            clean = clean * nu
+            clean = clean.mul_(nu)
             views = list(clean.split(sizes))
         else:
             views = torch._foreach_mul(views, nu)
@@ -190,8 +192,8 @@ def _segments(sizes: List[int], device: torch.device) -> Tensor:
     """``[P]``: the parameter of each flat position, built once per layout and device."""
     key = (tuple(sizes), device)
     if key not in _SEGMENTS:
-        ids = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
-        _SEGMENTS[key] = ids.to(device)
+        ids = torch.arange(len(sizes), dtype=torch.int32)  # (32 bits: as many as the params)
+        _SEGMENTS[key] = ids.repeat_interleave(torch.tensor(sizes)).to(device)
     return _SEGMENTS[key]
 
 

@@ -1,0 +1,175 @@
+"""Memory of an optimizer step, counted on CPU (issue 17, items 4 and 5).
+
+A ``TorchDispatchMode`` (``benchmarks/step_memory.LiveBytes``) registers the storage of
+every tensor an aten call allocates, with a finalizer that subtracts it when freed. Two
+properties of a training step of the benchmark's MLP (784-512-256-10, batch 128):
+
+- no per-sample gradient tensor ``[N, *W.shape]`` (``N * numel(W)`` elements, or with
+  the bias column ``N * (numel(W) + numel(b))``) is allocated by DiagonalNaturalGradient
+  or EKFAC (Linear layers without weight sharing contract ``(g^2)^T (a^2)`` and
+  ``((g QG)^2)^T ((a QA)^2)`` instead), nor by KFAC;
+- nothing allocated during ``step()``'s training step stays alive after it besides the
+  parameters' ``.grad`` (the statistics buffers are the running ones, the captured layer
+  inputs and output gradients are released), up to a few device flags.
+"""
+
+from __future__ import annotations
+
+import gc
+import pathlib
+import sys
+
+import pytest
+import torch
+from cases import torch_state
+from torch import nn
+
+import curvature
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from step_memory import CE, LiveBytes, measure, mlp  # noqa: E402
+
+#: Bytes a step may leave behind: its small device flags (finiteness, skip counts).
+FLAGS = 256
+
+KW = dict(lr=1e-3, loss_func=CE)
+OPTIMIZERS = {
+    "DiagonalNG": lambda m, **k: curvature.DiagonalNaturalGradient(m, **KW, **k),
+    "EKFAC": lambda m, **k: curvature.EKFAC(m, **KW, **k),
+    "KFAC": lambda m, **k: curvature.KFAC(m, **KW, **k),
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed_one_thread():
+    with torch_state():
+        yield
+
+
+def per_sample_check(model: nn.Module, N: int, K: int = 1):
+    """A test ``t -> bool``: is ``t`` a per-sample (per-vector) weight gradient?
+
+    Its element count is ``N`` or ``K N`` times a layer's weight (with or without the
+    bias column), and it ends with that weight's matrix ``[D_out, D]`` or its flattened
+    ``[D_out D]`` (sizes alone would mistake a pulled gradient ``[K, N, D_out']`` for one).
+    """
+    shapes = {}
+    for mod in model.modules():
+        w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
+        if isinstance(w, torch.Tensor) and w.dim() >= 2:
+            rows, cols = w.shape[0], w[0].numel()
+            for c in (cols, cols + (1 if isinstance(b, torch.Tensor) else 0)):
+                for k in {1, K}:
+                    shapes.setdefault(k * N * rows * c, set()).update({(rows, c), (rows * c,)})
+
+    def check(t: torch.Tensor) -> bool:
+        ends = shapes.get(t.numel(), ())
+        return any(tuple(t.shape[-len(e) :]) == e for e in ends)
+
+    return check
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_no_per_sample_gradients_in_a_step(name, fisher):
+    is_per_sample = per_sample_check(mlp(), 128)
+    seen = []
+
+    def on_alloc(func, t):
+        if is_per_sample(t):
+            seen.append((str(func), tuple(t.shape)))
+
+    make = OPTIMIZERS[name]
+    for every in (1000, 1):  # without and with a refresh
+        measure(lambda m, e=every: make(m, fisher=fisher, inverse_every=e), "mlp", on_alloc)
+    assert not seen, f"{name}: per-sample sized tensors allocated: {seen}"
+
+
+def test_the_check_sees_per_sample_gradients():
+    """The twin: per-sample gradients of the same MLP are seen by the same check."""
+    torch.manual_seed(0)
+    model, seen = mlp(), []
+    is_per_sample = per_sample_check(model, 128)
+    X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
+    loss = nn.CrossEntropyLoss()
+    with LiveBytes(lambda f, t: seen.append(t.numel()) if is_per_sample(t) else None):
+        curvature.per_sample_grads(model, loss, X, y)
+    assert 128 * 784 * 512 in seen
+
+
+@pytest.mark.parametrize("every", [1000, 1], ids=["no-refresh", "refresh"])
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_nothing_kept_after_step(name, fisher, every):
+    if every == 1 and name != "DiagonalNG":
+        pytest.skip("a refresh replaces the inverses / eigenbases with new tensors")
+    make = OPTIMIZERS[name]
+    m = measure(lambda model: make(model, fisher=fisher, inverse_every=every), "mlp")
+    assert m["kept"] <= FLAGS, f"{name}: {m['kept']} bytes of the step kept after it"
+
+
+def test_kept_sees_what_stays():
+    """The twin: an optimizer that keeps its step's temporaries is caught."""
+
+    class Keeping(torch.optim.SGD):
+        def step(self, closure=None):
+            self.kept = [p.grad * 2 for p in self.param_groups[0]["params"]]
+            return super().step(closure)
+
+    m = measure(lambda model: Keeping(model.parameters(), lr=1e-3), "mlp")
+    assert m["kept"] >= m["params"]
+    assert measure(lambda model: torch.optim.SGD(model.parameters(), lr=1e-3))["kept"] == 0
+
+
+def test_peak_counts_a_temporary():
+    """``peak`` sees a temporary freed before the end; ``current`` does not keep it."""
+    with LiveBytes() as live:
+        x = torch.ones(1000)
+        y = x * 2
+        del y
+    assert live.peak == 8000 and live.current == 4000
+    del x
+
+
+def reachable_tensors(obj) -> list:
+    """Every tensor reachable from ``obj`` through Python references (modules excluded)."""
+    out, seen, stack = [], set(), [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, nn.Module)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        else:
+            stack += gc.get_referents(o)
+    return out
+
+
+FUNCTIONS = {
+    "kfac": lambda m, X, y: curvature.kfac(m, CE, (X, y)),
+    "kfac-empirical": lambda m, X, y: curvature.kfac(m, CE, (X, y), fisher="empirical"),
+    "ekfac": lambda m, X, y: curvature.ekfac(m, CE, (X, y)),
+    "diag_ggn": lambda m, X, y: curvature.diag_ggn(m, CE, (X, y)),
+    "diag_ggn-mc": lambda m, X, y: curvature.diag_ggn(m, CE, (X, y), fisher="mc"),
+}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_curvature_functions_keep_nothing_and_no_per_sample(name):
+    """``kfac()``, ``ekfac()``, ``diag_ggn()`` on the MLP: no ``[K, N, *W.shape]`` tensor
+    (``K = 10`` vectors for type-2), and nothing alive after the call but the result."""
+    f, seen = FUNCTIONS[name], []
+    with LiveBytes() as live:
+        torch.manual_seed(0)
+        model = mlp()
+        is_per_sample = per_sample_check(model, 128, K=10)
+        X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
+        f(model, X, y)  # a first call (its small constants are made once per process)
+        live.mark()
+        live.on_alloc = lambda func, t: seen.append(tuple(t.shape)) if is_per_sample(t) else None
+        out = f(model, X, y)
+        live.on_alloc = None
+        kept = live.alive_since_mark(reachable_tensors(out))
+    assert not seen, f"{name}: per-sample sized tensors allocated: {seen}"
+    assert kept <= FLAGS, f"{name}: {kept} bytes alive after the call besides the result"

@@ -27,6 +27,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..foreach import finite_flags, scalar
 from ..linalg import host_values
 
 #: Kinds of statistics values: ``"A"`` (symmetric; a sum of ``a a^T`` normalized by its
@@ -192,9 +193,9 @@ class StepStatistics:
     def flush(self) -> None:
         """Fold the queued contributions into their slots, skipping non-finite ones.
 
-        A contribution is finite iff the sum of each of its values is (barring overflow
-        of the sum); the sums are stacked and judged on the device: a non-finite one is
-        replaced by zeros, flagged in its slot's ``parts`` and counted in
+        A contribution is finite iff each of its values is (:func:`finite_flags`: the
+        largest magnitudes of all values at once, judged on the device): a non-finite
+        one is replaced by zeros, flagged in its slot's ``parts`` and counted in
         :attr:`skipped`, all without a host synchronization. A failed
         :meth:`require_false` check skips every queued contribution and is kept in
         :attr:`failed` for the caller to raise later.
@@ -209,11 +210,8 @@ class StepStatistics:
         for i, v in enumerate(present):
             by_device.setdefault(v.device, []).append(i)
         where: Dict[int, Tuple[torch.device, int]] = {}
-        low = (torch.float16, torch.bfloat16)
         for dev, idx in by_device.items():
-            vs = [present[i] for i in idx]
-            sums = [v.sum(dtype=torch.float32) if v.dtype in low else v.sum() for v in vs]
-            flags[dev] = torch.stack(sums).mul(0).eq(0)  # finite (barring overflow of a sum)
+            flags[dev] = finite_flags([present[i] for i in idx])  # three calls per device
             for j, i in enumerate(idx):
                 where[i] = (dev, j)
         bad: Optional[Tensor] = None
@@ -232,12 +230,14 @@ class StepStatistics:
             dev, j = where[i]
             i += n
             if dev in slot_flags:  # judged per contribution at once
-                ok, drop = next(slot_flags[dev])
+                ok = next(slot_flags[dev])
             else:
                 ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
                 skipped.setdefault(dev, []).append(ok)
-                drop = ~ok
-            kept = [None if v is None else v.masked_fill(drop, 0.0) for v in values]
+            kept = [
+                None if v is None else torch.where(ok, v, scalar(0.0, v.dtype, v.device))
+                for v in values
+            ]
             slot.values = [
                 a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, kept)
             ]
@@ -288,7 +288,7 @@ class StepStatistics:
 
 
 def _per_contribution(queue: list, where: dict, flags: Dict[torch.device, Tensor]) -> dict:
-    """Device to an iterator of ``(ok, ~ok)`` per contribution, for the devices whose
+    """Device to an iterator of ``ok`` (0-d bool) per contribution, for the devices whose
     contributions all have the same number of values (``flags[dev]`` replaced by the
     contributions' flags): a few calls for all of them instead of a few per contribution.
     """
@@ -306,7 +306,7 @@ def _per_contribution(queue: list, where: dict, flags: Dict[torch.device, Tensor
         (n,) = ns
         ok = flags[dev] if n == 1 else flags[dev].view(-1, n).all(1)
         flags[dev] = ok
-        out[dev] = zip(ok.unbind(0), (~ok).unbind(0))
+        out[dev] = iter(ok.unbind(0))
     return out
 
 

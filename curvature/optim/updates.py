@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..foreach import finite_flags, scalar
 from ..warn import warn
 
 
@@ -88,14 +89,16 @@ def apply_update(
     sizes = [s.span.stop - s.span.start for s in slots]
     tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
-    if tiled:  # one split, a sum per parameter, one select over the flat vector
+    if tiled:  # one split, the flags of all parameters, one select over the flat vector
         seg = _segments(sizes, directions.device)
-        ok = torch.stack([v.sum() for v in directions.split(sizes)]).mul(0).eq(0)
-        clean = torch.where(ok.index_select(0, seg), directions, _zero(directions))
+        ok = finite_flags(directions.split(sizes))
+        clean = torch.where(
+            ok.index_select(0, seg), directions, scalar(0.0, directions.dtype, directions.device)
+        )
         views = list(clean.split(sizes))
     else:
         views = [directions[s.span] for s in slots]
-        ok = torch.stack([v.sum() for v in views]).mul(0).eq(0)  # finite (barring overflow)
+        ok = finite_flags(views)
         clean = None
         views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(views)]
     nu: Union[float, Tensor] = 1.0
@@ -121,7 +124,7 @@ def apply_update(
         if g["weight_decay"]:
             keep = 1 - g["lr"] * g["weight_decay"]
             dt = params[0].dtype
-            factors = torch.where(ok, _scalar(keep, dt, ok.device), _scalar(1.0, dt, ok.device))
+            factors = torch.where(ok, scalar(keep, dt, ok.device), scalar(1.0, dt, ok.device))
             factors = factors.unbind(0)
             torch._foreach_mul_(params, [factors[i] for i in idx])
         if g["momentum"]:
@@ -135,7 +138,7 @@ def apply_update(
                 bufs.append(st["momentum_buffer"])
             dt = bufs[0].dtype
             decay = torch.where(
-                ok, _scalar(g["momentum"], dt, ok.device), _scalar(1.0, dt, ok.device)
+                ok, scalar(g["momentum"], dt, ok.device), scalar(1.0, dt, ok.device)
             )
             decay = decay.unbind(0)
             torch._foreach_mul_(bufs, [decay[i] for i in idx])
@@ -163,24 +166,6 @@ def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: i
 def _shaped(v: Tensor, p: Tensor) -> Tensor:
     """``v`` viewed as ``p`` (no call where the shape already fits), in ``p``'s dtype."""
     return (v if v.shape == p.shape else v.view_as(p)).to(p.dtype)
-
-
-_SCALARS: Dict[Tuple[float, torch.dtype, torch.device], Tensor] = {}
-
-
-def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d ``value`` in ``dtype`` on ``device`` (made once per value, never written)."""
-    key = (value, dtype, device)
-    if key not in _SCALARS:
-        if len(_SCALARS) > 256:  # e.g. a schedule of weight decays: start over
-            _SCALARS.clear()
-        _SCALARS[key] = torch.full((), value, dtype=dtype, device=device)  # (no copy)
-    return _SCALARS[key]
-
-
-def _zero(like: Tensor) -> Tensor:
-    """A 0-d zero in ``like``'s dtype and on its device."""
-    return _scalar(0.0, like.dtype, like.device)
 
 
 _SEGMENTS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}

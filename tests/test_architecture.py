@@ -54,6 +54,7 @@ TORCH_PRIVATE = frozenset(
         "_foreach_add_",  # torch._foreach_add_
         "_foreach_div",  # torch._foreach_div (statistics normalized in one call)
         "_foreach_lerp_",  # torch._foreach_lerp_ (the running averages in one call)
+        "_foreach_norm",  # torch._foreach_norm (finiteness of many tensors in one call)
     }
 )
 

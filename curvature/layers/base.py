@@ -409,7 +409,7 @@ class LinearFamilyRule(LayerRule):
         ops = self.plain_operands(module, calls) if approx == "expand" else None
         if ops is None:
             return super().kfac_factors(module, calls, approx, with_g)
-        A_sum, G_sum = plain_kfac(ops if with_g else ops._replace(g=None))
+        A_sum, G_sum = plain_kfac(ops if with_g else PlainOperands(ops.a, None, ops.positions))
         return {"": (A_sum, G_sum, ops.a.shape[1])}
 
     def kfac_index(self, module, offsets):  # noqa: D102

@@ -1,4 +1,4 @@
-"""Checks over many tensors in a few calls (a few kernel launches on a GPU, whatever their count).
+"""Work over many tensors in a few calls (a few kernel launches on a GPU, whatever their count).
 
 :func:`finite_flags` judges each tensor of a list as finite or not with one
 ``torch._foreach_norm`` (the largest magnitude of each tensor), one ``stack`` and one
@@ -9,7 +9,8 @@ otherwise: unlike a sum, it cannot overflow for finite entries.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -50,3 +51,39 @@ def scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
             _SCALARS.clear()
         _SCALARS[key] = torch.full((), value, dtype=dtype, device=device)  # (no copy)
     return _SCALARS[key]
+
+
+class FlatBuffer:
+    """A persistent flat ``[P]`` buffer with views shaped like a list of tensors.
+
+    Made once per (shapes, dtype, device) and reused by every later call with the same
+    key: writing into it (``torch._foreach_copy_`` into :attr:`views`, an ``out=``
+    argument into :attr:`flat`) costs no allocation, split or view per call. Its
+    contents are only valid until the next write: the owner must not hand it out.
+    """
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self.flat: Optional[Tensor] = None
+        self.views: List[Tensor] = []
+
+    def get(
+        self, shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device
+    ) -> Tuple[Tensor, List[Tensor]]:
+        """``(flat [P], views)``: the buffer and its views of ``shapes`` (in order)."""
+        key = (tuple(tuple(s) for s in shapes), dtype, device)
+        if key != self._key or self.flat is None:
+            sizes = [math.prod(s) for s in key[0]]
+            self.flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            self.views = [v.view(s) for v, s in zip(self.flat.split(sizes), key[0])]
+            self._key = key
+        return self.flat, self.views
+
+
+def copy_into(views: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    """``views[i].copy_(sources[i])`` for all ``i`` in one call where torch has it."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(list(views), list(sources))
+    else:  # torch < 2.1
+        for v, s in zip(views, sources):
+            v.copy_(s)

@@ -55,6 +55,7 @@ TORCH_PRIVATE = frozenset(
         "_foreach_div",  # torch._foreach_div (statistics normalized in one call)
         "_foreach_lerp_",  # torch._foreach_lerp_ (the running averages in one call)
         "_foreach_norm",  # torch._foreach_norm (finiteness of many tensors in one call)
+        "_foreach_copy_",  # torch._foreach_copy_ (the gradients into one buffer, one call)
     }
 )
 

@@ -24,11 +24,12 @@ from ..layout import put, take
 from ..linalg import host_values
 from ..options import FisherType, KFACApproxType
 from ..warn import warn
-from .base import CurvatureOptimizer, stat_dtype
+from .base import CurvatureOptimizer
 from .checkpoint import check_diagonal_state
 from .config import CurvatureConfig
 from .coverage import no_statistics_message
 from .deferred import read_flags, waiting_flags
+from .statistics import stat_dtype
 
 
 class DiagonalNaturalGradient(CurvatureOptimizer):

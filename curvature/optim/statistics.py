@@ -362,3 +362,8 @@ def normalize(
         v = out[key].values[i]
         out[key].values[i] = v * fix.to(v.dtype)
     return out
+
+
+def stat_dtype(t: Tensor) -> torch.dtype:
+    """The statistics dtype for a value computed in ``t.dtype``: float64 or float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..foreach import finite_flags, scalar
+from ..foreach import FlatBuffer, finite_flags, scalar
 from ..warn import warn
 
 
@@ -62,6 +62,7 @@ def apply_update(
     state: Dict[Tensor, Dict[str, Any]],
     kl_clip: Optional[float],
     who: str,
+    buffer: Optional[FlatBuffer] = None,
 ) -> Tuple[Union[float, Tensor], Tensor]:
     """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay.
 
@@ -77,6 +78,9 @@ def apply_update(
         state: The optimizer's per-parameter state (``momentum_buffer``).
         kl_clip: The KL clipping bound, or ``None``.
         who: The optimizer's name for messages.
+        buffer: Where the selected directions are written when the slots tile the
+            flat vector (its views shaped like the parameters: no split or view per
+            step); a new tensor without it.
 
     Returns:
         ``nu`` (``1.0`` without ``kl_clip``, else a 0-d tensor) and ``ok [len(slots)]``
@@ -92,10 +96,14 @@ def apply_update(
     if tiled:  # one split, the flags of all parameters, one select over the flat vector
         seg = _segments(sizes, directions.device)
         ok = finite_flags(directions.split(sizes))
-        clean = torch.where(
-            ok.index_select(0, seg), directions, scalar(0.0, directions.dtype, directions.device)
-        )
-        views = list(clean.split(sizes))
+        zero = scalar(0.0, directions.dtype, directions.device)
+        if buffer is not None:  # into the persistent buffer, whose views fit the parameters
+            shapes = [s.param.shape for s in slots]
+            clean, views = buffer.get(shapes, directions.dtype, directions.device)
+            torch.where(ok.index_select(0, seg), directions, zero, out=clean)
+        else:
+            clean = torch.where(ok.index_select(0, seg), directions, zero)
+            views = list(clean.split(sizes))
     else:
         views = [directions[s.span] for s in slots]
         ok = finite_flags(views)
@@ -109,8 +117,7 @@ def apply_update(
                 full[s.span] = v
         nu = kl_scale(slots, full, grads, kl_clip).to(directions.dtype)
         if clean is not None:
-            clean = clean * nu
-            views = list(clean.split(sizes))
+            clean.mul_(nu)  # (the views follow)
         else:
             views = torch._foreach_mul(views, nu)
     groups: Dict[int, List[int]] = {}

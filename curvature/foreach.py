@@ -18,22 +18,31 @@ from torch import Tensor
 INF = float("inf")
 
 
-def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
-    """``[n]`` device bool: whether every entry of ``tensors[i]`` is finite.
+def finite_flags(tensors: Sequence[Tensor], group: int = 1) -> Tensor:
+    """``[n / group]`` device bool: whether every entry of each group of tensors is finite.
 
     Args:
         tensors: ``n >= 1`` tensors on one device (any shapes and floating dtypes; an
-            empty tensor counts as finite).
+            empty tensor counts as finite), in consecutive groups of ``group``.
+        group: How many consecutive tensors make one judged item (the values of one
+            contribution): their largest magnitudes are combined with
+            ``torch._foreach_maximum`` (which keeps a NaN), ``group - 1`` calls.
 
     Returns:
         A bool tensor on the tensors' device, without reading anything on the host.
 
     """
+    tensors = list(tensors)
     if all(t.numel() for t in tensors):
+        largest = torch._foreach_norm(tensors, INF)
+        items = largest[0::group]
+        for r in range(1, group):
+            items = torch._foreach_maximum(items, largest[r::group])
         # (a largest magnitude is >= 0 or NaN: below inf iff finite, in one call)
-        return torch.stack(torch._foreach_norm(list(tensors), INF)).lt(INF)
+        return torch.stack(items).lt(INF)
     # an empty tensor has no largest magnitude: judged apart (a rare case)
-    return torch.stack([torch.isfinite(t).all() for t in tensors])
+    flags = torch.stack([torch.isfinite(t).all() for t in tensors])
+    return flags if group == 1 else flags.view(-1, group).all(1)
 
 
 _SCALARS: Dict[Tuple[float, torch.dtype, torch.device], Tensor] = {}

@@ -126,6 +126,7 @@ class StepStatistics:
         self.slots: Dict[StatKey, StepStat] = {}
         self.failed: Dict[str, Tensor] = {}
         self._queue: list = []
+        self._scaled: List[Tuple[list, int, float]] = []  # (values, position, g_scale)
         self._checks: List[Tuple[Tensor, str]] = []
         self._skipped: List[Tensor] = []  # device bools "kept" per contribution, read lazily
         self._skipped_host = 0
@@ -184,11 +185,12 @@ class StepStatistics:
                 empirical=context.empirical,
                 shapes=[None if v is None else tuple(v.shape) for v in values],
             )
-        if context.g_scale != 1.0:
-            values = [
-                v if (v is None or k == "A") else v * context.g_scale for v, k in zip(values, kinds)
-            ]
-        self._queue.append((slot, list(values), rows, context.samples))
+        values = list(values)
+        if context.g_scale != 1.0:  # scaled at the flush, all at once
+            for i, (v, k) in enumerate(zip(values, kinds)):
+                if v is not None and k != "A":
+                    self._scaled.append((values, i, context.g_scale))
+        self._queue.append((slot, values, rows, context.samples))
 
     def flush(self) -> None:
         """Fold the queued contributions into their slots, skipping non-finite ones.
@@ -201,6 +203,11 @@ class StepStatistics:
         :attr:`failed` for the caller to raise later.
         """
         queue, self._queue = self._queue, []
+        scaled, self._scaled = self._scaled, []
+        if scaled:  # the G-like values times their g_scale, one call (the same values)
+            products = torch._foreach_mul([vs[i] for vs, i, _ in scaled], [c for *_, c in scaled])
+            for (vs, i, _), v in zip(scaled, products):
+                vs[i] = v
         checks, self._checks = self._checks, []
         if not queue and not checks:
             return
@@ -211,9 +218,11 @@ class StepStatistics:
             by_device.setdefault(v.device, []).append(i)
         where: Dict[int, Tuple[torch.device, int]] = {}
         for dev, idx in by_device.items():
-            flags[dev] = finite_flags([present[i] for i in idx])  # three calls per device
             for j, i in enumerate(idx):
                 where[i] = (dev, j)
+        uniform = _uniform_counts(queue, where)
+        for dev, idx in by_device.items():  # three calls per device (+ one per value kind)
+            flags[dev] = finite_flags([present[i] for i in idx], uniform.get(dev, 1))
         bad: Optional[Tensor] = None
         for flag, msg in checks:
             self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
@@ -222,7 +231,9 @@ class StepStatistics:
             flags = {dev: f > bad.to(dev) for dev, f in flags.items()}  # f and not bad
         i = 0
         skipped: Dict[torch.device, List[Tensor]] = {}
-        slot_flags = _per_contribution(queue, where, flags)
+        # the devices whose contributions all have the same number of values have one
+        # flag per contribution (else one per value)
+        slot_flags = {dev: iter(flags[dev].unbind(0)) for dev in uniform}
         for slot, values, rows, N in queue:
             n = sum(v is not None for v in values)
             if n == 0:
@@ -279,6 +290,7 @@ class StepStatistics:
     def drop_queue(self) -> None:
         """Forget contributions that were queued but not flushed (after an error)."""
         self._queue = []
+        self._scaled = []
         self._checks = []
 
     def take(self) -> Dict[StatKey, StepStat]:
@@ -287,10 +299,9 @@ class StepStatistics:
         return slots
 
 
-def _per_contribution(queue: list, where: dict, flags: Dict[torch.device, Tensor]) -> dict:
-    """Device to an iterator of ``ok`` (0-d bool) per contribution, for the devices whose
-    contributions all have the same number of values (``flags[dev]`` replaced by the
-    contributions' flags): a few calls for all of them instead of a few per contribution.
+def _uniform_counts(queue: list, where: dict) -> Dict[torch.device, int]:
+    """Device to the number of values of each of its contributions, for the devices whose
+    contributions all have the same number (judged per contribution in a few calls).
     """
     counts: Dict[torch.device, set] = {}
     i = 0
@@ -299,15 +310,7 @@ def _per_contribution(queue: list, where: dict, flags: Dict[torch.device, Tensor
         if n:
             counts.setdefault(where[i][0], set()).add(n)
             i += n
-    out = {}
-    for dev, ns in counts.items():
-        if len(ns) != 1:
-            continue
-        (n,) = ns
-        ok = flags[dev] if n == 1 else flags[dev].view(-1, n).all(1)
-        flags[dev] = ok
-        out[dev] = iter(ok.unbind(0))
-    return out
+    return {dev: next(iter(ns)) for dev, ns in counts.items() if len(ns) == 1}
 
 
 def normalize(

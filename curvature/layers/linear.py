@@ -31,13 +31,16 @@ class LinearRule(LinearFamilyRule):
 
         ``a [1, N S, D]`` (bias column appended when the bias is trainable) and
         ``g [K, N S, D_out]``: one reshape where the input is not 2-D, one ``unsqueeze``
-        and one ``cat`` for the bias column. ``None`` for several calls or a call inside
+        and one ``cat`` for the bias column, made once per ``call.grads`` (kept in
+        ``call.plain``). ``None`` for several calls or a call inside
         :func:`~curvature.layers.base.shared_slots` (the general path handles them).
         """
         if len(calls) != 1 or calls[0].slots is not None:
             return None
-        has_w, has_b = self._weight_bias(module)
         call = calls[0]
+        if call.plain is not None and call.plain[0] is call.grads:  # made for these grads
+            return call.plain[1]
+        has_w, has_b = self._weight_bias(module)
         x = call.args[0]
         D_in = x.shape[-1]
         g = None if call.grads is None else call.grads[0]
@@ -49,4 +52,6 @@ class LinearRule(LinearFamilyRule):
             a = torch.cat([a, ones], dim=2) if has_w else ones
         if g is not None and g.dim() != 3:  # [K, N, S..., D_out]
             g = g.reshape(g.shape[0], -1, g.shape[-1])
-        return PlainOperands(a, g, a.shape[1] // x.shape[0] if x.shape[0] else 1)
+        ops = PlainOperands(a, g, a.shape[1] // x.shape[0] if x.shape[0] else 1)
+        call.plain = (call.grads, ops)
+        return ops

@@ -57,6 +57,7 @@ TORCH_PRIVATE = frozenset(
         "_foreach_norm",  # torch._foreach_norm (finiteness of many tensors in one call)
         "_foreach_copy_",  # torch._foreach_copy_ (the gradients into one buffer, one call)
         "_foreach_maximum",  # torch._foreach_maximum (the flags of a contribution's values)
+        "_foreach_add",  # torch._foreach_add (the damped diagonals of all blocks, one call)
     }
 )
 

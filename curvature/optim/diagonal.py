@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..blocks import DiagonalBlock, inverse_into
+from ..blocks import AllBlocks, DiagonalBlock
+from ..foreach import copy_into
 from ..layer_stats import fisher_diagonal, layer_positions
 from ..layout import put, take
 from ..linalg import host_values
@@ -144,7 +145,8 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         damping = self._damping_vector(grads)
         blocks = [b for b in self._diagonals.values() if b.d is not None]
         indices = [self._ix(b.index, grads.device) for b in blocks]
-        jobs = [partial(_inverse_into, b) for b in blocks]  # gathered and scattered at once
+        # gathered and scattered at once; the divisions in three multi-tensor calls
+        jobs = [AllBlocks(partial(_inverse_all, blocks))] if blocks else []
         return self._gather.apply(grads, indices, jobs, extra=damping)
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
@@ -179,5 +181,13 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             self._diagonals[name] = block
 
 
-def _inverse_into(block: DiagonalBlock, views, damping: Tensor) -> None:
-    inverse_into(block, views, damping, "exact")
+def _inverse_all(blocks: List[DiagonalBlock], views, dampings: List[Tensor]) -> None:
+    """Every block's ``v / (d + damping)`` (``DiagonalBlock.inverse_matvec_into``, the same
+    values) in three calls: one ``_foreach_add``, one ``_foreach_div``, one copy out.
+    """
+    ms = [v.M for v in views]
+    denominators = torch._foreach_add([b.d.to(m.dtype) for b, m in zip(blocks, ms)], dampings)
+    copy_into([v.out for v in views], torch._foreach_div(ms, denominators))
+    for b, v in zip(blocks, views):
+        if b.fresh is not None:  # no finite statistics yet: the gradient itself
+            torch.where(b.fresh, v.M, v.out, out=v.out)

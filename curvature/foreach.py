@@ -1,10 +1,13 @@
 """Work over many tensors in a few calls (a few kernel launches on a GPU, whatever their count).
 
 :func:`finite_flags` judges each tensor of a list as finite or not with one
-``torch._foreach_norm`` (the largest magnitude of each tensor), one ``stack`` and one
-``isfinite``, on the device and without a host synchronization. The largest magnitude is
-NaN for a tensor with a NaN, ``inf`` for one with an infinite entry and finite
-otherwise: unlike a sum, it cannot overflow for finite entries.
+``torch._foreach_norm`` of order 1 (the sum of magnitudes of each tensor), one ``stack``
+and one ``lt(inf)``, on the device and without a host synchronization. The sum of
+magnitudes is NaN for a tensor with a NaN, ``inf`` for one with an infinite entry (or
+whose magnitudes sum beyond the dtype's range, as a plain sum would) and finite
+otherwise. (Order 1 runs at about a third of a sum's speed on CPU and in torch's fused
+multi-tensor kernel on CUDA; the largest magnitude, ``inf``, would never overflow but
+is about 15x slower than a sum on CPU.)
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def finite_flags(tensors: Sequence[Tensor], group: int = 1) -> Tensor:
         tensors: ``n >= 1`` tensors on one device (any shapes and floating dtypes; an
             empty tensor counts as finite), in consecutive groups of ``group``.
         group: How many consecutive tensors make one judged item (the values of one
-            contribution): their largest magnitudes are combined with
+            contribution): their sums of magnitudes are combined with
             ``torch._foreach_maximum`` (which keeps a NaN), ``group - 1`` calls.
 
     Returns:
@@ -34,13 +37,13 @@ def finite_flags(tensors: Sequence[Tensor], group: int = 1) -> Tensor:
     """
     tensors = list(tensors)
     if all(t.numel() for t in tensors):
-        largest = torch._foreach_norm(tensors, INF)
-        items = largest[0::group]
+        sums = torch._foreach_norm(tensors, 1)
+        items = sums[0::group]
         for r in range(1, group):
-            items = torch._foreach_maximum(items, largest[r::group])
-        # (a largest magnitude is >= 0 or NaN: below inf iff finite, in one call)
+            items = torch._foreach_maximum(items, sums[r::group])
+        # (a sum of magnitudes is >= 0 or NaN: below inf iff finite, in one call)
         return torch.stack(items).lt(INF)
-    # an empty tensor has no largest magnitude: judged apart (a rare case)
+    # judged apart (a rare case; _foreach_norm refuses some empty tensors)
     flags = torch.stack([torch.isfinite(t).all() for t in tensors])
     return flags if group == 1 else flags.view(-1, group).all(1)
 

@@ -170,7 +170,8 @@ def main(argv=None):
         "refresh, at most 2 at a refresh and per `curvature.kfac()` call (here: "
         f"{kfac_reads.count}); aten calls at most 1.5x (KFAC empirical), 1.8x (KFAC mc), "
         "2x (EKFAC), 1.3x (DiagonalNG) AdamW's. tests/test_optim_syncs.py fails above the "
-        "read targets and above today's aten ratios. AdamW's reads are of its step counters, "
+        "read targets and above the aten-call targets, or above today's count where a "
+        "target is not met. AdamW's reads are of its step counters, "
         "which torch keeps on the host (no synchronization on a GPU); ours would all be "
         "device reads. No GPU timing is implied.\n\n"
         + table

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .edges import check_out_buffer
 from .layers import Call, LayerRule
 from .layers.base import expanded_kfac
+from .layers.plain import PlainOperands, plain_diagonal, plain_rotated
 from .layout import ParamLayout, ParamSharing
 
 #: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
@@ -296,10 +297,20 @@ def fisher_diagonal(
         order.
 
     """
+    ops = _plain(rule, module, calls)
+    if ops is not None:  # one group, one position: one GEMM
+        return True, {"": plain_diagonal(ops)}
     expanded = rule.expanded_blocks(module, calls)
     if expanded is None:
         return False, {"": per_vector_grads(rule, module, calls).pow(2).sum((0, 1))}
     return True, {s: expanded_diagonal(a, g) for s, (a, g) in expanded.items()}
+
+
+def _plain(rule: LayerRule, module: nn.Module, calls) -> Optional[PlainOperands]:
+    """The rule's plain operands with gradients and one position per sample, else ``None``."""
+    get = getattr(rule, "plain_operands", None)
+    ops = None if get is None else get(module, calls)
+    return ops if ops is not None and ops.g is not None and ops.positions == 1 else None
 
 
 def block_name(name: str, suffix: str) -> str:
@@ -329,6 +340,14 @@ def eigenvalue_corrections(
 
     """
     out: Dict[str, Tensor] = {}
+    ops = _plain(rule, module, calls)
+    if ops is not None:  # one group, one position: three GEMMs
+        if name in bases:
+            QA, QG = bases[name]
+            if ops.a.shape[-1] == QA.shape[-1] and ops.g.shape[-1] == QG.shape[-1]:
+                return {name: plain_rotated(ops, QA, QG)}
+        else:
+            return out
     expanded = rule.expanded_blocks(module, calls)
     if expanded is not None:
         for suffix, (a, g) in expanded.items():

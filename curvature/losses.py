@@ -385,17 +385,19 @@ def _mc_sources(loss_func, out, target, M, generator, check_targets=True):
         ax = _softmax_axis(out)
         p = out.softmax(ax)
         C = out.shape[ax]
-        probs = p.movedim(ax, -1).reshape(-1, C)
+        last = ax == out.dim() - 1  # [N, C] or [C]: no axis to move (no call)
+        moved = p if last else p.movedim(ax, -1)
+        probs = moved if moved.dim() == 2 else moved.reshape(-1, C)
         if where.type == "cpu":  # the CPU stream of earlier versions: float64 weights
             probs = probs.double()
         probs = probs.to(where).nan_to_num(1.0, 1.0, 1.0)  # drawable; the vectors stay NaN
 
         def one():
-            idx = torch.multinomial(probs, 1, generator=generator).view(-1).to(out.device)
+            idx = torch.multinomial(probs, 1, generator=generator).to(out.device)  # [R, 1]
             # (one_hot would check the drawn labels' range: two host reads on CPU)
-            onehot = out.new_zeros(idx.shape[0], C).scatter_(1, idx.unsqueeze(1), 1.0)
-            moved = p.movedim(ax, -1)
-            return (moved - onehot.view(moved.shape)).movedim(-1, ax)
+            onehot = out.new_zeros(idx.shape[0], C).scatter_(1, idx, 1.0)
+            diff = moved - (onehot if onehot.shape == moved.shape else onehot.view(moved.shape))
+            return diff if last else diff.movedim(-1, ax)
 
         mask = _ignored_mask(loss_func, out, target, check_targets) if out.dim() > 1 else None
         V = scale * draw(one)

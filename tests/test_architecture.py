@@ -55,6 +55,10 @@ TORCH_PRIVATE = frozenset(
         "_foreach_div",  # torch._foreach_div (statistics normalized in one call)
         "_foreach_div_",  # torch._foreach_div_ (the same, in place)
         "_foreach_lerp_",  # torch._foreach_lerp_ (the running averages in one call)
+        "_foreach_norm",  # torch._foreach_norm (finiteness of many tensors in one call)
+        "_foreach_copy_",  # torch._foreach_copy_ (the gradients into one buffer, one call)
+        "_foreach_maximum",  # torch._foreach_maximum (the flags of a contribution's values)
+        "_foreach_add",  # torch._foreach_add (the damped diagonals of all blocks, one call)
     }
 )
 

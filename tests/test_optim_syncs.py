@@ -5,8 +5,9 @@ On a GPU every read of a device value by the host (``item``, ``tolist``, ``bool(
 a kernel launch of several microseconds. Both are counted here on CPU: a
 ``TorchFunctionMode`` sees every host read, a ``TorchDispatchMode`` every aten call.
 Targets (issue 17): no host synchronization in a step without a refresh, at most two
-in a refresh step and in a ``curvature.kfac()`` call; the aten calls of a training step
-must not grow (thresholds slightly above today's counts; see docs/benchmarks.md).
+in a refresh step and in a ``curvature.kfac()`` call; aten calls of a training step at
+most 1.5x (KFAC empirical), 1.8x (mc), 2x (EKFAC), 1.3x (DiagonalNaturalGradient)
+AdamW's, or today's count where that is not met yet (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -139,15 +140,17 @@ def aten_calls_per_step(make, steps=2):
     return per_step(make, AtenCalls, steps)
 
 
-#: aten calls per training step against ``AdamW(foreach=True)`` (75 with torch 2.x):
-#: today's ratios, slightly rounded up (issue 17 targets: 1.5x, 1.8x, 2x, 1.3x).
+#: aten calls per training step against ``AdamW(foreach=True)`` (75 with torch 2.13): issue
+#: 17's target where it is met (KFAC empirical 111 calls, 1.48x; mc 132, 1.76x), else
+#: the measured count (EKFAC 157, target 2x; DiagonalNaturalGradient 106, target 1.3x),
+#: so that a regression fails (benchmarks/step_counts.py, docs/benchmarks.md).
 ATEN_RATIO = {
-    "KFAC-empirical": (lambda m: curvature.KFAC(m, loss_func=CE, inverse_every=1000), 2.0),
-    "KFAC-mc": (lambda m: curvature.KFAC(m, loss_func=CE, fisher="mc", inverse_every=1000), 2.4),
-    "EKFAC": (lambda m: curvature.EKFAC(m, loss_func=CE, inverse_every=1000), 2.95),
+    "KFAC-empirical": (lambda m: curvature.KFAC(m, loss_func=CE, inverse_every=1000), 1.5),
+    "KFAC-mc": (lambda m: curvature.KFAC(m, loss_func=CE, fisher="mc", inverse_every=1000), 1.8),
+    "EKFAC": (lambda m: curvature.EKFAC(m, loss_func=CE, inverse_every=1000), 157 / 75),
     "DiagonalNaturalGradient": (
         lambda m: curvature.DiagonalNaturalGradient(m, loss_func=CE, inverse_every=1000),
-        1.95,
+        106 / 75,
     ),
 }
 
@@ -157,7 +160,7 @@ def test_aten_calls_per_step_do_not_grow(name):
     make, limit = ATEN_RATIO[name]
     adamw = aten_calls_per_step(lambda m: torch.optim.AdamW(m.parameters(), foreach=True))
     ours = aten_calls_per_step(make)
-    assert ours / adamw <= limit, (ours, adamw)
+    assert ours / adamw <= limit + 1e-9, (ours, adamw)
 
 
 # -- sampling on the device ------------------------------------------------------------------------

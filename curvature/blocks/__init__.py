@@ -18,7 +18,7 @@ at once.
 """
 
 from .diagonal import DiagonalBlock
-from .gather import BlockGather, BlockViews, inverse_into
+from .gather import AllBlocks, BlockGather, BlockViews, inverse_into
 from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, mean_diagonal
 from .onesided import OneSidedBlock, onesided_sides
 from .records import (
@@ -34,6 +34,7 @@ from .refresh import block_state, eigendecompositions, invert, restore_block, sn
 from .sum import KroneckerSumBlock
 
 __all__ = [
+    "AllBlocks",
     "BlockGather",
     "BlockViews",
     "DampedInverses",

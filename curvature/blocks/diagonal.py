@@ -46,7 +46,7 @@ class DiagonalBlock:
             self.fresh = None if valid is None else ~valid
             return
         w, self.fresh = update_weight(valid, self.fresh, decay, self.d.dtype)
-        self.d = ema(self.d, d.reshape(-1), decay, w)
+        self.d = ema(self.d, d if d.dim() == 1 else d.reshape(-1), decay, w)
 
     def flags(self) -> List[Tensor]:
         """The 0-d device flags the block waits to read (:meth:`read_flags`)."""

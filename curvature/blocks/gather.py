@@ -18,6 +18,21 @@ import torch
 from torch import Tensor
 
 
+class AllBlocks:
+    """A job for every block at once: ``fn(views, extra_views)`` with the lists of all
+    blocks' :class:`BlockViews` and ``extra`` views (multi-tensor calls over the blocks
+    instead of a few calls per block). Pass it as the only job of
+    :meth:`BlockGather.apply`; without ``extra`` it gets ``None`` for the extra views.
+    """
+
+    def __init__(self, fn: Callable[[List[BlockViews], Optional[List[Tensor]]], None]):
+        self.fn = fn
+
+    def __call__(self, views: List[BlockViews], extras: Optional[List[Tensor]]) -> None:
+        """Run the job on all blocks' views."""
+        self.fn(views, extras)
+
+
 class BlockViews(NamedTuple):
     """A block's views of the gathered input ``M`` and of its output ``out``.
 
@@ -119,7 +134,8 @@ class BlockGather:
             flat: ``[P]`` the vector (e.g. the gradient).
             indices: The blocks' flat positions (on ``flat``'s device), one per job.
             jobs: ``job(views)`` (or ``job(views, extra_view)`` with ``extra``) writes the
-                block's result into ``views.out`` (:class:`BlockViews`).
+                block's result into ``views.out`` (:class:`BlockViews`); or, with
+                ``extra``, one :class:`AllBlocks` for all of them.
             extra: ``[P]`` a second vector gathered alike (e.g. a per-position damping),
                 passed to the jobs as a view shaped like their index; gathered again only
                 when a different tensor is passed (it must not change in place).
@@ -152,11 +168,16 @@ class BlockGather:
             if plan.extra_source is not extra:  # gathered again only when it changes
                 torch.index_select(extra.to(flat.dtype), 0, plan.index, out=plan.extra)
                 plan.extra_source = extra
+            if len(jobs) == 1 and isinstance(jobs[0], AllBlocks):  # one job for all blocks
+                jobs[0](plan.views, plan.extra_views)
+                return
             for job, views, e in zip(jobs, plan.views, plan.extra_views):
                 job(views, e)
+        elif len(jobs) == 1 and isinstance(jobs[0], AllBlocks):  # one job, no extra vector
+            jobs[0](plan.views, None)
         else:
             for job, views in zip(jobs, plan.views):
                 job(views)
 
 
-__all__: List[str] = ["BlockGather", "BlockViews", "inverse_into"]
+__all__: List[str] = ["AllBlocks", "BlockGather", "BlockViews", "inverse_into"]

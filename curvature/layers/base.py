@@ -19,6 +19,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .plain import PlainOperands, plain_kfac
+
 #: Upper bound (in elements) for temporaries created while computing norms and Gram
 #: matrices; work is chunked over the batch so that no temporary exceeds it.
 CHUNK_ELEMENTS = 2**24
@@ -129,6 +131,9 @@ class Call:
     grads: Optional[List[Tensor]] = field(default=None, repr=False)
     outputs: Optional[List[Tensor]] = field(default=None, repr=False)
     output_versions: Optional[List[int]] = field(default=None, repr=False)
+    #: ``(grads, operands)``: a rule's plain operands of this call for the ``grads`` list
+    #: they were made from (reused by the statistics of one step; see ``plain_operands``).
+    plain: Optional[Tuple[Any, Any]] = field(default=None, repr=False)
     out_views: List[Any] = field(default_factory=list, repr=False)
     pushed: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
     pending: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
@@ -316,7 +321,7 @@ class LinearFamilyRule(LayerRule):
         (in a forward Laplacian: the value slot, not the derivative slots).
         """
         if call.slots is None:
-            return _ones(a.shape[:-1] + (1,), a.dtype, a.device)
+            return cached_ones(a.shape[:-1] + (1,), a.dtype, a.device)
         col = a.new_ones(*a.shape[:-1], 1)
         if call.slots is not None:
             col = col.view(a.shape[0], -1, call.slots, *a.shape[2:-1], 1).clone()
@@ -403,6 +408,21 @@ class LinearFamilyRule(LayerRule):
     # -- Kronecker factors -----------------------------------------------------------
     def expanded_blocks(self, module, calls):  # noqa: D102
         return {"": self.expand_calls(module, calls)}
+
+    def plain_operands(self, module: nn.Module, calls: Sequence[Call]) -> Optional[PlainOperands]:
+        """One group's inputs and gradients as matrices (:mod:`~curvature.layers.plain`).
+
+        ``None`` (the default) where the layer has several groups or calls: the general
+        paths over :meth:`expand_calls` handle it.
+        """
+        return None
+
+    def kfac_factors(self, module, calls, approx, with_g=True):  # noqa: D102
+        ops = self.plain_operands(module, calls) if approx == "expand" else None
+        if ops is None:
+            return super().kfac_factors(module, calls, approx, with_g)
+        A_sum, G_sum = plain_kfac(ops if with_g else PlainOperands(ops.a, None, ops.positions))
+        return {"": (A_sum, G_sum, ops.a.shape[1])}
 
     def kfac_index(self, module, offsets):  # noqa: D102
         has_w, has_b = self._weight_bias(module)
@@ -496,7 +516,7 @@ def materialize(a: Tensor, g: Tensor) -> Tensor:
 _ONES: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
 
 
-def _ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+def cached_ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A ones tensor, allocated once per shape, dtype and device (read only: never written)."""
     key = (tuple(shape), dtype, device)
     hit = _ONES.get(key)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from .base import LinearFamilyRule
+from .base import LinearFamilyRule, cached_ones
+from .plain import PlainOperands
 from .registry import register
 
 
@@ -23,3 +25,33 @@ class LinearRule(LinearFamilyRule):
         g = call.grads[0]
         g = g.reshape(*g.shape[: g.dim() - x.dim()], N, -1, 1, g.shape[-1])
         return a, g
+
+    def plain_operands(self, module, calls):
+        """The :class:`~curvature.layers.plain.PlainOperands` of one call, else ``None``.
+
+        ``a [1, N S, D]`` (bias column appended when the bias is trainable) and
+        ``g [K, N S, D_out]``: one reshape where the input is not 2-D, one ``unsqueeze``
+        and one ``cat`` for the bias column, made once per ``call.grads`` (kept in
+        ``call.plain``). ``None`` for several calls or a call inside
+        :func:`~curvature.layers.base.shared_slots` (the general path handles them).
+        """
+        if len(calls) != 1 or calls[0].slots is not None:
+            return None
+        call = calls[0]
+        if call.plain is not None and call.plain[0] is call.grads:  # made for these grads
+            return call.plain[1]
+        has_w, has_b = self._weight_bias(module)
+        x = call.args[0]
+        D_in = x.shape[-1]
+        g = None if call.grads is None else call.grads[0]
+        if g is not None and x.dtype != g.dtype:  # e.g. bf16 inputs under autocast
+            x = x.to(torch.promote_types(x.dtype, g.dtype))
+        a = x.unsqueeze(0) if x.dim() == 2 else x.reshape(1, -1, D_in)
+        if has_b:
+            ones = cached_ones((1, a.shape[1], 1), a.dtype, a.device)
+            a = torch.cat([a, ones], dim=2) if has_w else ones
+        if g is not None and g.dim() != 3:  # [K, N, S..., D_out]
+            g = g.reshape(g.shape[0], -1, g.shape[-1])
+        ops = PlainOperands(a, g, a.shape[1] // x.shape[0] if x.shape[0] else 1)
+        call.plain = (call.grads, ops)
+        return ops

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from ..blocks.gather import BlockGather
 from ..blocks.kronecker import batched_ema
 from ..capture import compiled_wrapper, unwrap_model
+from ..foreach import FlatBuffer
 from ..layer_stats import no_block_reasons
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
 from ..options import FisherType, Unsupported
@@ -109,6 +110,7 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
         self.last_step_taken = True  # False: the line search kept the parameters
         self._gather = BlockGather()  # preconditioning: persistent gather/scatter buffers
+        self._flat = (FlatBuffer(), FlatBuffer())  # the step's gradients and update, reused
         self.generator = torch.Generator().manual_seed(config.seed)
         self._generators = SamplingGenerators(self.generator)  # one per device
         self.steps = 0
@@ -416,8 +418,9 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
                 self._quadratic_update(closure, loss, grads, directions)
             else:
                 slots = [s for s in self._slots() if s.param.grad is not None]
+                who, buffer = type(self).__name__, self._flat[1]
                 self._kl_scale, ok = apply_update(
-                    slots, directions, grads, self.state, cfg.kl_clip, type(self).__name__
+                    slots, directions, grads, self.state, cfg.kl_clip, who, buffer
                 )
                 self._reads.record_update(tuple(s.name for s in slots), ok, self.steps)
         if adapt:
@@ -475,7 +478,7 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
     def _flat_grads(self) -> Optional[Tensor]:
         """The gradients as one flat vector (averaged over the ranks where we sync them)."""
         comm = self._comm if self.sync_grads else None
-        return flat_gradients(self.layout, comm)
+        return flat_gradients(self.layout, comm, self._flat[0])
 
     def _group_damping(self, param: Tensor) -> float:
         for g in self.param_groups:
@@ -594,8 +597,3 @@ def _close_collector(live: List[Any]) -> None:
     """The finalizer of an optimizer: remove the hooks of its collector."""
     if live[0] is not None:
         live[0].close()
-
-
-def stat_dtype(t: Tensor) -> torch.dtype:
-    """The statistics dtype for a value computed in ``t.dtype``: float64 or float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32

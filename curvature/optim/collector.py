@@ -42,14 +42,9 @@ from .distributed import (
     finish_statistics_reduction,
     start_statistics_reduction,
 )
-from .statistics import BatchContext, StepStatistics, normalize
+from .statistics import BatchContext, StepStatistics, normalize, promote
 
 Accumulate = Callable[..., None]
-
-
-def promote(t: Tensor) -> Tensor:
-    """Statistics never accumulate in half precision."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 class StatisticsCollector:

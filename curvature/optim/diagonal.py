@@ -18,17 +18,19 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..blocks import DiagonalBlock, inverse_into
+from ..blocks import AllBlocks, DiagonalBlock
+from ..foreach import copy_into
 from ..layer_stats import fisher_diagonal, layer_positions
 from ..layout import put, take
 from ..linalg import host_values
 from ..options import FisherType, KFACApproxType
 from ..warn import warn
-from .base import CurvatureOptimizer, stat_dtype
+from .base import CurvatureOptimizer
 from .checkpoint import check_diagonal_state
 from .config import CurvatureConfig
 from .coverage import no_statistics_message
 from .deferred import read_flags, waiting_flags
+from .statistics import stat_dtype
 
 
 class DiagonalNaturalGradient(CurvatureOptimizer):
@@ -107,7 +109,8 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 
     def _accumulate(self, name, module, rule, calls, with_g, emit) -> None:
         kron, parts = fisher_diagonal(rule, module, calls)
-        d = torch.cat([v.reshape(-1) for v in parts.values()])
+        flat = [v if v.dim() == 1 else v.reshape(-1) for v in parts.values()]
+        d = flat[0] if len(flat) == 1 else torch.cat(flat)  # (one part: no copy)
         if name not in self._diagonals:
             if kron:
                 index = rule.kfac_index(module, self.layout.local_offsets(name))
@@ -144,10 +147,11 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         dampings = {g["damping"] for g in self.param_groups}
         if len(dampings) == 1:  # one number: no [P] damping vector (nor its gathered copy)
             (damping,) = dampings
-            jobs = [partial(_inverse_into, b, damping=damping) for b in blocks]
-            return self._gather.apply(grads, indices, jobs)
+            job = partial(_inverse_all, blocks, damping=damping)
+            return self._gather.apply(grads, indices, [AllBlocks(job)] if blocks else [])
         damping = self._damping_vector(grads)
-        jobs = [partial(_inverse_into, b) for b in blocks]  # gathered and scattered at once
+        # gathered and scattered at once; the divisions in three multi-tensor calls
+        jobs = [AllBlocks(partial(_inverse_all, blocks))] if blocks else []
         return self._gather.apply(grads, indices, jobs, extra=damping)
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
@@ -182,5 +186,20 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             self._diagonals[name] = block
 
 
-def _inverse_into(block: DiagonalBlock, views, damping: Tensor) -> None:
-    inverse_into(block, views, damping, "exact")
+def _inverse_all(
+    blocks: List[DiagonalBlock],
+    views,
+    dampings: Optional[List[Tensor]] = None,
+    damping: Optional[float] = None,
+) -> None:
+    """Every block's ``v / (d + damping)`` (``DiagonalBlock.inverse_matvec_into``, the same
+    values) in three calls: one ``_foreach_add``, one ``_foreach_div``, one copy out.
+    ``dampings``: the gathered per-position dampings, else the one number ``damping``.
+    """
+    ms = [v.M for v in views]
+    diagonals = [b.d.to(m.dtype) for b, m in zip(blocks, ms)]
+    denominators = torch._foreach_add(diagonals, damping if dampings is None else dampings)
+    copy_into([v.out for v in views], torch._foreach_div(ms, denominators))
+    for b, v in zip(blocks, views):
+        if b.fresh is not None:  # no finite statistics yet: the gradient itself
+            torch.where(b.fresh, v.M, v.out, out=v.out)

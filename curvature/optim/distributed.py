@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..blocks import Eigen, GeneralizedEigen, KroneckerSumBlock, Outcome, RefreshStatus
+from ..foreach import FlatBuffer, copy_into
 from .statistics import StepStat
 
 try:  # pragma: no cover - torch builds without distributed support
@@ -450,8 +451,13 @@ def owned_mask(
     return mask
 
 
-def flat_gradients(layout: Any, comm: Optional[Communicator]) -> Optional[Tensor]:
+def flat_gradients(
+    layout: Any, comm: Optional[Communicator], buffer: Optional[FlatBuffer] = None
+) -> Optional[Tensor]:
     """The parameters' gradients as one flat ``[P]`` vector, averaged over ``comm``'s ranks.
+
+    With ``buffer`` the vector is that persistent buffer (valid until the next call) where
+    every parameter has a dense gradient on one device.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are densified. With ``comm`` (a plain
     model under ``torch.distributed``: data parallelism without DDP) the average is
@@ -467,9 +473,13 @@ def flat_gradients(layout: Any, comm: Optional[Communicator]) -> Optional[Tensor
     dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
     grads = [p.grad for p in params]
     if all(g is not None and not g.is_sparse and g.device == ref.device for g in grads):
-        flat = torch.cat(  # one copy (layout order)
-            [(g if g.dim() == 1 else g.reshape(-1)).to(dtype) for g in grads]
-        )
+        if buffer is not None:  # one copy into the persistent buffer, one call
+            flat, views = buffer.get([p.shape for p in params], dtype, ref.device)
+            copy_into(views, grads)
+        else:
+            flat = torch.cat(  # one copy (layout order)
+                [(g if g.dim() == 1 else g.reshape(-1)).to(dtype) for g in grads]
+            )
     else:
         flat = torch.zeros(layout.numel, dtype=dtype, device=ref.device)
         for n, p in zip(layout.names, params):

@@ -58,7 +58,7 @@ from ..layer_stats import (
 from ..layout import put, take
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
-from .base import CurvatureOptimizer, stat_dtype
+from .base import CurvatureOptimizer
 from .checkpoint import check_kronecker_state, warn_dropped_corrections
 from .config import CurvatureConfig, check_kfac_arguments
 from .coverage import no_statistics_message
@@ -72,6 +72,7 @@ from .large import (
     restore_onesided,
     split_state,
 )
+from .statistics import stat_dtype
 
 Key = Tuple[str, str]
 KINDS = ("A", "G", "g")  # statistics values of a block: A, G, EKFAC's corrections

@@ -25,8 +25,8 @@ from ..layer_stats import (
     onesided_factors,
 )
 from ..layers.base import expanded_kfac
-from .base import stat_dtype
 from .checkpoint import refuse
+from .statistics import stat_dtype
 
 Key = Tuple[str, str]
 MODES = ("diagonal_factor", "per_sample_diagonal")

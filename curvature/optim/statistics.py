@@ -27,6 +27,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..foreach import finite_flags, scalar
 from ..linalg import host_values
 
 #: Kinds of statistics values: ``"A"`` (symmetric; a sum of ``a a^T`` normalized by its
@@ -125,6 +126,7 @@ class StepStatistics:
         self.slots: Dict[StatKey, StepStat] = {}
         self.failed: Dict[str, Tensor] = {}
         self._queue: list = []
+        self._scaled: List[Tuple[list, int, float]] = []  # (values, position, g_scale)
         self._checks: List[Tuple[Tensor, str]] = []
         self._skipped: List[Tensor] = []  # device bools "kept" per contribution, read lazily
         self._skipped_host = 0
@@ -183,23 +185,29 @@ class StepStatistics:
                 empirical=context.empirical,
                 shapes=[None if v is None else tuple(v.shape) for v in values],
             )
-        if context.g_scale != 1.0:
-            values = [
-                v if (v is None or k == "A") else v * context.g_scale for v, k in zip(values, kinds)
-            ]
-        self._queue.append((slot, list(values), rows, context.samples))
+        values = list(values)
+        if context.g_scale != 1.0:  # scaled at the flush, all at once
+            for i, (v, k) in enumerate(zip(values, kinds)):
+                if v is not None and k != "A":
+                    self._scaled.append((values, i, context.g_scale))
+        self._queue.append((slot, values, rows, context.samples))
 
     def flush(self) -> None:
         """Fold the queued contributions into their slots, skipping non-finite ones.
 
-        A contribution is finite iff the sum of each of its values is (barring overflow
-        of the sum); the sums are stacked and judged on the device: a non-finite one is
-        replaced by zeros, flagged in its slot's ``parts`` and counted in
+        A contribution is finite iff each of its values is (:func:`finite_flags`: the
+        sums of magnitudes of all values at once, judged on the device): a non-finite
+        one is replaced by zeros, flagged in its slot's ``parts`` and counted in
         :attr:`skipped`, all without a host synchronization. A failed
         :meth:`require_false` check skips every queued contribution and is kept in
         :attr:`failed` for the caller to raise later.
         """
         queue, self._queue = self._queue, []
+        scaled, self._scaled = self._scaled, []
+        if scaled:  # the G-like values times their g_scale, one call (the same values)
+            products = torch._foreach_mul([vs[i] for vs, i, _ in scaled], [c for *_, c in scaled])
+            for (vs, i, _), v in zip(scaled, products):
+                vs[i] = v
         checks, self._checks = self._checks, []
         if not queue and not checks:
             return
@@ -209,13 +217,12 @@ class StepStatistics:
         for i, v in enumerate(present):
             by_device.setdefault(v.device, []).append(i)
         where: Dict[int, Tuple[torch.device, int]] = {}
-        low = (torch.float16, torch.bfloat16)
         for dev, idx in by_device.items():
-            vs = [present[i] for i in idx]
-            sums = [v.sum(dtype=torch.float32) if v.dtype in low else v.sum() for v in vs]
-            flags[dev] = torch.stack(sums).mul(0).eq(0)  # finite (barring overflow of a sum)
             for j, i in enumerate(idx):
                 where[i] = (dev, j)
+        uniform = _uniform_counts(queue, where)
+        for dev, idx in by_device.items():  # three calls per device (+ one per value kind)
+            flags[dev] = finite_flags([present[i] for i in idx], uniform.get(dev, 1))
         bad: Optional[Tensor] = None
         for flag, msg in checks:
             self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
@@ -224,7 +231,9 @@ class StepStatistics:
             flags = {dev: f > bad.to(dev) for dev, f in flags.items()}  # f and not bad
         i = 0
         skipped: Dict[torch.device, List[Tensor]] = {}
-        slot_flags = _per_contribution(queue, where, flags)
+        # the devices whose contributions all have the same number of values have one
+        # flag per contribution (else one per value)
+        slot_flags = {dev: iter(flags[dev].unbind(0)) for dev in uniform}
         for slot, values, rows, N in queue:
             n = sum(v is not None for v in values)
             if n == 0:
@@ -232,12 +241,14 @@ class StepStatistics:
             dev, j = where[i]
             i += n
             if dev in slot_flags:  # judged per contribution at once
-                ok, drop = next(slot_flags[dev])
+                ok = next(slot_flags[dev])
             else:
                 ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
                 skipped.setdefault(dev, []).append(ok)
-                drop = ~ok
-            kept = [None if v is None else v.masked_fill(drop, 0.0) for v in values]
+            kept = [
+                None if v is None else torch.where(ok, v, scalar(0.0, v.dtype, v.device))
+                for v in values
+            ]
             slot.values = [
                 a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, kept)
             ]
@@ -279,6 +290,7 @@ class StepStatistics:
     def drop_queue(self) -> None:
         """Forget contributions that were queued but not flushed (after an error)."""
         self._queue = []
+        self._scaled = []
         self._checks = []
 
     def take(self) -> Dict[StatKey, StepStat]:
@@ -287,10 +299,9 @@ class StepStatistics:
         return slots
 
 
-def _per_contribution(queue: list, where: dict, flags: Dict[torch.device, Tensor]) -> dict:
-    """Device to an iterator of ``(ok, ~ok)`` per contribution, for the devices whose
-    contributions all have the same number of values (``flags[dev]`` replaced by the
-    contributions' flags): a few calls for all of them instead of a few per contribution.
+def _uniform_counts(queue: list, where: dict) -> Dict[torch.device, int]:
+    """Device to the number of values of each of its contributions, for the devices whose
+    contributions all have the same number (judged per contribution in a few calls).
     """
     counts: Dict[torch.device, set] = {}
     i = 0
@@ -299,15 +310,7 @@ def _per_contribution(queue: list, where: dict, flags: Dict[torch.device, Tensor
         if n:
             counts.setdefault(where[i][0], set()).add(n)
             i += n
-    out = {}
-    for dev, ns in counts.items():
-        if len(ns) != 1:
-            continue
-        (n,) = ns
-        ok = flags[dev] if n == 1 else flags[dev].view(-1, n).all(1)
-        flags[dev] = ok
-        out[dev] = zip(ok.unbind(0), (~ok).unbind(0))
-    return out
+    return {dev: next(iter(ns)) for dev, ns in counts.items() if len(ns) == 1}
 
 
 def normalize(
@@ -366,3 +369,13 @@ def normalize(
         v = out[key].values[i]
         out[key].values[i] = v.mul_(fix.to(v.dtype))
     return out
+
+
+def stat_dtype(t: Tensor) -> torch.dtype:
+    """The statistics dtype for a value computed in ``t.dtype``: float64 or float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def promote(t: Tensor) -> Tensor:
+    """Statistics never accumulate in half precision."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

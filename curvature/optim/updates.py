@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..foreach import FlatBuffer, finite_flags, scalar
 from ..warn import warn
 
 
@@ -61,6 +62,7 @@ def apply_update(
     state: Dict[Tensor, Dict[str, Any]],
     kl_clip: Optional[float],
     who: str,
+    buffer: Optional[FlatBuffer] = None,
 ) -> Tuple[Union[float, Tensor], Tensor]:
     """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay.
 
@@ -76,6 +78,9 @@ def apply_update(
         state: The optimizer's per-parameter state (``momentum_buffer``).
         kl_clip: The KL clipping bound, or ``None``.
         who: The optimizer's name for messages.
+        buffer: Where the selected directions are written when the slots tile the
+            flat vector (its views shaped like the parameters: no split or view per
+            step); a new tensor without it.
 
     Returns:
         ``nu`` (``1.0`` without ``kl_clip``, else a 0-d tensor) and ``ok [len(slots)]``
@@ -88,16 +93,20 @@ def apply_update(
     sizes = [s.span.stop - s.span.start for s in slots]
     tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
-    if tiled:  # one split, a sum per parameter, one select over the flat vector
+    if tiled:  # one split, the flags of all parameters, one select over the flat vector
         seg = _segments(sizes, directions.device)
-        ok = torch.stack([v.sum() for v in directions.split(sizes)]).mul(0).eq(0)
-        # in place: the directions are the caller's own ([P] less at the step's peak)
-        out = directions if directions is not grads else None
-        clean = torch.where(ok.index_select(0, seg), directions, _zero(directions), out=out)
-        views = list(clean.split(sizes))
+        ok = finite_flags(directions.split(sizes))
+        zero = scalar(0.0, directions.dtype, directions.device)
+        if buffer is not None:  # into the persistent buffer, whose views fit the parameters
+            shapes = [s.param.shape for s in slots]
+            clean, views = buffer.get(shapes, directions.dtype, directions.device)
+            torch.where(ok.index_select(0, seg), directions, zero, out=clean)
+        else:
+            clean = torch.where(ok.index_select(0, seg), directions, zero)
+            views = list(clean.split(sizes))
     else:
         views = [directions[s.span] for s in slots]
-        ok = torch.stack([v.sum() for v in views]).mul(0).eq(0)  # finite (barring overflow)
+        ok = finite_flags(views)
         clean = None
         views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(views)]
     nu: Union[float, Tensor] = 1.0
@@ -108,8 +117,7 @@ def apply_update(
                 full[s.span] = v
         nu = kl_scale(slots, full, grads, kl_clip).to(directions.dtype)
         if clean is not None:
-            clean = clean.mul_(nu)
-            views = list(clean.split(sizes))
+            clean.mul_(nu)  # (the views follow)
         else:
             views = torch._foreach_mul(views, nu)
     groups: Dict[int, List[int]] = {}
@@ -123,7 +131,7 @@ def apply_update(
         if g["weight_decay"]:
             keep = 1 - g["lr"] * g["weight_decay"]
             dt = params[0].dtype
-            factors = torch.where(ok, _scalar(keep, dt, ok.device), _scalar(1.0, dt, ok.device))
+            factors = torch.where(ok, scalar(keep, dt, ok.device), scalar(1.0, dt, ok.device))
             factors = factors.unbind(0)
             torch._foreach_mul_(params, [factors[i] for i in idx])
         if g["momentum"]:
@@ -137,7 +145,7 @@ def apply_update(
                 bufs.append(st["momentum_buffer"])
             dt = bufs[0].dtype
             decay = torch.where(
-                ok, _scalar(g["momentum"], dt, ok.device), _scalar(1.0, dt, ok.device)
+                ok, scalar(g["momentum"], dt, ok.device), scalar(1.0, dt, ok.device)
             )
             decay = decay.unbind(0)
             torch._foreach_mul_(bufs, [decay[i] for i in idx])
@@ -165,24 +173,6 @@ def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: i
 def _shaped(v: Tensor, p: Tensor) -> Tensor:
     """``v`` viewed as ``p`` (no call where the shape already fits), in ``p``'s dtype."""
     return (v if v.shape == p.shape else v.view_as(p)).to(p.dtype)
-
-
-_SCALARS: Dict[Tuple[float, torch.dtype, torch.device], Tensor] = {}
-
-
-def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d ``value`` in ``dtype`` on ``device`` (made once per value, never written)."""
-    key = (value, dtype, device)
-    if key not in _SCALARS:
-        if len(_SCALARS) > 256:  # e.g. a schedule of weight decays: start over
-            _SCALARS.clear()
-        _SCALARS[key] = torch.full((), value, dtype=dtype, device=device)  # (no copy)
-    return _SCALARS[key]
-
-
-def _zero(like: Tensor) -> Tensor:
-    """A 0-d zero in ``like``'s dtype and on its device."""
-    return _scalar(0.0, like.dtype, like.device)
 
 
 _SEGMENTS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}

@@ -209,10 +209,10 @@ def test_image_workloads_train_cnn_and_resnet18_with_batchnorm():
 
     torch.set_num_threads(1)
     for wl in (
-        training.small_cnn(0.01, data=tiny_images()),
-        training.resnet18_fmnist(0.01, data=tiny_images(), width=4),
+        training.small_cnn(1e-9, data=tiny_images()),
+        training.resnet18_fmnist(1e-9, data=tiny_images(), width=4),
     ):
-        wl.eval_every, wl.batch = 3, 16
+        wl.eval_every, wl.batch = 3, 16  # a budget of 1e-9 s: every run stops at step 3
         assert wl.X.shape == (96, 1, 28, 28) and wl.compare["accuracy"] == 0.9
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # KFAC's BatchNorm note

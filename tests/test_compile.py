@@ -15,11 +15,17 @@ Skipped where ``torch.compile`` cannot run.
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 import curvature
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from compile_graphs import cnn, mlp  # noqa: E402  (the benchmark's models)
 
 dynamo = pytest.importorskip("torch._dynamo")
 testing = pytest.importorskip("torch._dynamo.testing")
@@ -39,23 +45,6 @@ def _fresh_dynamo():
     utils.counters.clear()
     yield
     dynamo.reset()
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
-    )
-
-
-def cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(8 * 8 * 8, 4),
-    )
 
 
 def normed() -> nn.Module:

@@ -141,7 +141,7 @@ def aten_calls_per_step(make, steps=2):
 
 
 #: aten calls per training step against ``AdamW(foreach=True)`` (75 with torch 2.13): issue
-#: 17's target where it is met (KFAC empirical 111 calls, 1.48x; mc 132, 1.76x; EKFAC 150,
+#: 17's target where it is met (KFAC empirical 110 calls, 1.47x; mc 131, 1.75x; EKFAC 150,
 #: 2x), else the measured count (DiagonalNaturalGradient 105, target 1.3x), so that a
 #: regression fails (benchmarks/step_counts.py, docs/benchmarks.md).
 ATEN_RATIO = {

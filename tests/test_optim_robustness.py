@@ -194,6 +194,32 @@ def test_failed_checks_are_kept_over_many_flushes(bad_at):
     assert stats.failed == {}
 
 
+def test_diagonal_block_running_update_in_the_statistics_shape():
+    # [1, D_out, D] statistics update the flat d [P_b] in place (no reshape per step): the
+    # same values as the flat running average, also after a state round trip
+    gen = torch.Generator().manual_seed(0)
+    block = curvature.blocks.DiagonalBlock("0", torch.arange(6).reshape(1, 2, 3))
+    ref = None
+    for i, ok in enumerate([True, False, True, True, None, True]):
+        new = (
+            torch.rand(1, 2, 3, generator=gen, dtype=torch.float64)
+            if ok is not False
+            else (torch.zeros(1, 2, 3, dtype=torch.float64))
+        )
+        block.update(new, 0.9, None if ok is None else torch.tensor(ok))
+        flat = new.reshape(-1)
+        if ref is None:
+            ref = flat.clone()
+        else:  # (valid None: 1 - decay selected from the block's flag on the device)
+            w = torch.tensor(0.0 if ok is False else 1 - 0.9, dtype=torch.float64)
+            if ok is None:
+                w = torch.where(torch.tensor(False), 1.0, 1 - 0.9).to(torch.float64)
+            ref = torch.lerp(ref, flat, w)
+        assert block.d.shape == (6,) and torch.equal(block.d, ref), i
+        if i == 3:
+            block.load_state_dict(block.state_dict())
+
+
 def _spd(n, seed, dtype):
     x = torch.randn(n, n + 2, generator=torch.Generator().manual_seed(seed), dtype=dtype)
     return (x @ x.T)[None]

@@ -178,6 +178,92 @@ def test_a_block_with_only_non_finite_contributions_is_not_updated():
     assert torch.equal(fresh.A[0], 2 * torch.eye(2)) and fresh.has_statistics()
 
 
+@pytest.mark.parametrize("bad_at", [None, 3, 69])
+def test_failed_checks_are_kept_over_many_flushes(bad_at):
+    # the checks' flags are OR-ed when read (and every 64 flushes), not at every flush
+    stats, msg = StepStatistics(), "bad targets"
+    for i in range(70):
+        stats.require_false(torch.tensor(i == bad_at), msg)
+        stats.flush()
+    assert list(stats.failed) == [msg] and bool(stats.failed[msg]) == (bad_at is not None)
+    if bad_at is None:
+        stats.raise_failed([False])
+    else:
+        with pytest.raises(ValueError, match=msg):
+            stats.raise_failed([True])
+    assert stats.failed == {}
+
+
+def test_diagonal_block_running_update_in_the_statistics_shape():
+    # [1, D_out, D] statistics update the flat d [P_b] in place (no reshape per step): the
+    # same values as the flat running average, also after a state round trip
+    gen = torch.Generator().manual_seed(0)
+    block = curvature.blocks.DiagonalBlock("0", torch.arange(6).reshape(1, 2, 3))
+    ref = None
+    for i, ok in enumerate([True, False, True, True, None, True]):
+        new = (
+            torch.rand(1, 2, 3, generator=gen, dtype=torch.float64)
+            if ok is not False
+            else (torch.zeros(1, 2, 3, dtype=torch.float64))
+        )
+        block.update(new, 0.9, None if ok is None else torch.tensor(ok))
+        flat = new.reshape(-1)
+        if ref is None:
+            ref = flat.clone()
+        else:  # (valid None: 1 - decay selected from the block's flag on the device)
+            w = torch.tensor(0.0 if ok is False else 1 - 0.9, dtype=torch.float64)
+            if ok is None:
+                w = torch.where(torch.tensor(False), 1.0, 1 - 0.9).to(torch.float64)
+            ref = torch.lerp(ref, flat, w)
+        assert block.d.shape == (6,) and torch.equal(block.d, ref), i
+        if i == 3:
+            block.load_state_dict(block.state_dict())
+
+
+def _spd(n, seed, dtype):
+    x = torch.randn(n, n + 2, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    return (x @ x.T)[None]
+
+
+@pytest.mark.parametrize(
+    "decay,dtype",
+    # 1e-12: 1 - decay rounds to 1 in float32, so the flag is tracked per update
+    [(0.9, torch.float64), (0.0, torch.float64), (0.9, torch.float32), (1e-12, torch.float32)],
+)
+def test_ekfac_corrections_before_finite_statistics_are_kfac_eigenvalues(decay, dtype):
+    # brute-force twin of the running corrections: weights 0 (not valid), 1 (first valid),
+    # 1 - decay; until a valid one arrives the eigenvalues used are KFAC's, and the stored
+    # Lambda (trace, state) is zeros; a new basis carries the rule over
+    block = curvature.blocks.EigenCorrectedBlock(
+        "0", torch.arange(6).reshape(1, 2, 3), _spd(3, 0, dtype), _spd(2, 1, dtype)
+    )
+    block.install(block.decompose())
+    gen = torch.Generator().manual_seed(2)
+    raw, fresh = None, True
+    steps = [False, False, "refresh", False, True, False, True, "refresh", True]
+    for i, ok in enumerate(steps):
+        if ok == "refresh":  # new factors, new basis (flags unread: still on the device)
+            block.A, block.G = _spd(3, 10 + i, dtype), _spd(2, 20 + i, dtype)
+            block.install(block.decompose())
+            if raw is not None and not fresh:  # the old Lambda rotated into the new basis
+                raw = block.corrections.clone()
+        else:
+            lam = torch.rand(1, 2, 3, generator=gen, dtype=dtype) if ok else torch.zeros(1, 2, 3)
+            lam = lam.to(dtype)
+            block.update_corrections(lam, decay, torch.tensor(ok))
+            w = 0.0 if not ok else (1.0 if fresh else 1 - decay)
+            raw = lam.clone() if raw is None else torch.lerp(raw, lam, torch.tensor(w, dtype=dtype))
+            fresh = fresh and not ok
+        kfac = curvature.blocks.KroneckerBlock.eigenvalues(block)
+        expected_raw = torch.zeros_like(raw) if fresh else raw
+        assert torch.equal(block.eigenvalues(), kfac if fresh else raw), i
+        assert torch.equal(block.state_dict()["corrections"], expected_raw), i
+        assert torch.equal(block.trace(), expected_raw.sum()), i
+        assert bool(block.corrections_fresh) == fresh, i
+    block.read_flags([bool(f) for f in block.flags()])
+    assert block.corrections_fresh is None and torch.equal(block.eigenvalues(), raw)
+
+
 @pytest.mark.parametrize(
     "cls,kwargs",
     [

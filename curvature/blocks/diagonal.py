@@ -38,14 +38,21 @@ class DiagonalBlock:
         self.d = None if d is None else d.reshape(-1)
         #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
         self.fresh: Optional[Tensor] = None
+        #: ``d`` in the shape the statistics arrive in (e.g. ``[1, D_out, D]``), sharing its
+        #: storage: updated in place with no reshape per step (``None``: reshape them).
+        self._running: Optional[Tensor] = None
 
     def update(self, d: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None) -> None:
         """Fold a new diagonal into the running one (``valid`` as in ``KroneckerBlock.update``)."""
         if self.d is None:
             self.d = d.reshape(-1)
+            self._running = d if d.dim() != 1 and d.is_contiguous() else None  # (d a view)
             self.fresh = None if valid is None else ~valid
             return
         w, self.fresh = update_weight(valid, self.fresh, decay, self.d.dtype)
+        if self._running is not None and d.shape == self._running.shape:
+            ema(self._running, d, decay, w)  # in place, so in d too
+            return
         self.d = ema(self.d, d if d.dim() == 1 else d.reshape(-1), decay, w)
 
     def flags(self) -> List[Tensor]:
@@ -100,6 +107,7 @@ class DiagonalBlock:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.d = None if state["d"] is None else state["d"].clone()
+        self._running = None
         self.index = state["index"].clone()
         if math.prod(self.shape) != self.index.numel():
             self.shape = tuple(self.index.shape)

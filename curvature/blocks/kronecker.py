@@ -19,6 +19,7 @@ and ``G`` its dense curvature (``curvature.layer_stats.exact_factors``).
 
 from __future__ import annotations
 
+import struct
 import threading
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -103,6 +104,15 @@ def _constants(decay: float, dtype: torch.dtype, device: torch.device) -> Tuple[
         values = torch.tensor([1.0, 1 - decay, 0.0], dtype=dtype).to(device)
         _CONSTANTS[key] = tuple(values.unbind(0))
     return _CONSTANTS[key]
+
+
+def _rounds_to_one(x: float, dtype: torch.dtype) -> bool:
+    """Whether the number ``x`` is ``1`` in ``dtype`` (float32 or float64; else assumed)."""
+    if dtype == torch.float64:
+        return x == 1.0
+    if dtype == torch.float32:
+        return struct.unpack("f", struct.pack("f", x))[0] == 1.0
+    return True
 
 
 def mean_diagonal(M: Tensor) -> Tensor:
@@ -387,22 +397,69 @@ class EigenCorrectedBlock(KroneckerBlock):
         self, name: str, index: Tensor, A: Optional[Tensor] = None, G: Optional[Tensor] = None
     ):
         super().__init__(name, index, A, G)
+        #: ``Lambda``; while it has had no finite statistics (:attr:`corrections_fresh`),
+        #: KFAC's eigenvalues ``lG lA^T`` in its place (the values used), so that the
+        #: preconditioning selects nothing per step.
         self.corrections: Optional[Tensor] = None
-        #: 0-d device bool: ``Lambda`` has had no finite statistics yet (``None``: it has).
-        self.corrections_fresh: Optional[Tensor] = None
+        #: 0-d device weight of the next finite corrections: ``1`` while ``Lambda`` has
+        #: had none, else ``1 - decay`` (``None``: it has had some, known on the host).
+        self.corrections_weight: Optional[Tensor] = None
+        #: 0-d device bool tracked per update only where ``1 - decay`` rounds to ``1``
+        #: (else read off :attr:`corrections_weight`).
+        self._fresh: Optional[Tensor] = None
+
+    @property
+    def corrections_fresh(self) -> Optional[Tensor]:
+        """0-d device bool: ``Lambda`` has had no finite statistics yet (``None``: it has)."""
+        if self.corrections_weight is None:
+            return None
+        if self._fresh is not None:
+            return self._fresh
+        one = _constants(0.0, self.corrections_weight.dtype, self.corrections_weight.device)[0]
+        return self.corrections_weight == one
 
     def update_corrections(
         self, corrections: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None
     ) -> None:
-        """Fold new second moments into the running ``Lambda`` (``valid`` as in :meth:`update`)."""
+        """Fold new second moments into the running ``Lambda`` (``valid`` as in :meth:`update`).
+
+        The weight of the new moments is ``0`` (not valid), ``1`` (the first valid ones)
+        or ``1 - decay``: the same values as :func:`update_weight`, in two calls while
+        ``Lambda`` may have had no finite statistics, one after.
+        """
+        dtype = corrections.dtype if self.corrections is None else self.corrections.dtype
         if self.corrections is None:
             self.corrections = corrections
-            self.corrections_fresh = None if valid is None else ~valid
+            if valid is not None:  # not valid: KFAC's eigenvalues in its place
+                one, rate, _ = _constants(decay, dtype, valid.device)
+                self.corrections = torch.where(valid, corrections, self._kfac_eigenvalues(dtype))
+                self.corrections_weight = torch.where(valid, rate, one)
+                self._fresh = ~valid if _rounds_to_one(1 - decay, dtype) else None
             return
-        w, self.corrections_fresh = update_weight(
-            valid, self.corrections_fresh, decay, self.corrections.dtype
-        )
+        u = self.corrections_weight
+        if u is None:
+            w, _ = update_weight(valid, None, decay, dtype)
+        elif valid is None:  # valid, known on the host: the weight is u, then 1 - decay
+            w, self.corrections_weight, self._fresh = u, None, None
+        else:
+            one, rate, zero = _constants(decay, dtype, valid.device)
+            w = torch.where(valid, u, zero)
+            self.corrections_weight = torch.where(valid, rate, u)
+            if self._fresh is not None:
+                self._fresh = self._fresh > valid
+        # (weight 1 gives the new moments exactly; weight 0 keeps the KFAC eigenvalues)
         self.corrections = ema(self.corrections, corrections, decay, w)
+
+    def _kfac_eigenvalues(self, dtype: torch.dtype) -> Tensor:
+        r = self.eigen()
+        return self._cached("eig", r, dtype, lambda: (KroneckerBlock.eigenvalues(self),))[0]
+
+    def _raw_corrections(self) -> Optional[Tensor]:
+        """``Lambda`` itself: zeros while it has had no finite statistics."""
+        fresh = self.corrections_fresh
+        if self.corrections is None or fresh is None:
+            return self.corrections
+        return torch.where(fresh, 0.0, self.corrections)
 
     def flags(self) -> List[Tensor]:  # noqa: D102
         fresh = self.corrections_fresh
@@ -410,17 +467,14 @@ class EigenCorrectedBlock(KroneckerBlock):
 
     def read_flags(self, values: List[bool]) -> None:  # noqa: D102
         n = len(super().flags())
+        fresh = self.corrections_fresh
         super().read_flags(values[:n])
-        if self.corrections_fresh is not None and not values[n]:
-            self.corrections_fresh = None
+        if fresh is not None and not values[n]:
+            self.corrections_weight = self._fresh = None
 
     def _corrected(self) -> Tensor:
         """``Lambda``, or KFAC's eigenvalues while it has had no finite statistics."""
-        if self.corrections_fresh is None:
-            return self.corrections
-        r, dtype = self.eigen(), self.corrections.dtype
-        (kfac,) = self._cached("eig", r, dtype, lambda: (KroneckerBlock.eigenvalues(self),))
-        return torch.where(self.corrections_fresh, kfac, self.corrections)
+        return self.corrections
 
     def basis(self) -> Optional[Eigen]:
         """The refreshed eigenbasis, or ``None`` before the first eigendecomposition."""
@@ -436,7 +490,13 @@ class EigenCorrectedBlock(KroneckerBlock):
         if self.corrections is not None and old is not None and isinstance(record, Eigen):
             RA = (record.QA.mT @ old.QA.to(record.QA.dtype)).pow(2)
             RG = (record.QG.mT @ old.QG.to(record.QG.dtype)).pow(2)
+            fresh = self.corrections_fresh
             self.corrections = RG @ self.corrections.to(RG.dtype) @ RA.mT
+            super().install(record)
+            if fresh is not None:  # the new KFAC eigenvalues in place of Lambda
+                kfac = self._kfac_eigenvalues(self.corrections.dtype)
+                self.corrections = torch.where(fresh, kfac, self.corrections)
+            return
         super().install(record)
 
     def eigenvalues(self) -> Tensor:  # noqa: D102
@@ -463,22 +523,23 @@ class EigenCorrectedBlock(KroneckerBlock):
     def trace(self) -> Tensor:  # noqa: D102
         if self.corrections is None:
             return super().trace()
-        return self.corrections.sum()
+        return self._raw_corrections().sum()
 
     def dense(self) -> Tensor:  # noqa: D102
         if self.corrections is None:
             return super().dense()
         r = self.eigen()
         Q = torch.stack([torch.kron(qg, qa) for qg, qa in zip(r.QG, r.QA)])
-        return Q @ torch.diag_embed(self.corrections.flatten(1)) @ Q.mT
+        return Q @ torch.diag_embed(self._raw_corrections().flatten(1)) @ Q.mT
 
     def state_dict(self) -> Dict[str, Any]:  # noqa: D102
         state = super().state_dict()
-        state["corrections"] = None if self.corrections is None else self.corrections.clone()
+        c = self._raw_corrections()
+        state["corrections"] = None if c is None else c.clone()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
-        self.corrections = None
+        self.corrections = self.corrections_weight = self._fresh = None
         super().load_state_dict(state)
         c = state.get("corrections")
         self.corrections = None if c is None else c.clone()

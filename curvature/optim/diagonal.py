@@ -109,8 +109,10 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 
     def _accumulate(self, name, module, rule, calls, with_g, emit) -> None:
         kron, parts = fisher_diagonal(rule, module, calls)
-        flat = [v if v.dim() == 1 else v.reshape(-1) for v in parts.values()]
-        d = flat[0] if len(flat) == 1 else torch.cat(flat)  # (one part: no copy)
+        if len(parts) == 1:  # as it is (e.g. [1, D_out, D]): the block keeps that shape
+            (d,) = parts.values()
+        else:
+            d = torch.cat([v.reshape(-1) for v in parts.values()])
         if name not in self._diagonals:
             if kron:
                 index = rule.kfac_index(module, self.layout.local_offsets(name))

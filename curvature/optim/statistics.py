@@ -124,7 +124,8 @@ class StepStatistics:
 
     def __init__(self) -> None:
         self.slots: Dict[StatKey, StepStat] = {}
-        self.failed: Dict[str, Tensor] = {}
+        #: message to the flags of its checks since the last read (OR-ed when read)
+        self._failed: Dict[str, List[Tensor]] = {}
         self._queue: list = []
         self._scaled: List[Tuple[list, int, float]] = []  # (values, position, g_scale)
         self._checks: List[Tuple[Tensor, str]] = []
@@ -225,7 +226,7 @@ class StepStatistics:
             flags[dev] = finite_flags([present[i] for i in idx], uniform.get(dev, 1))
         bad: Optional[Tensor] = None
         for flag, msg in checks:
-            self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
+            self._fail(msg, flag)
             bad = flag if bad is None else bad | flag
         if bad is not None:  # a failed check: every contribution is skipped
             flags = {dev: f > bad.to(dev) for dev, f in flags.items()}  # f and not bad
@@ -270,8 +271,8 @@ class StepStatistics:
 
     def raise_failed(self, values: Sequence[bool]) -> None:
         """Raise ``ValueError`` for the first true flag of :attr:`failed` (read as ``values``)."""
-        messages = list(self.failed)
-        self.failed = {}
+        messages = list(self._failed)
+        self._failed = {}
         for msg, bad in zip(messages, values):
             if bad:
                 raise ValueError(msg)
@@ -285,7 +286,25 @@ class StepStatistics:
             self._count_skipped(kept)
         self._skipped_host += read
         for msg, flag in other.failed.items():
-            self.failed[msg] = flag if msg not in self.failed else self.failed[msg] | flag
+            self._fail(msg, flag)
+
+    @property
+    def failed(self) -> Dict[str, Tensor]:
+        """Message to a 0-d device bool: one of its checks failed since :meth:`raise_failed`.
+
+        The flags of the flushes are OR-ed here (and every 64 flushes), not in every one.
+        """
+        for flags in self._failed.values():
+            if len(flags) > 1:
+                flags[:] = [torch.stack(flags).any()]
+        return {msg: flags[0] for msg, flags in self._failed.items()}
+
+    def _fail(self, msg: str, flag: Tensor) -> None:
+        """Keep the flag of a check (OR-ed with the earlier ones when read, or every 64)."""
+        flags = self._failed.setdefault(msg, [])
+        flags.append(flag)
+        if len(flags) >= 64:
+            flags[:] = [torch.stack(flags).any()]
 
     def drop_queue(self) -> None:
         """Forget contributions that were queued but not flushed (after an error)."""

@@ -448,16 +448,27 @@ def pinn_summary(r: Dict[str, Any]) -> str:
     return f"L2 {e:.2e} after {r['steps'][-1]} steps, {r['times'][-1]:.1f} s"
 
 
-def pinn_report(res: Dict[str, Any], seeds: Sequence[int]) -> List[str]:
-    """Grid lines, a table of the L2 errors at the budget per seed, the verdict."""
+def report_head(res: Dict[str, Any], seeds: Sequence[int], cell) -> List[str]:
+    """A workload's heading, target and one line per baseline grid (``cell(trial)`` each)."""
     lines = [f"### {res['title']}", "", f"Target: {res['target']}.", ""]
     for kind, trials in res["grids"].items():
-        cells = ", ".join(f"{t['method'].split('lr=')[1]}: {pinn_summary(t)}" for t in trials)
+        cells = ", ".join(f"{t['method'].split('lr=')[1]}: {cell(t)}" for t in trials)
         lines.append(f"- grid ({kind}, seed {seeds[0]}): {cells}")
-    lines.append("")
+    return lines + [""]
+
+
+def by_method(runs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[int, Dict[str, Any]]]:
+    """The runs as method name to seed to run."""
     methods: Dict[str, Dict[int, Dict[str, Any]]] = {}
-    for r in res["runs"]:
+    for r in runs:
         methods.setdefault(r["method"], {})[r["seed"]] = r
+    return methods
+
+
+def pinn_report(res: Dict[str, Any], seeds: Sequence[int]) -> List[str]:
+    """Grid lines, a table of the L2 errors at the budget per seed, the verdict."""
+    lines = report_head(res, seeds, pinn_summary)
+    methods = by_method(res["runs"])
     header = ["method"] + [f"seed {s}: L2 error at the budget (steps)" for s in seeds]
     rows = [
         [m] + [f"{pinn_final(by[s]):.2e} ({by[s]['steps'][-1]})" if s in by else "" for s in seeds]
@@ -643,14 +654,8 @@ def report(results: Dict[str, Any], seeds: Sequence[int]) -> str:
         if res.get("kind") == "pinn":
             lines += pinn_report(res, seeds)
             continue
-        lines += [f"### {res['title']}", "", f"Target: {res['target']}.", ""]
-        for kind, trials in res["grids"].items():
-            cells = ", ".join(f"{t['method'].split('lr=')[1]}: {_cell(t)}" for t in trials)
-            lines.append(f"- grid ({kind}, seed {seeds[0]}): {cells}")
-        lines.append("")
-        methods: Dict[str, Dict[int, Dict[str, Any]]] = {}
-        for r in res["runs"]:
-            methods.setdefault(r["method"], {})[r["seed"]] = r
+        lines += report_head(res, seeds, _cell)
+        methods = by_method(res["runs"])
         header = ["method"] + [f"seed {s}: time / steps to target" for s in seeds]
         rows = [
             [m] + [_cell(by_seed[s]) if s in by_seed else "" for s in seeds]

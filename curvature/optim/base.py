@@ -190,7 +190,6 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         self.layout = ParamLayout.of(self.model)
         self._tied = TiedLayers(self.layout, self.diagonal_suffix)  # layers sharing parameters
         old = getattr(self, "_collector", None)
-        skipped = old.stats.skipped if old is not None else 0
         self._collector = StatisticsCollector(
             type(self).__name__,
             self.model,
@@ -207,7 +206,9 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
             wrapper=self._compiled,
         )
         self._collector.projections = [] if self.config.update_rule == "quadratic" else None
-        self._skipped_before += skipped
+        if old is not None:  # its skipped count; the losses that measure the last step
+            self._skipped_before += old.stats.skipped
+            self._collector.losses = old.losses
         self._live[0] = self._collector
         self._layers = self._collector.layers
         self._tied.sharing = ParamSharing(

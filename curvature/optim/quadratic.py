@@ -271,11 +271,8 @@ class QuadraticRule:
     def _observed_loss(self, like: Tensor) -> Tensor:
         """``h``: the sum of the ``loss_func`` values since the last step (over the ranks)."""
         mine = {id(p) for p in self.layout.params}
-        seen = self._collector.losses
-        before = self.__dict__.get("_loss_list", seen)  # a rebuilt collector: the old list
-        self._loss_list = seen
-        entries = seen if before is seen else before + seen
-        losses = [v for v, into in entries if reaches(into.grad_fn, mine)]
+        seen = self._collector.losses  # (a rebuilt collector keeps the old one's list)
+        losses = [v for v, into in seen if reaches(into.grad_fn, mine)]
         seen.clear()
         if not losses:
             raise ValueError(

@@ -686,6 +686,39 @@ def test_an_ekfac_state_loads_into_kfac_without_its_corrections():
     assert all(torch.isfinite(p).all() for p in twin.parameters())
 
 
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+@pytest.mark.parametrize("pattern", [(0, 1), (0, 1, 1)], ids=["good-bad", "good-bad-bad"])
+@pytest.mark.parametrize("inverse_every", [1, 3])
+def test_an_ekfac_state_saved_before_any_finite_corrections_resumes_bit_for_bit(
+    fisher, pattern, inverse_every
+):
+    """A step with a non-finite batch after the first refresh leaves the corrections with
+    no finite statistics: KFAC's eigenvalues stand in for them. A checkpoint taken then
+    must resume with the same stand-in (it resumed with zero corrections, i.e. the bare
+    damping as denominators, before)."""
+    dt = torch.float64
+    model = tiny_mlp(dtype=dt)
+    kw = {**KW, "inverse_every": inverse_every, "fisher": fisher, "loss_func": CE}
+    opt = EKFAC(model, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s, bad in enumerate(pattern):
+            X, y = tiny_batch(s, dtype=dt)
+            if bad:
+                X = X.clone()
+                X[0, 0] = float("nan")
+            opt.zero_grad()
+            CE(model(X), y).backward()
+            opt.step()
+    twin = copy.deepcopy(model)
+    resumed = EKFAC(twin, **kw)
+    resumed.load_state_dict(saved(opt.state_dict()))
+    train(opt, model, 3, start=len(pattern), dtype=dt)
+    train(resumed, twin, 3, start=len(pattern), dtype=dt)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
 # -- a model in eval mode --------------------------------------------------------------------------
 @pytest.mark.parametrize("fisher", ["empirical", "type-2"])
 @pytest.mark.parametrize("info", optimizer_params())

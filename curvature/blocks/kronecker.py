@@ -536,6 +536,10 @@ class EigenCorrectedBlock(KroneckerBlock):
         state = super().state_dict()
         c = self._raw_corrections()
         state["corrections"] = None if c is None else c.clone()
+        # the weight of the next corrections (it tells "no finite statistics yet")
+        for key, t in (("corrections_weight", self.corrections_weight), ("fresh", self._fresh)):
+            if t is not None:
+                state[key] = t.clone()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
@@ -543,3 +547,10 @@ class EigenCorrectedBlock(KroneckerBlock):
         super().load_state_dict(state)
         c = state.get("corrections")
         self.corrections = None if c is None else c.clone()
+        u, fresh = state.get("corrections_weight"), state.get("fresh")
+        if self.corrections is not None and u is not None:
+            self.corrections_weight = u.clone()
+            self._fresh = None if fresh is None else fresh.clone()
+            if self.basis() is not None:  # KFAC's eigenvalues stand in, as before the save
+                kfac = self._kfac_eigenvalues(self.corrections.dtype)
+                self.corrections = torch.where(self.corrections_fresh, kfac, self.corrections)

@@ -3,8 +3,15 @@
 Each workload trains one model from the same initialization (per seed) with every method,
 in one process, one run after the other, on the same data order. The clock counts only
 the training steps (``zero_grad``, forward, loss, backward, ``step``); the target check
-(a loss / accuracy evaluation every ``eval_every`` steps) runs outside it. A run stops at
-the target or at the workload's time budget.
+(a loss / accuracy evaluation) runs outside it. A run stops at the target or at the
+workload's time budget.
+
+Check schedule: the Fashion-MNIST MLP checks the target whenever the training clock has
+advanced by ``MLP_CHECK_SECONDS`` (0.1 s) since the last check, the same schedule in time
+for every method, so a method with slow steps is not checked less often (the time to
+target is late by less than 0.1 s plus one step, for every method alike). The other
+workloads check every ``eval_every`` steps (the autoencoder 20, the image workloads 100;
+the PINN workloads log inside the example, see :func:`pinn_train`).
 
 Tuning protocol (documented in docs/benchmarks.md, "Training results"):
 
@@ -14,9 +21,12 @@ Tuning protocol (documented in docs/benchmarks.md, "Training results"):
   the other seeds.
 * The image workloads use SGD over ``3e-2, 1e-1, 3e-1`` (and AdamW instead of Adam for
   ResNet-18), the PINN workloads SGD over ``1e-4, 1e-3, 1e-2`` and L-BFGS.
-* KFAC runs with the settings printed in the table, chosen before the run and never
-  searched on these workloads (``KFAC defaults`` is ``curvature.KFAC(model)`` as a user
-  writes it, with the loss registered for the MC Fisher where the row says so).
+* KFAC runs with the settings printed in the table (``KFAC defaults`` is
+  ``curvature.KFAC(model)`` as a user writes it, with the loss registered for the MC
+  Fisher where the row says so), never searched on these workloads except one row of the
+  Fashion-MNIST MLP (:data:`MLP_TUNED`): its settings (a momentum, ``factor_every`` and
+  ``inverse_every``, as a user may pass them) are the best of 11 settings tried by hand
+  on seed 0, as the baselines' grids are, and are fixed for every seed.
 
 Usage::
 
@@ -101,6 +111,18 @@ class Workload:
     grids: Optional[Dict[str, Sequence[float]]] = None
     #: the verdict of the image workloads (see :func:`image_workload`)
     compare: Optional[Dict[str, Any]] = None
+    #: check the target whenever the training clock has advanced by this many seconds
+    #: since the last check (the same schedule in time for every method), instead of
+    #: every ``eval_every`` steps (``None``)
+    eval_seconds: Optional[float] = None
+    #: lines the report prints under the workload's verdicts
+    notes: List[str] = field(default_factory=list)
+
+    def check_text(self) -> str:
+        """How often the target is checked, for the report."""
+        if self.eval_seconds is not None:
+            return f"every {self.eval_seconds:g} s of the training clock"
+        return f"every {self.eval_every} steps"
 
 
 def fashion_mnist() -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -114,6 +136,30 @@ def fashion_mnist() -> Tuple[Tensor, Tensor, Tensor, Tensor]:
 @torch.no_grad()
 def _mean_loss(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor) -> float:
     return float(loss(model(X), y))
+
+
+#: the MLP's check schedule: every this many seconds of training clock, whatever the
+#: method (a fixed number of steps would check a method with slow steps, KFAC, less often
+#: and add up to one interval to its time to target: 50 steps were 0.65 s of KFAC against
+#: 0.14 s of Adam). One check (20,000 images forward) costs about 0.05 s, outside the clock.
+MLP_CHECK_SECONDS = 0.1
+
+
+#: the MLP's tuned KFAC row (empirical Fisher, lr 1e-2 and damping 1e-3 as by default):
+#: the best time to target on seed 0 of 11 settings tried by hand (:data:`MLP_TUNED_NOTE`),
+#: then fixed for every seed
+MLP_TUNED = {"momentum": 0.5, "factor_every": 3, "inverse_every": 20}
+MLP_TUNED_NAME = "KFAC momentum=0.5, factor_every=3, inverse_every=20 (empirical; tuned, seed 0)"
+MLP_TUNED_NOTE = (
+    "How the tuned KFAC row was chosen: 11 settings tried by hand on seed 0 (with the "
+    "same time-to-target measurement, budgets of 10-15 s, on a busy machine): the "
+    "defaults (lr 1e-2, damping 1e-3); lr 2e-2; lr 3e-2 and 1e-1 (both diverged); lr 3e-2 "
+    "with damping 1e-2; lr 1e-1 with kl_clip 1e-3; factor_every=3; momentum 0.5 alone, "
+    "with factor_every=3, with factor_every=2 and inverse_every=20, and with "
+    "factor_every=3 and inverse_every=20 (the fastest, 121 steps; fixed for every seed "
+    "before this run). The statistics every 3 steps and the inverses every 20 make a step "
+    "cheaper; the momentum takes fewer steps."
+)
 
 
 def fmnist_mlp(budget: float) -> Workload:
@@ -140,12 +186,15 @@ def fmnist_mlp(budget: float) -> Workload:
         eval_every=50,
         evaluate=evaluate,
         reached=lambda m: m["loss"] <= 0.3 and m["test_acc"] >= 0.88,
+        eval_seconds=MLP_CHECK_SECONDS,
         target_text="training loss <= 0.3 and test accuracy >= 88%",
         target_loss=0.3,
         kfac_rows={
             "KFAC defaults (empirical)": {},
             "KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": ce},
+            MLP_TUNED_NAME: dict(MLP_TUNED),
         },
+        notes=[MLP_TUNED_NOTE],
     )
 
 
@@ -450,7 +499,8 @@ def pinn_summary(r: Dict[str, Any]) -> str:
 
 def report_head(res: Dict[str, Any], seeds: Sequence[int], cell) -> List[str]:
     """A workload's heading, target and one line per baseline grid (``cell(trial)`` each)."""
-    lines = [f"### {res['title']}", "", f"Target: {res['target']}.", ""]
+    check = f" Checked {res['check']}, outside the clock." if res.get("check") else ""
+    lines = [f"### {res['title']}", "", f"Target: {res['target']}.{check}", ""]
     for kind, trials in res["grids"].items():
         cells = ", ".join(f"{t['method'].split('lr=')[1]}: {cell(t)}" for t in trials)
         lines.append(f"- grid ({kind}, seed {seeds[0]}): {cells}")
@@ -556,9 +606,11 @@ def train(wl: Workload, method: str, kind: str, options: Dict[str, Any], seed: i
         return False
 
     check()
+    every = wl.eval_seconds
     while clock < wl.budget:
         t0 = clock_now()
-        for _ in range(wl.eval_every):
+        done = 0
+        while True:
             if pos + wl.batch > N:
                 perm, pos = torch.randperm(N, generator=order), 0
             idx = perm[pos : pos + wl.batch]
@@ -568,6 +620,11 @@ def train(wl: Workload, method: str, kind: str, options: Dict[str, Any], seed: i
             loss.backward()
             opt.step()
             step += 1
+            done += 1
+            if every is None and done == wl.eval_every:
+                break
+            if every is not None and clock_now() - t0 >= every:  # (one clock read a step)
+                break
         clock += clock_now() - t0
         if check():
             break
@@ -585,7 +642,14 @@ def best_of(runs: Sequence[Run]) -> Run:
 
 def run_workload(wl: Workload, seeds: Sequence[int], grids: Dict[str, Sequence[float]]) -> Dict:
     """The grid on the first seed, the best grid points and KFAC on every seed."""
-    out: Dict[str, Any] = {"title": wl.title, "target": wl.target_text, "grids": {}, "runs": []}
+    out: Dict[str, Any] = {
+        "title": wl.title,
+        "target": wl.target_text,
+        "check": wl.check_text(),
+        "notes": list(wl.notes),
+        "grids": {},
+        "runs": [],
+    }
     first, rest = seeds[0], list(seeds[1:])
     chosen: Dict[str, Tuple[str, Dict[str, Any]]] = {}
     for kind, grid in grids.items():
@@ -666,6 +730,8 @@ def report(results: Dict[str, Any], seeds: Sequence[int]) -> str:
             lines += image_verdicts(res, methods, seeds) + [""]
         else:
             lines += verdicts(wl_name, methods, seeds) + [""]
+        if res.get("notes"):
+            lines += list(res["notes"]) + [""]
     return "\n".join(lines)
 
 
@@ -1074,7 +1140,9 @@ def write_report(results: Dict[str, Any], runs: List[Dict[str, Any]], args) -> N
         + "\n".join(f"- {run_line(r)}" for r in runs)
         + "\n\n"
         "The clock counts training steps only (zero_grad, forward, loss, backward, step); "
-        "the target is checked every few steps outside the clock. Baselines: Adam over "
+        f"the target is checked outside the clock (the Fashion-MNIST MLP every "
+        f"{MLP_CHECK_SECONDS:g} s of training clock, for every method alike; the autoencoder "
+        "every 20 steps, the image workloads every 100). Baselines: Adam over "
         f"lr {', '.join(f'{x:g}' for x in grids['adam'])}"
         + (
             f" and SGD (momentum 0.9) over lr {', '.join(f'{x:g}' for x in grids['sgd'])}"
@@ -1082,8 +1150,10 @@ def write_report(results: Dict[str, Any], runs: List[Dict[str, Any]], args) -> N
             else ""
         )
         + f", tuned on seed {seeds[0]} (shortest time to target, else lowest final loss), the "
-        "best point rerun on the other seeds. KFAC rows use the library's defaults, never "
-        "searched. A cell reads `time / steps` to the target.\n\n"
+        "best point rerun on the other seeds. KFAC rows use the settings their names give "
+        "(the library's defaults unless named), never searched, except the Fashion-MNIST "
+        "MLP's row marked tuned (see its section). A cell reads `time / steps` to the "
+        "target.\n\n"
     ) + new_workloads_head(results)
     if args.figure and plot(results, args.figure):
         head += f"Figure: `{common.portable_path(args.figure)}`.\n\n"

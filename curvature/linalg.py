@@ -180,8 +180,12 @@ def damped_inverses(
     """``(M + shift I)^{-1}`` for several symmetric PSD ``M [..., D, D]`` and shifts > 0.
 
     A Cholesky factorization and its inverse: about five times cheaper than an
-    eigendecomposition at ``D`` of several hundred. Where the shifted matrix is not
-    numerically positive definite (a ``shift`` far below the rounding error of ``M``),
+    eigendecomposition at ``D`` of several hundred. The factorization reads the lower
+    triangle of ``M`` only (``M`` is not symmetrized first: one pass over the ``D^2``
+    entries less), and ``torch.cholesky_inverse`` returns an exactly symmetric matrix on the
+    CPU (its upper triangle a copy of the lower), returned as it is; on other devices
+    (cuSOLVER solves against the identity) the result is symmetrized. Where the shifted
+    matrix is not numerically positive definite (a ``shift`` far below the rounding error of ``M``),
     the inverse is taken from :func:`eigh`, whose eigenvalues are clamped at 0, so
     the result is the same as ``Q diag(1 / (max(l, 0) + shift)) Q^T``. The matrices'
     finiteness (unless ``check_finite=False``: the caller checked) and the outcomes
@@ -203,7 +207,9 @@ def damped_inverses(
     for M, shift in zip(mats, shifts):
         dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
         shift = torch.as_tensor(shift, dtype=dtype, device=M.device)
-        damped = symmetrize(M.to(dtype))  # + shift I, in place (no identity matrices)
+        # a copy, + shift I in place (no identity matrices); the Cholesky factorization
+        # reads its lower triangle only
+        damped = M.to(dtype, copy=True)
         damped.diagonal(dim1=-2, dim2=-1).add_(shift[..., None])
         L, info = torch.linalg.cholesky_ex(damped)
         del damped
@@ -217,7 +223,10 @@ def damped_inverses(
             shifted = evals + shift.to(evals.dtype)[..., None]
             out.append((evecs / shifted[..., None, :]) @ evecs.mT)
         else:
-            out.append(symmetrize(torch.cholesky_inverse(L)))
+            inv = torch.cholesky_inverse(L)
+            # exactly symmetric on the CPU (LAPACK's potri, its upper triangle then a copy of
+            # the lower); CUDA's solves against the identity (cuSOLVER potrs), which is not
+            out.append(inv if inv.device.type == "cpu" else symmetrize(inv))
     return out
 
 

@@ -36,6 +36,22 @@ def test_a_number_as_shift():
     torch.testing.assert_close(damped_inverse(M, 0.5), _reference(M, torch.tensor(0.5)))
 
 
+def test_inverse_is_exactly_symmetric_and_reads_the_lower_triangle_only():
+    # no symmetrization before or after the Cholesky route: the result is still exactly
+    # symmetric (cholesky_inverse mirrors its lower triangle), the float64 inverse to
+    # rounding, and the upper triangle of M is never read
+    for dtype in (torch.float32, torch.float64):
+        M = _psd(2, D=40, rank=10, dtype=dtype)
+        shift = torch.tensor([1e-2, 1.0], dtype=dtype)
+        got = damped_inverse(M, shift)
+        assert torch.equal(got, got.mT)
+        exact = _reference(M.double(), shift.double())
+        tol = 1e-10 if dtype == torch.float64 else 1e-3
+        torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol * exact.abs().max())
+        garbage = M.tril() + torch.triu(torch.full_like(M, 7.0), diagonal=1)
+        assert torch.equal(damped_inverse(garbage, shift), got)
+
+
 def test_not_positive_definite_falls_back_to_the_clamped_eigendecomposition():
     # eigenvalues -1e-3 (rounding far below zero) and a shift 1e-6: Cholesky fails
     M = _psd(D=6, rank=3)

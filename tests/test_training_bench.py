@@ -94,6 +94,36 @@ def test_train_stops_at_the_target_and_counts_steps():
     assert r.losses[-1] <= 1e-2 < r.losses[-2]
 
 
+def test_train_checks_by_time_when_eval_seconds_is_set(monkeypatch):
+    """With ``eval_seconds`` the checks follow the clock, not a count of steps: a fake
+    clock that advances 0.25 s per read (one read per step, one at each end) checks every
+    4 steps although ``eval_every`` says 5."""
+    X = torch.randn(64, 3)
+    y = X.sum(1, keepdim=True)
+    mse = nn.MSELoss()
+    reads = iter(0.25 * k for k in range(10**6))
+    monkeypatch.setattr(training, "clock_now", lambda: next(reads))
+    wl = training.Workload(
+        name="toy",
+        title="toy",
+        make_model=lambda: nn.Linear(3, 1),
+        X=X,
+        y=y,
+        loss_func=mse,
+        batch=16,
+        budget=3.0,
+        eval_every=5,
+        evaluate=lambda model: {"loss": 1.0},
+        reached=lambda m: False,
+        target_text="never",
+        eval_seconds=1.0,
+    )
+    r = training.train(wl, "SGD", "sgd", {"lr": 0.05}, 0)
+    assert r.steps == [0, 4, 8, 12]
+    assert r.times == [0.0, 1.25, 2.5, 3.75]
+    assert wl.check_text() == "every 1 s of the training clock"
+
+
 # -- the PINN and image workloads ----------------------------------------------------------
 def pinn_run(method, seed, l2, steps=100):
     return {

@@ -89,3 +89,61 @@ def test_the_diagonal_is_an_exponential_moving_average(fisher):
 def test_forward_only_is_refused():
     with pytest.raises(ValueError, match="forward-only.*no diagonal"):
         DNG(mlp(), fisher="forward-only")
+
+
+def odd_mlp():
+    """No bias on the first layer, a frozen weight (bias only) on the last."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Tanh(), nn.Linear(6, 5), nn.Tanh())
+    model.append(nn.Linear(5, 3))
+    model[4].weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one-damping", "per-group-damping"])
+@pytest.mark.parametrize("make", [mlp, odd_mlp])
+def test_running_diagonal_over_ragged_batches_and_damping_groups(make, groups):
+    """Batches of 10, 7 (a ragged one: the squared inputs are made again) and 10 samples,
+    lr = 0 then 1; a damping per parameter group or one: the direction divides by the
+    running average of the offline diagonals plus each parameter's damping."""
+    model, loss_func = make(), nn.CrossEntropyLoss()
+    data = [batch(1), batch(2, N=7), batch(3)]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    d1, d2, d3 = (
+        flat(
+            [
+                curvature.diag_ggn(copy.deepcopy(model), loss_func, b, fisher="empirical")[n]
+                for n in names
+            ]
+        )
+        for b in data
+    )
+    beta = 0.7
+    params = [p for p in model.parameters() if p.requires_grad]
+    if groups:
+        param_groups = [{"params": params[:2], "damping": 1e-2}, {"params": params[2:]}]
+        damping = flat([torch.full_like(p, 1e-2 if i < 2 else 3e-2) for i, p in enumerate(params)])
+    else:
+        param_groups, damping = None, 3e-2
+    opt = DNG(
+        model,
+        lr=0.0,
+        damping=3e-2,
+        loss_func=loss_func,
+        factor_decay=beta,
+        param_groups=param_groups,
+    )
+    for X, y in data[:2]:
+        opt.zero_grad()
+        loss_func(model(X), y).backward()
+        opt.step()
+    for g in opt.param_groups:
+        g["lr"] = 1.0
+    before = flat([p.detach().clone() for p in params])
+    opt.zero_grad()
+    loss_func(model(data[2][0]), data[2][1]).backward()
+    grad = flat([p.grad for p in params])
+    opt.step()
+    delta = flat([p.detach() for p in params]) - before
+    running = beta * (beta * d1 + (1 - beta) * d2) + (1 - beta) * d3
+    torch.testing.assert_close(delta, -grad / (running + damping), atol=1e-12, rtol=1e-10)

@@ -18,9 +18,10 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..blocks import AllBlocks, DiagonalBlock
+from ..blocks import AllBlocks, DiagonalBlock, FlatViews
 from ..foreach import copy_into
 from ..layer_stats import fisher_diagonal, layer_positions
+from ..layers.plain import SquaredInputs
 from ..layout import put, take
 from ..linalg import host_values
 from ..options import FisherType, KFACApproxType
@@ -78,6 +79,12 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
                 "no diagonal; use 'empirical', 'mc', 'type-2' or 'rademacher'."
             )
         self._diagonals: Dict[str, DiagonalBlock] = {}
+        #: per layer, the persistent squared inputs of its Fisher diagonal (Linear layers)
+        self._squares: Dict[str, SquaredInputs] = {}
+        #: the running diagonals of the preconditioned blocks, in their order, as views of
+        #: one flat buffer (:meth:`_flat_diagonal`)
+        self._flat_d: Optional[Tensor] = None
+        self._flat_views: List[Tensor] = []
         self._warned_missing = False
         config = CurvatureConfig.from_arguments(type(self).__name__, locals())
         super().__init__(model, lr, damping, momentum, weight_decay, config, param_groups)
@@ -108,7 +115,8 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         self._diagonals = {}
 
     def _accumulate(self, name, module, rule, calls, with_g, emit) -> None:
-        kron, parts = fisher_diagonal(rule, module, calls)
+        squares = self._squares.setdefault(name, SquaredInputs())
+        kron, parts = fisher_diagonal(rule, module, calls, squares)
         if len(parts) == 1:  # as it is (e.g. [1, D_out, D]): the block keeps that shape
             (d,) = parts.values()
         else:
@@ -146,15 +154,39 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             warn(no_statistics_message(type(self).__name__, missing))
         blocks = [b for b in self._diagonals.values() if b.d is not None]
         indices = [self._ix(b.index, grads.device) for b in blocks]
+        flat = self._flat_diagonal(blocks, grads)
         dampings = {g["damping"] for g in self.param_groups}
         if len(dampings) == 1:  # one number: no [P] damping vector (nor its gathered copy)
             (damping,) = dampings
-            job = partial(_inverse_all, blocks, damping=damping)
+            job = partial(_inverse_all, blocks, flat_d=flat, damping=damping)
             return self._gather.apply(grads, indices, [AllBlocks(job)] if blocks else [])
         damping = self._damping_vector(grads)
-        # gathered and scattered at once; the divisions in three multi-tensor calls
-        jobs = [AllBlocks(partial(_inverse_all, blocks))] if blocks else []
+        # gathered and scattered at once; the divisions in two calls (three multi-tensor
+        # calls where the diagonals are not one flat tensor)
+        jobs = [AllBlocks(partial(_inverse_all, blocks, flat_d=flat))] if blocks else []
         return self._gather.apply(grads, indices, jobs, extra=damping)
+
+    def _flat_diagonal(self, blocks: List[DiagonalBlock], like: Tensor) -> Optional[Tensor]:
+        """``[P_1 + ... + P_B]``: the blocks' running diagonals, block after block, as one
+        tensor whose pieces they are (views: updated in place with them).
+
+        Laid out like the gathered gradient of :class:`~curvature.blocks.BlockGather`, so
+        that ``v / (d + lambda)`` of every block is two calls with no temporaries. Made
+        once (one copy per block) when the blocks' diagonals are not yet its pieces (the
+        first step, a new block, a loaded state); ``None`` when the diagonals are not all
+        in ``like``'s dtype and on its device (the multi-tensor path then).
+        """
+        ds = [b.d for b in blocks]
+        if len(ds) == len(self._flat_views) and all(a is b for a, b in zip(ds, self._flat_views)):
+            return self._flat_d
+        self._flat_d, self._flat_views = None, []
+        if not ds or any(d.dtype != like.dtype or d.device != like.device for d in ds):
+            return None
+        flat = like.new_empty(sum(d.numel() for d in ds))
+        for b, piece in zip(blocks, flat.split([d.numel() for d in ds])):
+            b.rebase(piece)
+        self._flat_d, self._flat_views = flat, [b.d for b in blocks]
+        return flat
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
         out = torch.zeros_like(v)
@@ -191,17 +223,26 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 def _inverse_all(
     blocks: List[DiagonalBlock],
     views,
-    dampings: Optional[List[Tensor]] = None,
+    dampings: Optional[List[Tensor]],
+    whole: FlatViews,
+    flat_d: Optional[Tensor] = None,
     damping: Optional[float] = None,
 ) -> None:
     """Every block's ``v / (d + damping)`` (``DiagonalBlock.inverse_matvec_into``, the same
-    values) in three calls: one ``_foreach_add``, one ``_foreach_div``, one copy out.
-    ``dampings``: the gathered per-position dampings, else the one number ``damping``.
+    values): with the diagonals one flat tensor ``flat_d`` laid out like the gathered
+    buffers ``whole``, two calls writing into the output buffer (an ``add`` and a
+    ``div``, no temporaries); else three: one ``_foreach_add``, one ``_foreach_div``, one
+    copy out. ``dampings``: the gathered per-position dampings, else the one number
+    ``damping``.
     """
-    ms = [v.M for v in views]
-    diagonals = [b.d.to(m.dtype) for b, m in zip(blocks, ms)]
-    denominators = torch._foreach_add(diagonals, damping if dampings is None else dampings)
-    copy_into([v.out for v in views], torch._foreach_div(ms, denominators))
+    if flat_d is not None:
+        torch.add(flat_d, damping if dampings is None else whole.extra, out=whole.out)
+        torch.div(whole.M, whole.out, out=whole.out)
+    else:
+        ms = [v.M for v in views]
+        diagonals = [b.d.to(m.dtype) for b, m in zip(blocks, ms)]
+        denominators = torch._foreach_add(diagonals, damping if dampings is None else dampings)
+        copy_into([v.out for v in views], torch._foreach_div(ms, denominators))
     for b, v in zip(blocks, views):
         if b.fresh is not None:  # no finite statistics yet: the gradient itself
             torch.where(b.fresh, v.M, v.out, out=v.out)

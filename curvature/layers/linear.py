@@ -63,11 +63,14 @@ class LinearRule(LinearFamilyRule):
         with the squared inputs written into the persistent ``squares``: one ``pow`` per
         call. ``None`` where :meth:`plain_operands` would take the general path, for
         inputs that are not 2-D (shared positions), without gradients, or with inputs in
-        another dtype than the gradients (e.g. bf16 under autocast: promoted there).
+        another dtype than the gradients (e.g. bf16 under autocast: promoted there); and
+        where the buffer ``[M, D]`` would be larger than the layer's diagonal ``[D_out,
+        D]`` (``M > D_out``, e.g. a classifier head): a buffer kept from step to step is
+        at most the size of the optimizer's own state for the layer.
         """
         if len(calls) != 1 or calls[0].slots is not None or calls[0].grads is None:
             return None
         x, g = calls[0].args[0], calls[0].grads[0]
-        if x.dim() != 2 or g.dim() != 3 or x.dtype != g.dtype:
+        if x.dim() != 2 or g.dim() != 3 or x.dtype != g.dtype or x.shape[0] > g.shape[-1]:
             return None
         return g, squares.of(x, *self._weight_bias(module))

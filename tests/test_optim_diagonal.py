@@ -147,3 +147,28 @@ def test_running_diagonal_over_ragged_batches_and_damping_groups(make, groups):
     delta = flat([p.detach() for p in params]) - before
     running = beta * (beta * d1 + (1 - beta) * d2) + (1 - beta) * d3
     torch.testing.assert_close(delta, -grad / (running + damping), atol=1e-12, rtol=1e-10)
+
+
+def test_a_layer_without_finite_statistics_yet_keeps_its_gradient():
+    """Step 0: the gradient at the first layer's output is made NaN (its statistics are
+    skipped, its parameters not updated); step 1 collects no statistics
+    (``factor_every=2``): the first layer, still without finite statistics, gets the
+    plain gradient, the last one ``g / (d + lambda)`` with step 0's diagonal."""
+    model, loss_func = mlp(), nn.CrossEntropyLoss()
+    data = [batch(1), batch(2)]
+    lr, damping = 0.1, 1e-2
+    last = offline_diagonal(model, loss_func, data[0], "empirical")
+    opt = DNG(model, lr=lr, damping=damping, loss_func=loss_func, factor_every=2)
+
+    def nan_gradient(module, inputs, out):
+        out.register_hook(lambda g: g * float("nan"))
+
+    hook = model[0].register_forward_hook(nan_gradient)
+    step(opt, model, loss_func, data[0])
+    hook.remove()
+    grad, delta = step(opt, model, loss_func, data[1])
+    assert opt.skipped_statistics == 1
+    n0 = sum(p.numel() for p in model[0].parameters())
+    torch.testing.assert_close(delta[:n0], -lr * grad[:n0], atol=1e-14, rtol=1e-12)
+    expected = -lr * grad[n0:] / (last[n0:] + damping)
+    torch.testing.assert_close(delta[n0:], expected, atol=1e-12, rtol=1e-10)

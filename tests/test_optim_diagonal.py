@@ -172,3 +172,42 @@ def test_a_layer_without_finite_statistics_yet_keeps_its_gradient():
     torch.testing.assert_close(delta[:n0], -lr * grad[:n0], atol=1e-14, rtol=1e-12)
     expected = -lr * grad[n0:] / (last[n0:] + damping)
     torch.testing.assert_close(delta[n0:], expected, atol=1e-12, rtol=1e-10)
+
+
+class Scale(nn.Module):
+    """A learnable scalar factor (a block of its own, from its per-sample gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.s * x
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one-damping", "per-group-damping"])
+def test_blocks_of_several_rules_divide_in_the_parameters_layout(groups):
+    """Linear blocks (laid out ``[W | b]``) and a scalar's block between them: every
+    parameter divides by its offline diagonal plus its group's damping."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), Scale(), nn.Linear(6, 3))
+    loss_func, data = nn.CrossEntropyLoss(), batch(1)
+    names = ["0.weight", "0.bias", "2.s", "3.weight", "3.bias"]
+    d = curvature.diag_ggn(copy.deepcopy(model), loss_func, data, fisher="empirical")
+    params = dict(model.named_parameters())
+    lr, dampings = 0.2, {n: 1e-2 for n in names}
+    param_groups = None
+    if groups:
+        dampings.update({"3.weight": 3e-2, "3.bias": 3e-2})
+        param_groups = [
+            {"params": [params[n] for n in ("0.weight", "0.bias", "2.s")]},
+            {"params": [params["3.weight"], params["3.bias"]], "damping": 3e-2},
+        ]
+    opt = DNG(model, lr=lr, damping=1e-2, loss_func=loss_func, param_groups=param_groups)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    loss_func(model(data[0]), data[1]).backward()
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    opt.step()
+    for n, p in params.items():
+        expected = before[n] - lr * grads[n] / (d[n] + dampings[n])
+        torch.testing.assert_close(p.detach(), expected, atol=1e-12, rtol=1e-10)

@@ -18,7 +18,7 @@ at once.
 """
 
 from .diagonal import DiagonalBlock
-from .gather import AllBlocks, BlockGather, BlockViews, FlatViews, inverse_into
+from .gather import AllBlocks, BlockGather, BlockViews, inverse_into
 from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, mean_diagonal
 from .onesided import OneSidedBlock, onesided_sides
 from .records import (
@@ -42,7 +42,6 @@ __all__ = [
     "Eigen",
     "EigenCorrectedBlock",
     "FactorSnapshot",
-    "FlatViews",
     "GeneralizedEigen",
     "KroneckerBlock",
     "KroneckerSumBlock",

@@ -19,37 +19,18 @@ from torch import Tensor
 
 
 class AllBlocks:
-    """A job for every block at once: ``fn(views, extra_views, whole)`` with the lists of
-    all blocks' :class:`BlockViews` and ``extra`` views (multi-tensor calls over the blocks
-    instead of a few calls per block), and ``whole``, the :class:`FlatViews` of the
-    gathered buffers the views are pieces of (in the order of the blocks: one call over
-    all blocks where the job's operands are laid out alike). Pass it as the only job of
+    """A job for every block at once: ``fn(views, extra_views)`` with the lists of all
+    blocks' :class:`BlockViews` and ``extra`` views (multi-tensor calls over the blocks
+    instead of a few calls per block). Pass it as the only job of
     :meth:`BlockGather.apply`; without ``extra`` it gets ``None`` for the extra views.
     """
 
-    def __init__(self, fn: Callable[[List[BlockViews], Optional[List[Tensor]], FlatViews], None]):
+    def __init__(self, fn: Callable[[List[BlockViews], Optional[List[Tensor]]], None]):
         self.fn = fn
 
-    def __call__(
-        self, views: List[BlockViews], extras: Optional[List[Tensor]], whole: FlatViews
-    ) -> None:
+    def __call__(self, views: List[BlockViews], extras: Optional[List[Tensor]]) -> None:
         """Run the job on all blocks' views."""
-        self.fn(views, extras, whole)
-
-
-class FlatViews(NamedTuple):
-    """The whole gathered buffers of :class:`BlockGather` (every block's piece in turn).
-
-    Attributes:
-        M: ``[P]`` the gathered entries of all blocks, block after block.
-        out: ``[P]`` the output buffer, laid out alike.
-        extra: ``[P]`` the gathered ``extra`` vector, or ``None``.
-
-    """
-
-    M: Tensor
-    out: Tensor
-    extra: Optional[Tensor]
+        self.fn(views, extras)
 
 
 class BlockViews(NamedTuple):
@@ -188,16 +169,15 @@ class BlockGather:
                 torch.index_select(extra.to(flat.dtype), 0, plan.index, out=plan.extra)
                 plan.extra_source = extra
             if len(jobs) == 1 and isinstance(jobs[0], AllBlocks):  # one job for all blocks
-                whole = FlatViews(plan.inputs, plan.outputs, plan.extra)
-                jobs[0](plan.views, plan.extra_views, whole)
+                jobs[0](plan.views, plan.extra_views)
                 return
             for job, views, e in zip(jobs, plan.views, plan.extra_views):
                 job(views, e)
         elif len(jobs) == 1 and isinstance(jobs[0], AllBlocks):  # one job, no extra vector
-            jobs[0](plan.views, None, FlatViews(plan.inputs, plan.outputs, None))
+            jobs[0](plan.views, None)
         else:
             for job, views in zip(jobs, plan.views):
                 job(views)
 
 
-__all__: List[str] = ["AllBlocks", "BlockGather", "BlockViews", "FlatViews", "inverse_into"]
+__all__: List[str] = ["AllBlocks", "BlockGather", "BlockViews", "inverse_into"]

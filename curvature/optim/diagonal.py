@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..blocks import AllBlocks, DiagonalBlock, FlatViews
+from ..blocks import AllBlocks, DiagonalBlock
 from ..foreach import copy_into
 from ..layer_stats import fisher_diagonal, layer_positions
 from ..layers.plain import SquaredInputs
@@ -161,13 +161,13 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         damping = dampings.pop() if len(dampings) == 1 else self._damping_vector(grads)
         if flat is not None and self._order is not None:  # every position in a block
             return self._divide_in_layout(blocks, flat, grads, damping)
+        # else (positions in no block, or diagonals in another dtype): gathered and
+        # scattered at once, the divisions in three multi-tensor calls
         indices = [self._ix(b.index, grads.device) for b in blocks]
         if not isinstance(damping, Tensor):  # one number: no [P] damping vector to gather
-            job = partial(_inverse_all, blocks, flat_d=flat, damping=damping)
+            job = partial(_inverse_all, blocks, damping=damping)
             return self._gather.apply(grads, indices, [AllBlocks(job)] if blocks else [])
-        # gathered and scattered at once; the divisions in two calls (three multi-tensor
-        # calls where the diagonals are not one flat tensor)
-        jobs = [AllBlocks(partial(_inverse_all, blocks, flat_d=flat))] if blocks else []
+        jobs = [AllBlocks(partial(_inverse_all, blocks))] if blocks else []
         return self._gather.apply(grads, indices, jobs, extra=damping)
 
     def _divide_in_layout(
@@ -198,10 +198,9 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         """``[P_1 + ... + P_B]``: the blocks' running diagonals, block after block, as one
         tensor whose pieces they are (views: updated in place with them).
 
-        Laid out like the gathered gradient of :class:`~curvature.blocks.BlockGather`, so
-        that ``v / (d + lambda)`` of every block is two calls with no temporaries, or,
-        where the blocks cover every position, put in the layout's order with one
-        ``index_select`` (:meth:`_divide_in_layout`, which builds no gather buffers). Made
+        Where the blocks cover every position it is put in the layout's order with one
+        ``index_select`` (:meth:`_divide_in_layout`: ``v / (d + lambda)`` of every block in
+        three calls, without the gather buffers of :class:`~curvature.blocks.BlockGather`). Made
         once (one copy per block) when the blocks' diagonals are not yet its pieces (the
         first step, a new block, a loaded state); ``None`` when the diagonals are not all
         in ``like``'s dtype and on its device (the multi-tensor path then).
@@ -256,26 +255,17 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 def _inverse_all(
     blocks: List[DiagonalBlock],
     views,
-    dampings: Optional[List[Tensor]],
-    whole: FlatViews,
-    flat_d: Optional[Tensor] = None,
+    dampings: Optional[List[Tensor]] = None,
     damping: Optional[float] = None,
 ) -> None:
     """Every block's ``v / (d + damping)`` (``DiagonalBlock.inverse_matvec_into``, the same
-    values): with the diagonals one flat tensor ``flat_d`` laid out like the gathered
-    buffers ``whole``, two calls writing into the output buffer (an ``add`` and a
-    ``div``, no temporaries); else three: one ``_foreach_add``, one ``_foreach_div``, one
-    copy out. ``dampings``: the gathered per-position dampings, else the one number
-    ``damping``.
+    values) in three calls: one ``_foreach_add``, one ``_foreach_div``, one copy out.
+    ``dampings``: the gathered per-position dampings, else the one number ``damping``.
     """
-    if flat_d is not None:
-        torch.add(flat_d, damping if dampings is None else whole.extra, out=whole.out)
-        torch.div(whole.M, whole.out, out=whole.out)
-    else:
-        ms = [v.M for v in views]
-        diagonals = [b.d.to(m.dtype) for b, m in zip(blocks, ms)]
-        denominators = torch._foreach_add(diagonals, damping if dampings is None else dampings)
-        copy_into([v.out for v in views], torch._foreach_div(ms, denominators))
+    ms = [v.M for v in views]
+    diagonals = [b.d.to(m.dtype) for b, m in zip(blocks, ms)]
+    denominators = torch._foreach_add(diagonals, damping if dampings is None else dampings)
+    copy_into([v.out for v in views], torch._foreach_div(ms, denominators))
     for b, v in zip(blocks, views):
         if b.fresh is not None:  # no finite statistics yet: the gradient itself
             torch.where(b.fresh, v.M, v.out, out=v.out)

@@ -188,9 +188,10 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         fresh = [b.fresh for b in blocks]
         if any(f is not None for f in fresh):
             no = torch.zeros((), dtype=torch.bool, device=grads.device)
-            flags = torch.stack([no if f is None else f for f in fresh])
-            sizes = torch.tensor([b.d.numel() for b in blocks], device=grads.device)
-            keep = flags.repeat_interleave(sizes, output_size=flat.numel())
+            # (on the device: no host-to-device copy of the block sizes)
+            keep = torch.cat(
+                [(no if f is None else f).expand(b.d.numel()) for f, b in zip(fresh, blocks)]
+            )
             torch.where(keep.index_select(0, self._order), grads, out, out=out)
         return out
 

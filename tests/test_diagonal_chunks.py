@@ -43,6 +43,19 @@ class Net(nn.Module):
         return self.fc(h.flatten(1))
 
 
+class Twice(nn.Module):
+    """One Conv2d called twice (two calls of one module: their positions concatenated)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c = nn.Conv2d(2, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 36, 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.c(torch.tanh(self.c(x)))).flatten(1))
+
+
 def data(seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(N, 2, 6, 6, generator=g), torch.randint(0, 3, (N,), generator=g)
@@ -173,3 +186,18 @@ def test_the_default_bound_cuts_a_large_batch_within_the_documented_bound(monkey
     bound = max(layer_diagonal.DIAGONAL_CHUNK_ELEMENTS, X.numel() + 64 * D_out * S)
     assert len(seen) > 1 and sum(seen) == 64
     assert max(seen) * per_sample <= bound
+
+
+@pytest.mark.parametrize("bound", [1, 8000, 2**30], ids=["one-sample", "ragged", "whole"])
+def test_a_convolution_called_twice_in_chunks_equals_the_twin(bound, monkeypatch):
+    model, (X, y) = Twice(), data()
+    expected = brute_force(model, X, y)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+    seen = chunks_seen(monkeypatch)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    got = curvature.diag_ggn(model, loss, (X, y), fisher="empirical")
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-10, atol=1e-12, msg=k)
+    # per sample 2 x 36 positions: S C (2 D + D_out) + D_out D = 2918 elements
+    assert seen == {1: [1] * N, 8000: [2, 2, 2, 1], 2**30: [N]}[bound]

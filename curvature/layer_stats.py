@@ -4,7 +4,8 @@ The pieces that :func:`curvature.kfac`, :func:`curvature.ekfac`, :func:`curvatur
 and the optimizers compute from a layer's calls (inputs ``a`` and pulled gradients ``g``
 with a leading axis ``[K]`` over the injected vectors), each written once:
 
-- :func:`fisher_diagonal`: ``sum_{k,n} grad_nk^2``, the layer's Fisher diagonal;
+- :func:`fisher_diagonal`: ``sum_{k,n} grad_nk^2``, the layer's Fisher diagonal (with
+  :mod:`curvature.layer_diagonal`: chunks of samples for convolutions);
 - :func:`eigenvalue_corrections`: EKFAC's ``sum_{k,n} (QG^T grad_nk QA)^2``;
 - :func:`exact_factors`: a layer without Kronecker structure as one exact block;
 - :func:`per_vector_grads`: the per-vector, per-sample gradients ``[K, N, P_l]``;
@@ -27,9 +28,16 @@ import torch
 from torch import Tensor, nn
 
 from .edges import check_out_buffer
+from .layer_diagonal import chunked_diagonal, diagonal_chunk, expanded_diagonal
 from .layers import Call, LayerRule
 from .layers.base import expanded_kfac
-from .layers.plain import PlainOperands, plain_diagonal, plain_rotated
+from .layers.plain import (
+    PlainOperands,
+    SquaredInputs,
+    plain_diagonal,
+    plain_rotated,
+    squares_diagonal,
+)
 from .layout import ParamLayout, ParamSharing
 
 #: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
@@ -264,31 +272,17 @@ def exact_factors(rule: LayerRule, module: nn.Module, calls) -> Dict[str, tuple]
     return {"": (one, (U.T @ U)[None], 1)}
 
 
-def expanded_diagonal(a: Tensor, g: Tensor) -> Tensor:
-    """``sum_{k,n} (sum_s g a^T)^2`` ``[C, D_out, D]``; ``(g^2)^T (a^2)`` without sharing."""
-    if a.shape[1] == 1 and a.shape[2] == 1:  # one position, one group: one plain GEMM
-        g2 = (
-            g.pow(2).sum(0).reshape(-1, g.shape[-1])
-            if g.shape[0] > 1
-            else g.reshape(-1, g.shape[-1]).pow(2)
-        )
-        return (g2.mT @ a.reshape(-1, a.shape[-1]).pow(2)).unsqueeze(0)
-    if a.shape[1] == 1:
-        return torch.einsum("knco,nci->coi", g[:, :, 0].pow(2), a[:, 0].pow(2))
-    d = None
-    N = a.shape[0]
-    chunk = max(1, 2**22 // max(1, g.shape[0] * g[0, 0, 0].numel() * a.shape[-1]))
-    for i in range(0, N, chunk):
-        gr = torch.einsum("knsco,nsci->kncoi", g[:, i : i + chunk], a[i : i + chunk])
-        part = gr.pow_(2).sum((0, 1))  # (squared in place: one chunk-sized temporary)
-        d = part if d is None else d + part
-    return d
-
-
 def fisher_diagonal(
-    rule: LayerRule, module: nn.Module, calls: Sequence[Call]
+    rule: LayerRule,
+    module: nn.Module,
+    calls: Sequence[Call],
+    squares: Optional[SquaredInputs] = None,
 ) -> Tuple[bool, Dict[str, Tensor]]:
     """The layer's Fisher diagonal ``sum_{k,n} grad_nk^2`` from its pulled gradients.
+
+    ``squares``: a persistent buffer of the layer's squared inputs (kept by an optimizer
+    from step to step), used where the rule takes it (``nn.Linear`` on 2-D inputs: two
+    aten calls fewer per call); the same values.
 
     Returns:
         ``(kronecker, parts)``: for a Linear-family layer (``kronecker=True``) block suffix
@@ -297,6 +291,13 @@ def fisher_diagonal(
         order.
 
     """
+    chunk = diagonal_chunk(rule, module, calls)
+    if chunk is not None:  # patches of a chunk of samples at a time
+        return True, chunked_diagonal(rule, module, calls, chunk)
+    get = None if squares is None else getattr(rule, "plain_squares", None)
+    operands = None if get is None else get(module, calls, squares)
+    if operands is not None:  # [x^2 | 1] in the persistent buffer: one pow, one GEMM
+        return True, {"": squares_diagonal(*operands)}
     ops = _plain(rule, module, calls)
     if ops is not None:  # one group, one position: one GEMM
         return True, {"": plain_diagonal(ops)}

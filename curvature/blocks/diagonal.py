@@ -55,6 +55,18 @@ class DiagonalBlock:
             return
         self.d = ema(self.d, d if d.dim() == 1 else d.reshape(-1), decay, w)
 
+    def rebase(self, d: Tensor) -> None:
+        """Hold the running diagonal in ``d`` ``[P_b]`` from now on (copied in first).
+
+        E.g. a view of one flat buffer shared by several blocks, so that an optimizer
+        acts on all their diagonals with one call; the in-place updates write through it.
+        """
+        if self.d is not None and d is not self.d:
+            d.copy_(self.d)
+        running = None if self._running is None else self._running.shape
+        self.d = d
+        self._running = None if running is None else d.view(running)
+
     def flags(self) -> List[Tensor]:
         """The 0-d device flags the block waits to read (:meth:`read_flags`)."""
         return [] if self.fresh is None else [self.fresh]

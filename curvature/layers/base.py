@@ -231,6 +231,18 @@ class LayerRule:
         """
         return None
 
+    def expanded_shape(
+        self, module: nn.Module, calls: Sequence[Call]
+    ) -> Optional[Tuple[int, int, int, int, int]]:
+        """``(N, S, C, D, D_out)`` of the one block of :meth:`expanded_blocks` without
+        forming it, where the rule can tell and the block is worth cutting into chunks of
+        samples (unfolded convolution patches); ``None`` otherwise (the default).
+
+        A rule that gives it reads only the first input and output gradient of each call,
+        samples along their first axis (after the gradients' leading ``[K]``).
+        """
+        return None
+
     def kfac_factors(
         self, module: nn.Module, calls: Sequence[Call], approx: str, with_g: bool = True
     ) -> Optional[Dict[str, Tuple[Tensor, Optional[Tensor], int]]]:

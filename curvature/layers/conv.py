@@ -10,6 +10,7 @@ groups are handled by padding first and taking strided windows.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -62,6 +63,19 @@ class ConvRule(LinearFamilyRule):
         # [..., N, C_out, O_1..O_d] -> [..., N, S, G, C_out / G] (a view, no copy)
         g = rearrange(call.grads[0], f"... n (g c) {o} -> ... n ({o}) g c", g=module.groups)
         return a, g
+
+    def expanded_shape(self, module, calls):
+        """``(N, S, C, D, D_out)`` of :meth:`expand_calls`' operands, without unfolding.
+
+        ``a [N, S, C, D]`` (bias column included), ``g [..., N, S, C, D_out]``; ``S`` the
+        output positions of all calls. For chunking the batch before unfolding.
+        """
+        has_w, has_b = self._weight_bias(module)
+        d = len(module.kernel_size)
+        S = sum(c.grads[0].shape[-d:].numel() for c in calls)
+        C = module.groups
+        D = has_w * (module.in_channels // C) * math.prod(module.kernel_size) + has_b
+        return calls[0].args[0].shape[0], S, C, D, module.out_channels // C
 
     def per_sample_grads(self, module, calls, out=None):  # noqa: D102
         has_w, has_b = self._weight_bias(module)

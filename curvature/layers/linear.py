@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .base import LinearFamilyRule, cached_ones
-from .plain import PlainOperands
+from .plain import PlainOperands, SquaredInputs
 from .registry import register
 
 
@@ -55,3 +55,22 @@ class LinearRule(LinearFamilyRule):
         ops = PlainOperands(a, g, a.shape[1] // x.shape[0] if x.shape[0] else 1)
         call.plain = (call.grads, ops)
         return ops
+
+    def plain_squares(self, module, calls, squares: SquaredInputs):
+        """``(g [K, M, D_out], [x^2 | 1] [1, M, D])`` of one call with 2-D inputs, else ``None``.
+
+        The operands of the Fisher diagonal (:func:`~curvature.layers.plain.squares_diagonal`)
+        with the squared inputs written into the persistent ``squares``: one ``pow`` per
+        call. ``None`` where :meth:`plain_operands` would take the general path, for
+        inputs that are not 2-D (shared positions), without gradients, or with inputs in
+        another dtype than the gradients (e.g. bf16 under autocast: promoted there); and
+        where the buffer ``[M, D]`` would be larger than the layer's diagonal ``[D_out,
+        D]`` (``M > D_out``, e.g. a classifier head): a buffer kept from step to step is
+        at most the size of the optimizer's own state for the layer.
+        """
+        if len(calls) != 1 or calls[0].slots is not None or calls[0].grads is None:
+            return None
+        x, g = calls[0].args[0], calls[0].grads[0]
+        if x.dim() != 2 or g.dim() != 3 or x.dtype != g.dtype or x.shape[0] > g.shape[-1]:
+            return None
+        return g, squares.of(x, *self._weight_bias(module))

@@ -62,7 +62,56 @@ def plain_diagonal(ops: PlainOperands) -> Tensor:
     so its square is ``g_kn^2 (a_n^2)^T`` and the sum one GEMM.
     """
     assert ops.g is not None and ops.positions == 1
-    return torch.bmm(_squares_over_vectors(ops.g).mT, ops.a.pow(2))
+    return squares_diagonal(ops.g, ops.a.pow(2))
+
+
+class SquaredInputs:
+    """A layer's persistent ``[1, M, D]`` buffer of squared inputs ``[x^2 | 1]``.
+
+    For the Fisher diagonal of a ``nn.Linear`` with 2-D inputs ``x [M, D_in]`` every step
+    (:class:`~curvature.DiagonalNaturalGradient`): the bias column of the squared
+    inputs is ones, written once when the buffer is made; each later step writes
+    ``x^2`` into the other columns with one ``pow`` (``out=``), where building ``[x | 1]``
+    and squaring it cost an ``unsqueeze``, a ``cat`` and a ``pow`` (three aten calls, three
+    kernel launches on a GPU). Made again when the input's shape, dtype or device or the
+    trainable columns change (e.g. a ragged last batch). Its contents are valid until the
+    next :meth:`of`: the owner must consume them first (one GEMM).
+    """
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._full: Optional[Tensor] = None
+        self._cols: Optional[Tensor] = None
+
+    def of(self, x: Tensor, has_w: bool, has_b: bool) -> Tensor:
+        """``[1, M, D]``: ``[x^2 | 1]`` (``D = D_in`` with the weight ``+ 1`` with the bias).
+
+        Args:
+            x: ``[M, D_in]`` the layer's inputs.
+            has_w: Whether the weight is trainable (the ``x^2`` columns).
+            has_b: Whether the bias is trainable (the ones column, last).
+
+        """
+        key = (tuple(x.shape), x.dtype, x.device, has_w, has_b)
+        if key != self._key or self._full is None:
+            M, D_in = x.shape
+            self._full = x.new_ones(1, M, D_in * has_w + has_b)
+            self._cols = self._full[0, :, :D_in] if has_w else None
+            self._key = key
+        if self._cols is not None:
+            torch.pow(x, 2, out=self._cols)
+        return self._full
+
+
+def squares_diagonal(g: Tensor, a2: Tensor) -> Tensor:
+    """``[1, D_out, D]``: ``sum_{k,n} g_kn^2 (a_n^2)^T``, one GEMM (:func:`plain_diagonal`).
+
+    Args:
+        g: ``[K, M, D_out]`` gradients at the layer output.
+        a2: ``[1, M, D]`` squared inputs (e.g. :meth:`SquaredInputs.of`).
+
+    """
+    return torch.bmm(_squares_over_vectors(g).mT, a2)
 
 
 def plain_rotated(ops: PlainOperands, QA: Tensor, QG: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..blocks import AllBlocks, DiagonalBlock
 from ..foreach import copy_into
 from ..layer_stats import fisher_diagonal, layer_positions
+from ..layers.plain import SquaredInputs
 from ..layout import put, take
 from ..linalg import host_values
 from ..options import FisherType, KFACApproxType
@@ -78,6 +79,15 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
                 "no diagonal; use 'empirical', 'mc', 'type-2' or 'rademacher'."
             )
         self._diagonals: Dict[str, DiagonalBlock] = {}
+        #: per layer, the persistent squared inputs of its Fisher diagonal (Linear layers)
+        self._squares: Dict[str, SquaredInputs] = {}
+        #: the running diagonals of the preconditioned blocks, in their order, as views of
+        #: one flat buffer (:meth:`_flat_diagonal`)
+        self._flat_d: Optional[Tensor] = None
+        self._flat_views: List[Tensor] = []
+        #: where every position is in a block: ``flat_d[order]`` is the diagonal in the
+        #: parameters' flat layout (``[P]`` positions, int32 below 2**31 entries)
+        self._order: Optional[Tensor] = None
         self._warned_missing = False
         config = CurvatureConfig.from_arguments(type(self).__name__, locals())
         super().__init__(model, lr, damping, momentum, weight_decay, config, param_groups)
@@ -108,7 +118,8 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         self._diagonals = {}
 
     def _accumulate(self, name, module, rule, calls, with_g, emit) -> None:
-        kron, parts = fisher_diagonal(rule, module, calls)
+        squares = self._squares.setdefault(name, SquaredInputs())
+        kron, parts = fisher_diagonal(rule, module, calls, squares)
         if len(parts) == 1:  # as it is (e.g. [1, D_out, D]): the block keeps that shape
             (d,) = parts.values()
         else:
@@ -145,16 +156,70 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             self._warned_missing = True
             warn(no_statistics_message(type(self).__name__, missing))
         blocks = [b for b in self._diagonals.values() if b.d is not None]
-        indices = [self._ix(b.index, grads.device) for b in blocks]
+        flat = self._flat_diagonal(blocks, grads)
         dampings = {g["damping"] for g in self.param_groups}
-        if len(dampings) == 1:  # one number: no [P] damping vector (nor its gathered copy)
-            (damping,) = dampings
+        damping = dampings.pop() if len(dampings) == 1 else self._damping_vector(grads)
+        if flat is not None and self._order is not None:  # every position in a block
+            return self._divide_in_layout(blocks, flat, grads, damping)
+        # else (positions in no block, or diagonals in another dtype): gathered and
+        # scattered at once, the divisions in three multi-tensor calls
+        indices = [self._ix(b.index, grads.device) for b in blocks]
+        if not isinstance(damping, Tensor):  # one number: no [P] damping vector to gather
             job = partial(_inverse_all, blocks, damping=damping)
             return self._gather.apply(grads, indices, [AllBlocks(job)] if blocks else [])
-        damping = self._damping_vector(grads)
-        # gathered and scattered at once; the divisions in three multi-tensor calls
         jobs = [AllBlocks(partial(_inverse_all, blocks))] if blocks else []
         return self._gather.apply(grads, indices, jobs, extra=damping)
+
+    def _divide_in_layout(
+        self, blocks: List[DiagonalBlock], flat: Tensor, grads: Tensor, damping
+    ) -> Tensor:
+        """``g / (d + lambda)`` over the flat layout where the blocks cover every position.
+
+        The running diagonals (block after block in ``flat``) are put in the layout's
+        order with one ``index_select`` through the persistent order (:attr:`_order`),
+        the damping added and ``g`` divided in place: three calls and one ``[P]`` tensor
+        (the result), no gather of ``g`` and no scatter back. Blocks without finite
+        statistics yet (:attr:`DiagonalBlock.fresh`, until a refresh reads the flags)
+        keep ``g`` (a select over their positions, made only then).
+        """
+        out = torch.index_select(flat, 0, self._order)
+        out.add_(damping)
+        torch.div(grads, out, out=out)
+        fresh = [b.fresh for b in blocks]
+        if any(f is not None for f in fresh):
+            no = torch.zeros((), dtype=torch.bool, device=grads.device)
+            # (on the device: no host-to-device copy of the block sizes)
+            keep = torch.cat(
+                [(no if f is None else f).expand(b.d.numel()) for f, b in zip(fresh, blocks)]
+            )
+            torch.where(keep.index_select(0, self._order), grads, out, out=out)
+        return out
+
+    def _flat_diagonal(self, blocks: List[DiagonalBlock], like: Tensor) -> Optional[Tensor]:
+        """``[P_1 + ... + P_B]``: the blocks' running diagonals, block after block, as one
+        tensor whose pieces they are (views: updated in place with them).
+
+        Where the blocks cover every position it is put in the layout's order with one
+        ``index_select`` (:meth:`_divide_in_layout`: ``v / (d + lambda)`` of every block in
+        three calls, without the gather buffers of :class:`~curvature.blocks.BlockGather`). Made
+        once (one copy per block) when the blocks' diagonals are not yet its pieces (the
+        first step, a new block, a loaded state); ``None`` when the diagonals are not all
+        in ``like``'s dtype and on its device (the multi-tensor path then).
+        """
+        ds = [b.d for b in blocks]
+        if len(ds) == len(self._flat_views) and all(a is b for a, b in zip(ds, self._flat_views)):
+            return self._flat_d
+        self._flat_d, self._flat_views, self._order = None, [], None
+        if not ds or any(d.dtype != like.dtype or d.device != like.device for d in ds):
+            return None
+        flat = like.new_empty(sum(d.numel() for d in ds))
+        for b, piece in zip(blocks, flat.split([d.numel() for d in ds])):
+            b.rebase(piece)
+        self._flat_d, self._flat_views = flat, [b.d for b in blocks]
+        if flat.numel() == like.numel():  # (disjoint blocks) every position: a permutation
+            order = torch.argsort(torch.cat([self._ix(b.index, like.device) for b in blocks]))
+            self._order = order.int() if like.numel() < 2**31 else order
+        return flat
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
         out = torch.zeros_like(v)

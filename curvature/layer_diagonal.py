@@ -1,0 +1,108 @@
+"""A Linear-family layer's Fisher diagonal from its expanded operands, in chunks of samples.
+
+The diagonal ``sum_{k,n} (sum_s g_kns a_ns^T)^2`` of a layer with shared positions
+``S > 1`` (a convolution: ``a`` are its unfolded patches) needs the per-sample gradients,
+and the patches of the whole batch are ``prod(kernel) / prod(stride)`` times its input.
+:func:`chunked_diagonal` unfolds and contracts a chunk of samples at a time, with the
+chunk size from a memory bound (:func:`diagonal_chunk`): the whole batch at once where it
+fits (no extra calls for small inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .layers import Call, LayerRule
+
+#: The memory bound of a layer's Fisher diagonal with shared positions (convolutions),
+#: in elements: the temporaries of one chunk of samples (unfolded patches with the bias
+#: column, the gradients in the GEMM's layout, the per-sample gradients; see
+#: :func:`diagonal_chunk`) stay within ``max(DIAGONAL_CHUNK_ELEMENTS,
+#: DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``, ``x`` and ``g`` the layer's inputs
+#: and output gradients (alive anyway): the statistics at most double the memory of the
+#: layer's own tensors, and small inputs are one chunk (no extra calls).
+DIAGONAL_CHUNK_ELEMENTS = 2**16
+DIAGONAL_CHUNK_SHARE = 1.0
+
+
+def expanded_diagonal(a: Tensor, g: Tensor) -> Tensor:
+    """``sum_{k,n} (sum_s g a^T)^2`` ``[C, D_out, D]``; ``(g^2)^T (a^2)`` without sharing."""
+    if a.shape[1] == 1 and a.shape[2] == 1:  # one position, one group: one plain GEMM
+        g2 = (
+            g.pow(2).sum(0).reshape(-1, g.shape[-1])
+            if g.shape[0] > 1
+            else g.reshape(-1, g.shape[-1]).pow(2)
+        )
+        return (g2.mT @ a.reshape(-1, a.shape[-1]).pow(2)).unsqueeze(0)
+    if a.shape[1] == 1:
+        return torch.einsum("knco,nci->coi", g[:, :, 0].pow(2), a[:, 0].pow(2))
+    d = None
+    N = a.shape[0]
+    chunk = max(1, 2**22 // max(1, g.shape[0] * g[0, 0, 0].numel() * a.shape[-1]))
+    for i in range(0, N, chunk):
+        gr = torch.einsum("knsco,nsci->kncoi", g[:, i : i + chunk], a[i : i + chunk])
+        part = gr.pow_(2).sum((0, 1))  # (squared in place: one chunk-sized temporary)
+        d = part if d is None else d + part
+    return d
+
+
+def diagonal_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Optional[int]:
+    """Samples per chunk of the layer's Fisher diagonal, or ``None`` for the whole batch.
+
+    For a rule with :meth:`~curvature.layers.LayerRule.expanded_shape` ``(N, S, C, D,
+    D_out)``, the temporaries of one sample are ``S C (2 D + K D_out)`` (the patches, a
+    copy with the bias column, the ``K`` gradients in the GEMM's layout) plus ``K C D_out
+    D`` (the per-sample gradients); chunks hold as many samples as the bound
+    (:data:`DIAGONAL_CHUNK_ELEMENTS`) takes, at least one. ``None`` when the whole
+    batch fits (or the rule cannot say).
+    """
+    get = getattr(rule, "expanded_shape", None)
+    shape = None if get is None or not calls or calls[0].grads is None else get(module, calls)
+    if shape is None:
+        return None
+    N, S, C, D, D_out = shape
+    x, g = calls[0].args[0], calls[0].grads[0]
+    K = g.shape[: g.dim() - x.dim()].numel()
+    per_sample = S * C * (2 * D + K * D_out) + K * C * D_out * D
+    held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
+    bound = max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
+    chunk = max(1, bound // max(1, per_sample))
+    return chunk if chunk < N else None
+
+
+def _sample_slice(calls: Sequence[Call], start: int, stop: int) -> List[Call]:
+    """The calls restricted to samples ``start:stop`` (first input, output gradients)."""
+    out = []
+    for c in calls:
+        x = c.args[0]
+        lead = c.grads[0].dim() - x.dim()  # the leading [K] of batched pulls
+        grads = [g.narrow(lead, start, stop - start) for g in c.grads]
+        out.append(replace(c, args=(x[start:stop], *c.args[1:]), grads=grads, plain=None))
+    return out
+
+
+def chunked_diagonal(rule: LayerRule, module: nn.Module, calls, chunk: int) -> Dict[str, Tensor]:
+    """:func:`expanded_diagonal` of the layer's blocks summed over chunks of ``chunk``
+    samples (the last one ragged): the expanded operands (unfolded patches) of one chunk
+    alive at a time. The same sums as the whole batch at once, in another order.
+
+    Returns:
+        Block suffix to ``[C, D_out, D]``.
+
+    """
+    N = calls[0].args[0].shape[0]
+    out: Dict[str, Tensor] = {}
+    for start in range(0, N, chunk):
+        part = _chunk_diagonal(rule, module, _sample_slice(calls, start, min(N, start + chunk)))
+        for s, d in part.items():
+            out[s] = out[s].add_(d) if s in out else d
+    return out
+
+
+def _chunk_diagonal(rule: LayerRule, module: nn.Module, calls) -> Dict[str, Tensor]:
+    """The expanded diagonals of one chunk (its operands freed on return)."""
+    return {s: expanded_diagonal(a, g) for s, (a, g) in rule.expanded_blocks(module, calls).items()}

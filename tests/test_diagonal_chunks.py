@@ -1,0 +1,203 @@
+"""The Fisher diagonal of convolutions in chunks of samples (``curvature.layer_diagonal``).
+
+A convolution's diagonal ``sum_{k,n} (sum_s g a^T)^2`` needs per-sample gradients; the
+unfolded patches of the whole batch are many times its input, so they are made a chunk
+of samples at a time, the chunk size from a memory bound (``DIAGONAL_CHUNK_ELEMENTS``,
+``DIAGONAL_CHUNK_SHARE``). Twin: per-sample gradients by ``torch.func`` (``vmap`` of
+``grad`` of each sample's loss), squared and summed, for several chunk counts, a ragged
+last chunk and one sample per chunk; and the optimizer's first step on them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import curvature
+import curvature.layer_diagonal as layer_diagonal
+import curvature.layer_stats as layer_stats
+
+pytestmark = pytest.mark.usefixtures("float64_seeded")
+
+N = 7
+
+
+class Net(nn.Module):
+    """Conv2d (groups, padding) -> Conv2d (stride, no bias) -> Conv1d over rows -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1, groups=2)
+        self.c2 = nn.Conv2d(4, 3, 3, stride=2, padding=1, bias=False)
+        self.c3 = nn.Conv1d(3, 2, 2, padding="same", padding_mode="circular")
+        self.fc = nn.Linear(2 * 9, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.c2(torch.tanh(self.c1(x))))  # [N, 3, 3, 3]
+        h = torch.tanh(self.c3(h.flatten(2)))  # [N, 2, 9]
+        return self.fc(h.flatten(1))
+
+
+class Twice(nn.Module):
+    """One Conv2d called twice (two calls of one module: their positions concatenated)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c = nn.Conv2d(2, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 36, 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.c(torch.tanh(self.c(x)))).flatten(1))
+
+
+def data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 2, 6, 6, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def brute_force(model, X, y):
+    """``sum_n grad_n^2`` per parameter, ``grad_n`` the gradient of sample ``n``'s loss."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x, t):
+        out = functional_call(model, p, (x[None],))
+        return nn.functional.cross_entropy(out, t[None], reduction="sum")
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, X, y)
+    return {k: g.pow(2).sum(0) for k, g in per_sample.items()}
+
+
+def chunks_seen(monkeypatch):
+    """Record the samples of every expanded diagonal (one entry per chunk and layer)."""
+    seen = []
+    inner = layer_diagonal.expanded_diagonal
+
+    def spy(a, g):
+        seen.append(a.shape[0])
+        return inner(a, g)
+
+    monkeypatch.setattr(layer_diagonal, "expanded_diagonal", spy)  # chunks
+    monkeypatch.setattr(layer_stats, "expanded_diagonal", spy)  # the whole batch at once
+    return seen
+
+
+# bounds in elements (DIAGONAL_CHUNK_SHARE = 0): one sample per chunk, a few per chunk
+# (ragged last chunks), and the whole batch at once
+BOUNDS = {"one-sample": 1, "small": 3000, "medium": 9000, "whole": 2**30}
+
+
+@pytest.mark.parametrize("bound", BOUNDS.values(), ids=BOUNDS.keys())
+def test_chunked_diagonal_equals_per_sample_gradients_squared(bound, monkeypatch):
+    model, (X, y) = Net(), data()
+    expected = brute_force(model, X, y)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+    seen = chunks_seen(monkeypatch)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    got = curvature.diag_ggn(model, loss, (X, y), fisher="empirical")
+    assert list(got) == list(expected)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-10, atol=1e-12, msg=k)
+    # three convolutions: their chunks add up to the batch each
+    assert sum(seen) == 3 * N
+    if bound == 1:
+        assert seen == [1] * (3 * N)
+    elif bound == 2**30:
+        assert seen == [N] * 3
+    else:
+        assert len(seen) > 3 and any(s < max(seen) for s in seen)  # chunks, some ragged
+
+
+def test_the_bounds_cut_the_batch_as_documented(monkeypatch):
+    """``small`` and ``medium`` give several chunk counts, ragged last chunks included."""
+    counts = {}
+    for name in ("small", "medium"):
+        monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+        monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", BOUNDS[name])
+        seen = chunks_seen(monkeypatch)
+        model, (X, y) = Net(), data()
+        curvature.diag_ggn(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
+        counts[name] = seen
+    assert counts["small"] != counts["medium"]
+    assert any(N % s for s in counts["small"] + counts["medium"])  # a ragged last chunk
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "mc"])
+def test_chunked_equals_whole_batch_for_the_other_fishers(fisher, monkeypatch):
+    model, (X, y) = Net(), data()
+    loss = nn.CrossEntropyLoss()
+    whole = curvature.diag_ggn(copy.deepcopy(model), loss, (X, y), fisher=fisher)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3000)
+    seen = chunks_seen(monkeypatch)
+    chunked = curvature.diag_ggn(copy.deepcopy(model), loss, (X, y), fisher=fisher)
+    assert len(seen) > 3
+    for k in whole:
+        torch.testing.assert_close(chunked[k], whole[k], rtol=1e-10, atol=1e-14, msg=k)
+
+
+def test_optimizer_step_divides_by_the_chunked_diagonal(monkeypatch):
+    """DiagonalNaturalGradient's first step: ``-lr g / (d + lambda)`` with ``d`` the
+    per-sample twin, its statistics in chunks."""
+    model, (X, y) = Net(), data()
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    d = brute_force(model, X, y)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3000)
+    seen = chunks_seen(monkeypatch)
+    lr, damping = 0.1, 1e-2
+    opt = curvature.DiagonalNaturalGradient(model, lr=lr, damping=damping, loss_func=loss)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    loss(model(X), y).backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    opt.step()
+    assert len(seen) > 3
+    for k, p in model.named_parameters():
+        expected = before[k] - lr * grads[k] / (d[k] + damping)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_the_default_bound_keeps_small_inputs_whole(monkeypatch):
+    """With the default bound a small batch is one chunk per layer (no extra calls)."""
+    seen = chunks_seen(monkeypatch)
+    model, (X, y) = Net(), data()
+    curvature.diag_ggn(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
+    assert seen == [N] * 3
+
+
+def test_the_default_bound_cuts_a_large_batch_within_the_documented_bound(monkeypatch):
+    """A 3x3 convolution on 16 x 16 images, batch 64: the patches of the whole batch are
+    9x its input; with the default bound the batch is cut into chunks whose temporaries
+    (``S C (2 D + K D_out) + K C D_out D`` per sample) stay within ``max(2**16,
+    numel(x) + numel(g))``."""
+    seen = chunks_seen(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 256, 3))
+    X, y = torch.randn(64, 4, 16, 16), torch.randint(0, 3, (64,))
+    curvature.diag_ggn(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
+    S, D, D_out = 256, 4 * 9 + 1, 8
+    per_sample = S * (2 * D + D_out) + D_out * D
+    bound = max(layer_diagonal.DIAGONAL_CHUNK_ELEMENTS, X.numel() + 64 * D_out * S)
+    assert len(seen) > 1 and sum(seen) == 64
+    assert max(seen) * per_sample <= bound
+
+
+@pytest.mark.parametrize("bound", [1, 8000, 2**30], ids=["one-sample", "ragged", "whole"])
+def test_a_convolution_called_twice_in_chunks_equals_the_twin(bound, monkeypatch):
+    model, (X, y) = Twice(), data()
+    expected = brute_force(model, X, y)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+    seen = chunks_seen(monkeypatch)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    got = curvature.diag_ggn(model, loss, (X, y), fisher="empirical")
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-10, atol=1e-12, msg=k)
+    # per sample 2 x 36 positions: S C (2 D + D_out) + D_out D = 2918 elements
+    assert seen == {1: [1] * N, 8000: [2, 2, 2, 1], 2**30: [N]}[bound]

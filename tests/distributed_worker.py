@@ -252,6 +252,10 @@ def main(rank: int, out_dir: str, task: str) -> None:
     try:
         if task == "scenarios":
             result = run_scenarios(rank, out_dir)
+        elif task == "rules":
+            from distributed_rules_worker import run_rules
+
+            result = run_rules(rank)
         else:
             result = run_failure(rank, out_dir, task)
             if rank == 1 and task == "raise":
@@ -263,7 +267,7 @@ def main(rank: int, out_dir: str, task: str) -> None:
         )
         raise
     torch.save(result, os.path.join(out_dir, f"{task}-{rank}.pt"))
-    if task == "scenarios":
+    if task in ("scenarios", "rules"):
         dist.barrier()
         dist.destroy_process_group()
     else:

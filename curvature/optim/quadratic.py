@@ -51,7 +51,6 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..linalg import least_squares
 from ..warn import warn
 from .updates import damping_factor
 
@@ -103,11 +102,24 @@ def ggn_gram(outputs: Sequence[Output], params: Sequence[Tensor], vectors: Seque
 def solve_coefficients(gram: Tensor, damped: Tensor, linear: Tensor) -> Tuple[Tensor, float]:
     """``(c, M)``: ``c = -S^{-1} linear``, ``M = 1/2 c^T S c + linear^T c``, ``S = gram + damped``.
 
-    A singular ``S`` (``delta0`` parallel to ``Delta``) is solved by least squares.
+    Closed form (elementwise float64 arithmetic, the same bits on every rank: LAPACK's
+    solvers may differ in the last bit between processes with the same input, which let
+    the ranks of a distributed run drift apart); a singular ``S`` (``delta0`` parallel to
+    ``Delta``: rank one, ``S = t u u^T``) takes the least-squares solution of least norm,
+    ``S^+ = S / t^2`` with ``t = tr S``.
     """
-    system = gram + damped
-    c = least_squares(system, -linear)
-    model = 0.5 * float(c @ system @ c) + float(linear @ c)
+    system = (gram + damped).to(torch.float64)
+    rhs = -linear.to(torch.float64)
+    if system.shape[0] == 1:
+        c = rhs / system[0, 0]
+    else:
+        a, b, d = system[0, 0], (system[0, 1] + system[1, 0]) / 2, system[1, 1]
+        det = a * d - b * b
+        if det > 1e-14 * a * d:
+            c = torch.stack([d * rhs[0] - b * rhs[1], a * rhs[1] - b * rhs[0]]) / det
+        else:
+            c = system @ rhs / (a + d) ** 2
+    model = 0.5 * float(c @ system @ c) - float(rhs @ c)
     return c, model
 
 

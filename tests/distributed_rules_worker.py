@@ -1,0 +1,132 @@
+"""Step-choosing rules under torch.distributed: run by ``test_distributed_rules.py``.
+
+The rules that pick the step from losses and curvature products (``update_rule="quadratic"``
+with and without a closure, ``adaptive_damping=True``, ``line_search_grid``) on 2 gloo
+ranks, each with 4 samples of the 8-sample union batch and a mean loss (so DDP's gradient
+average is the union's mean-loss gradient); the reference runs one process on the union.
+Launched through ``distributed_worker.spawn(..., "rules")``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+import curvature
+
+STEPS = 6
+SIZES = (4, 4)  # equal: a mean loss per rank, averaged over the ranks, is the union's
+CE = nn.CrossEntropyLoss()
+BASE = dict(damping=1e-1, inverse_every=2, factor_decay=0.8, damping_adaptation_interval=2)
+
+# name -> (class name, kwargs, closure?, DDP?)
+RULES: Dict[str, tuple] = {}
+for _cls in ("KFAC", "EKFAC"):
+    _k = _cls.lower()
+    RULES[f"{_k}-quadratic-plain-type2"] = (
+        _cls,
+        dict(fisher="type-2", update_rule="quadratic"),
+        False,
+        True,
+    )
+    RULES[f"{_k}-quadratic-plain-empirical"] = (
+        _cls,
+        dict(fisher="empirical", update_rule="quadratic"),
+        False,
+        True,
+    )
+    RULES[f"{_k}-quadratic-closure"] = (
+        _cls,
+        dict(fisher="type-2", update_rule="quadratic"),
+        True,
+        True,
+    )
+    RULES[f"{_k}-adaptive-damping"] = (
+        _cls,
+        dict(fisher="type-2", lr=0.3, momentum=0.5, adaptive_damping=True),
+        True,
+        True,
+    )
+    RULES[f"{_k}-line-search"] = (
+        _cls,
+        dict(fisher="type-2", line_search_grid=(1.0, 0.3, 0.1, 0.03)),
+        True,
+        True,
+    )
+# a plain model (no DDP): the optimizer averages the gradients itself
+RULES["kfac-quadratic-plain-type2-noddp"] = (
+    "KFAC",
+    dict(fisher="type-2", update_rule="quadratic"),
+    False,
+    False,
+)
+RULES["kfac-quadratic-closure-noddp"] = (
+    "KFAC",
+    dict(fisher="type-2", update_rule="quadratic"),
+    True,
+    False,
+)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(torch.float64)
+
+
+def batch(step: int, rank: Optional[int]):
+    """The union batch of ``step`` (``rank=None``) or the rank's half of it."""
+    g = torch.Generator().manual_seed(200 + step)
+    X = torch.randn(sum(SIZES), 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (sum(SIZES),), generator=g)
+    if rank is None:
+        return X, y
+    start = sum(SIZES[:rank])
+    return X[start : start + SIZES[rank]], y[start : start + SIZES[rank]]
+
+
+def run_rule(name: str, rank: Optional[int]) -> dict:
+    """``STEPS`` steps of scenario ``name`` on ``rank`` (``None``: one process, the union)."""
+    cls_name, kwargs, with_closure, ddp = RULES[name]
+    model = make_model()
+    net = nn.parallel.DistributedDataParallel(model) if ddp and rank is not None else model
+    opt = getattr(curvature, cls_name)(net, **{**BASE, **kwargs}, loss_func=CE)
+    trace = []
+    for step in range(STEPS):
+        X, y = batch(step, rank)
+
+        def closure(backward=True, X=X, y=y):
+            opt.zero_grad()
+            loss = CE(net(X), y)
+            if backward:
+                loss.backward()
+            return loss
+
+        if with_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        trace.append(
+            dict(
+                damping=opt.param_groups[0]["damping"],
+                rho=opt.last_reduction_ratio,
+                coefficients=opt.last_update_coefficients,
+                lr=opt.last_line_search_lr,
+                taken=opt.last_step_taken,
+            )
+        )
+    if not with_closure:  # the last step is judged by the next forward
+        X, y = batch(STEPS, rank)
+        opt.zero_grad()
+        CE(net(X), y).backward()
+        opt.step()
+        trace.append(dict(damping=opt.param_groups[0]["damping"], rho=opt.last_reduction_ratio))
+    out = {"params": [p.detach().clone() for p in model.parameters()], "trace": trace}
+    opt.close()
+    return out
+
+
+def run_rules(rank: int) -> Dict[str, dict]:
+    return {name: run_rule(name, rank) for name in RULES}

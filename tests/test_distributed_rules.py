@@ -1,0 +1,74 @@
+"""The step-choosing rules under torch.distributed: 2 gloo ranks against one process.
+
+``update_rule="quadratic"`` (plain loop and closure), ``adaptive_damping=True`` and
+``line_search_grid`` choose the step from losses and curvature products; every rank must
+take the same decisions (parameters bit-identical across ranks), and those of one
+process on the union batch (to rounding: float64, the sums over the union are formed in
+another order, per rank then over the ranks; measured at most 3e-13 after 7 steps, so
+``1e-10`` leaves room without hiding a wrong average, which is off by 1e-2 and more).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_rules_worker import RULES, make_model, run_rule
+from distributed_worker import spawn
+
+from curvature.optim.quadratic import solve_coefficients
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return spawn(str(tmp_path_factory.mktemp("rules")), "rules")
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_ranks_stay_bit_identical(ranks, name):
+    for p, q in zip(ranks[0][name]["params"], ranks[1][name]["params"]):
+        assert torch.equal(p, q)
+    assert ranks[0][name]["trace"] == ranks[1][name]["trace"]
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_two_ranks_match_one_process_on_the_union(ranks, name):
+    ref = run_rule(name, None)
+    for p, q in zip(ranks[0][name]["params"], ref["params"]):
+        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+    ours, theirs = ranks[0][name]["trace"], ref["trace"]
+    # the same damping decisions (products of the same factors: equal bits)
+    assert [t["damping"] for t in ours] == [t["damping"] for t in theirs]
+    for a, b in zip(ours, theirs):
+        for key in ("rho", "coefficients", "lr"):
+            x, y = a.get(key), b.get(key)
+            assert (x is None) == (y is None)
+            if x is not None:
+                torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-9, rtol=1e-9)
+    # not vacuous: the parameters moved, and the damping adapted (or the grid chose)
+    start = [p.detach() for p in make_model().parameters()]
+    assert max(float((p - q).abs().max()) for p, q in zip(ref["params"], start)) > 1e-2
+    if "line-search" in name:
+        assert all(t["lr"] is not None for t in theirs)
+    else:
+        assert len({t["damping"] for t in theirs}) > 1
+
+
+def test_coefficients_are_the_exact_solve_and_least_norm_when_singular():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(2, 2, generator=g, dtype=torch.float64)
+    gram, damped = A @ A.T, 0.1 * torch.eye(2, dtype=torch.float64)
+    linear = torch.randn(2, generator=g, dtype=torch.float64)
+    c, model = solve_coefficients(gram, damped, linear)
+    exact = torch.linalg.solve(gram + damped, -linear)
+    torch.testing.assert_close(c, exact, atol=1e-12, rtol=0)
+    assert model == pytest.approx(0.5 * float(exact @ (gram + damped) @ exact + 2 * linear @ exact))
+    u = torch.randn(2, generator=g, dtype=torch.float64)  # delta0 parallel to Delta
+    S = torch.outer(u, u)
+    c, _ = solve_coefficients(S, torch.zeros_like(S), u)
+    torch.testing.assert_close(c, -torch.linalg.pinv(S) @ u, atol=1e-12, rtol=0)
+    c1, _ = solve_coefficients(S[:1, :1], torch.zeros(1, 1, dtype=torch.float64), u[:1])
+    torch.testing.assert_close(c1, -u[:1] / S[0, 0])

@@ -9,6 +9,7 @@ Launched through ``distributed_worker.spawn(..., "rules")``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional
 
 import torch
@@ -68,6 +69,13 @@ RULES["kfac-quadratic-closure-noddp"] = (
     True,
     False,
 )
+# faults on rank 1 at step 2: scenario -> (rule, fault); the ranks must stay identical
+FAULTS = {
+    "kfac-quadratic-plain-type2-empty": ("kfac-quadratic-plain-type2", "empty"),
+    "kfac-quadratic-plain-type2-nan": ("kfac-quadratic-plain-type2", "nan"),
+    "ekfac-quadratic-closure-nan": ("ekfac-quadratic-closure", "nan"),
+    "kfac-line-search-empty": ("kfac-line-search", "empty"),
+}
 
 
 def make_model() -> nn.Module:
@@ -86,8 +94,10 @@ def batch(step: int, rank: Optional[int]):
     return X[start : start + SIZES[rank]], y[start : start + SIZES[rank]]
 
 
-def run_rule(name: str, rank: Optional[int]) -> dict:
-    """``STEPS`` steps of scenario ``name`` on ``rank`` (``None``: one process, the union)."""
+def run_rule(name: str, rank: Optional[int], fault: Optional[str] = None) -> dict:
+    """``STEPS`` steps of scenario ``name`` on ``rank`` (``None``: one process, the union);
+    ``fault``: rank 1's batch of step 2 is empty (``"empty"``) or has a NaN (``"nan"``).
+    """
     cls_name, kwargs, with_closure, ddp = RULES[name]
     model = make_model()
     net = nn.parallel.DistributedDataParallel(model) if ddp and rank is not None else model
@@ -95,6 +105,9 @@ def run_rule(name: str, rank: Optional[int]) -> dict:
     trace = []
     for step in range(STEPS):
         X, y = batch(step, rank)
+        if fault is not None and rank == 1 and step == 2:
+            X, y = (X[:0], y[:0]) if fault == "empty" else (X.clone(), y)
+            X[:1, :1] = float("nan")
 
         def closure(backward=True, X=X, y=y):
             opt.zero_grad()
@@ -129,4 +142,8 @@ def run_rule(name: str, rank: Optional[int]) -> dict:
 
 
 def run_rules(rank: int) -> Dict[str, dict]:
-    return {name: run_rule(name, rank) for name in RULES}
+    out = {name: run_rule(name, rank) for name in RULES}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out.update({name: run_rule(FAULTS[name][0], rank, FAULTS[name][1]) for name in FAULTS})
+    return out

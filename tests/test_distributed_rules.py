@@ -11,7 +11,7 @@ another order, per rank then over the ranks; measured at most 3e-13 after 7 step
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_rules_worker import RULES, make_model, run_rule
+from distributed_rules_worker import FAULTS, RULES, make_model, run_rule
 from distributed_worker import spawn
 
 from curvature.optim.quadratic import solve_coefficients
@@ -27,11 +27,22 @@ def ranks(tmp_path_factory):
     return spawn(str(tmp_path_factory.mktemp("rules")), "rules")
 
 
-@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("name", list(RULES) + list(FAULTS))
 def test_ranks_stay_bit_identical(ranks, name):
     for p, q in zip(ranks[0][name]["params"], ranks[1][name]["params"]):
         assert torch.equal(p, q)
     assert ranks[0][name]["trace"] == ranks[1][name]["trace"]
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_a_bad_batch_on_one_rank_is_rejected_on_every_rank(ranks, name):
+    """Rank 1's batch of step 2 is empty or has a NaN: that step is not taken, on every
+    rank (an empty batch used to skip the plain rule's Gram all-reduce on that rank only,
+    and the ranks' collectives fell out of step: a hang)."""
+    result = ranks[0][name]
+    assert all(bool(torch.isfinite(p).all()) for p in result["params"])
+    assert result["trace"][2]["taken"] is False
+    assert all(t["taken"] for i, t in enumerate(result["trace"][:6]) if i != 2)
 
 
 @pytest.mark.parametrize("name", list(RULES))

@@ -373,16 +373,49 @@ class QuadraticRule:
         ``u_i[k, n] = sum_layers sum_s g[k, n, s]^T V_i a[n, s]`` (``(J v_i)^T`` times the
         ``k``-th source) and ``F = scale * sum_{k, n} u_i u_j`` per term. ``None`` when
         nothing was pulled (``"empirical"``, a step off ``factor_every``).
+
+        Under ``torch.distributed`` the ranks average it in one all-reduce whenever a pull
+        was due (the same on every rank), also on a rank that pulled nothing (an empty
+        batch: it adds zeros), so that no rank skips the collective the others run.
         """
         records = self._collector.projections
-        if not records:
+        pulled = self.config.fisher.value in ("mc", "type-2", "rademacher")
+        shared = self._comm is not None and pulled and self._collector.due
+        if not records and not shared:
             return None
+        empty = not records  # (a rank with an empty batch pulled nothing)
+        local = self._local_batch_gram(V, records)  # None: a layer without linear structure
+        records.clear()
+        if not shared:
+            return local
+        # [K * K + 2]: the Gram matrix, the number of ranks that found a layer without
+        # linear structure (then every rank that pulled anything found it) and the number
+        # of ranks that pulled anything
+        K = V.shape[0]
+        payload = V.new_zeros(K * K + 2, dtype=torch.float64)
+        if local is None:
+            payload[K * K] = 1.0
+        else:
+            payload[: K * K] = local.reshape(-1)
+        payload[K * K + 1] = float(not empty)
+        self._comm.all_reduce([payload], "quadratic model")
+        if local is None:
+            return None
+        gram = payload[: K * K].view(K, K) / self._comm.world
+        if empty:  # the others decide, on the device (no read): the Kronecker curvature
+            # where one found no linear structure or none pulled anything
+            kron = V @ torch.stack([self._curvature_matvec(v) for v in V]).T
+            fallback = (payload[K * K] > 0) | (payload[K * K + 1] == 0)
+            gram = torch.where(fallback, kron.to(gram.dtype), gram)
+        return gram
+
+    def _local_batch_gram(self, V: Tensor, records: list) -> Optional[Tensor]:
+        """The :meth:`_batch_gram` of this rank's records (zeros without any)."""
         last: dict = {}  # term -> (ctx, [(name, blocks)]): the last pull of each term
         for ctx, term, name, blocks in records:
             if term not in last or last[term][0] is not ctx:
                 last[term] = (ctx, [])
             last[term][1].append((name, blocks))
-        records.clear()
         gram = V.new_zeros(V.shape[0], V.shape[0], dtype=torch.float64)
         for ctx, layers in last.values():
             u = None
@@ -401,9 +434,6 @@ class QuadraticRule:
             U = u.flatten(1).double()
             scale = ctx.g_scale / ctx.samples if ctx.reduction == "mean" else ctx.g_scale
             gram = gram + scale * (U @ U.T)
-        if self._comm is not None:  # the Fisher of the union of the ranks' batches
-            self._comm.all_reduce([gram], "quadratic model")
-            gram = gram / self._comm.world
         return gram
 
     def _projection_index(self, name: str, device: torch.device) -> Optional[Dict[str, Tensor]]:

@@ -281,7 +281,7 @@ class QuadraticRule:
 
     # -- plain loop: no closure ----------------------------------------------------------------
     def _observed_loss(self, like: Tensor) -> Tensor:
-        """``h``: the sum of the ``loss_func`` values since the last step (over the ranks)."""
+        """``h``: the sum of this rank's ``loss_func`` values since the last step."""
         mine = {id(p) for p in self.layout.params}
         seen = self._collector.losses  # (a rebuilt collector keeps the old one's list)
         losses = [v for v, into in seen if reaches(into.grad_fn, mine)]
@@ -293,11 +293,7 @@ class QuadraticRule:
                 "passed to the optimizer in the training loop (a scalar loss, model in train "
                 "mode, gradients enabled), or pass a closure with a backward keyword."
             )
-        h = torch.stack([v.to(like.device, plain_dtype(like)) for v in losses]).sum()
-        if self._comm is not None:
-            self._comm.all_reduce([h], "quadratic loss")
-            h = h / self._comm.world
-        return h
+        return torch.stack([v.to(like.device, plain_dtype(like)) for v in losses]).sum()
 
     def _plain_quadratic_update(self, grads: Tensor, directions: Tensor) -> None:
         """The rule without a closure: ``C`` is the batch Fisher / GGN from the pulled
@@ -308,11 +304,16 @@ class QuadraticRule:
         interval's sums once every ``damping_adaptation_interval`` steps.
         """
         group, slots = self.param_groups[0], self._slots()
-        h = self._observed_loss(grads)
-        zero = h.new_zeros(())
-        ref = group.get("quadratic_loss")
         previous = [self.state[s.param].get("previous_update") for s in slots]
         with_momentum = all(p is not None for p in previous)
+        vectors = [-directions]
+        if with_momentum:
+            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
+        # the batch Gram matrix of the momentum before the rollback below zeroes it (then
+        # masked): the loss and the Gram matrix are averaged over the ranks in one all-reduce
+        h, batch = self._batch_gram(torch.stack(vectors), self._observed_loss(grads))
+        zero = h.new_zeros(())
+        ref = group.get("quadratic_loss")
         # after a rebuild (parameters (un)frozen) the curvature restarts: measure, no move
         same = self.__dict__.get("_plain_layout", self.layout) is self.layout
         keep = torch.full((), same, dtype=torch.bool, device=h.device)
@@ -347,9 +348,13 @@ class QuadraticRule:
             vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
         V = torch.stack(vectors)  # [K, P]
         lam = self._damping_vector(directions)
-        gram = self._batch_gram(V)
-        if gram is None:  # no pulled statistics this step: the Kronecker-factored curvature
+        if batch is None:  # no pulled statistics this step: the Kronecker-factored curvature
             gram = V @ torch.stack([self._curvature_matvec(v) for v in vectors]).T
+        elif with_momentum:  # the momentum as kept (zero after a rollback)
+            m = torch.stack([keep.new_ones(()), keep]).to(batch.dtype)
+            gram = batch * (m[:, None] * m[None, :])
+        else:
+            gram = batch
         system = (gram.to(V.dtype) + (V * lam) @ V.T).to(h.dtype)
         linear = (V @ grads.to(V.dtype)).to(h.dtype)
         c, model = solve_on_device((system + system.T) / 2, linear)
@@ -366,48 +371,51 @@ class QuadraticRule:
         if self.steps > 0 and self.steps % interval == 0:
             self._plain_adapt_damping(group)
 
-    def _batch_gram(self, V: Tensor) -> Optional[Tensor]:
-        """``[K, K]``: ``v_i^T F v_j`` with ``F`` the Fisher of this step's last pull (the
-        MC / type-2 / Rademacher curvature of the batch, not its Kronecker approximation),
-        from the pulled layer inputs ``a`` and output gradients ``g`` the collector kept:
+    def _batch_gram(self, V: Tensor, h: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(h, [K, K])``: the loss ``h`` averaged over the ranks, and ``v_i^T F v_j`` with
+        ``F`` the Fisher of this step's last pull (the MC / type-2 / Rademacher curvature
+        of the batch, not its Kronecker approximation), from the pulled layer inputs ``a``
+        and output gradients ``g`` the collector kept:
         ``u_i[k, n] = sum_layers sum_s g[k, n, s]^T V_i a[n, s]`` (``(J v_i)^T`` times the
         ``k``-th source) and ``F = scale * sum_{k, n} u_i u_j`` per term. ``None`` when
         nothing was pulled (``"empirical"``, a step off ``factor_every``).
 
-        Under ``torch.distributed`` the ranks average it in one all-reduce whenever a pull
-        was due (the same on every rank), also on a rank that pulled nothing (an empty
-        batch: it adds zeros), so that no rank skips the collective the others run.
+        Under ``torch.distributed`` both are averaged in one all-reduce; the Gram matrix
+        whenever a pull was due (the same on every rank), also on a rank that pulled
+        nothing (an empty batch: it adds zeros), so that no rank skips what the others run.
         """
         records = self._collector.projections
         pulled = self.config.fisher.value in ("mc", "type-2", "rademacher")
         shared = self._comm is not None and pulled and self._collector.due
-        if not records and not shared:
-            return None
         empty = not records  # (a rank with an empty batch pulled nothing)
-        local = self._local_batch_gram(V, records)  # None: a layer without linear structure
+        local = None if empty and not shared else self._local_batch_gram(V, records)
         records.clear()
-        if not shared:
-            return local
-        # [K * K + 2]: the Gram matrix, the number of ranks that found a layer without
-        # linear structure (then every rank that pulled anything found it) and the number
-        # of ranks that pulled anything
+        if self._comm is None:
+            return h, local
+        # [1 + K * K + 2]: the loss; the Gram matrix, the number of ranks that found a layer
+        # without linear structure (then every rank that pulled anything found it) and the
+        # number of ranks that pulled anything
         K = V.shape[0]
-        payload = V.new_zeros(K * K + 2, dtype=torch.float64)
-        if local is None:
-            payload[K * K] = 1.0
-        else:
-            payload[: K * K] = local.reshape(-1)
-        payload[K * K + 1] = float(not empty)
+        payload = V.new_zeros(1 + (K * K + 2 if shared else 0), dtype=torch.float64)
+        payload[:1] = h.to(payload.dtype)
+        if shared and local is None:
+            payload[1 + K * K] = 1.0
+        elif shared:
+            payload[1 : 1 + K * K] = local.reshape(-1)
+        if shared:
+            payload[2 + K * K] = float(not empty)
         self._comm.all_reduce([payload], "quadratic model")
-        if local is None:
-            return None
-        gram = payload[: K * K].view(K, K) / self._comm.world
+        payload = payload / self._comm.world
+        h = payload[0].to(h.dtype)
+        if local is None or not shared:
+            return h, None
+        gram = payload[1 : 1 + K * K].view(K, K)
         if empty:  # the others decide, on the device (no read): the Kronecker curvature
             # where one found no linear structure or none pulled anything
             kron = V @ torch.stack([self._curvature_matvec(v) for v in V]).T
-            fallback = (payload[K * K] > 0) | (payload[K * K + 1] == 0)
+            fallback = (payload[1 + K * K] > 0) | (payload[2 + K * K] == 0)
             gram = torch.where(fallback, kron.to(gram.dtype), gram)
-        return gram
+        return h, gram
 
     def _local_batch_gram(self, V: Tensor, records: list) -> Optional[Tensor]:
         """The :meth:`_batch_gram` of this rank's records (zeros without any)."""

@@ -137,6 +137,7 @@ def run_rule(name: str, rank: Optional[int], fault: Optional[str] = None) -> dic
         opt.step()
         trace.append(dict(damping=opt.param_groups[0]["damping"], rho=opt.last_reduction_ratio))
     out = {"params": [p.detach().clone() for p in model.parameters()], "trace": trace}
+    out["bytes"] = opt.bytes_communicated
     opt.close()
     return out
 

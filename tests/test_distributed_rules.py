@@ -34,6 +34,15 @@ def test_ranks_stay_bit_identical(ranks, name):
     assert ranks[0][name]["trace"] == ranks[1][name]["trace"]
 
 
+@pytest.mark.parametrize("fisher", ["type2", "empirical"])
+def test_plain_rule_reduces_the_loss_and_the_gram_matrix_in_one_all_reduce(ranks, fisher):
+    """Per step ``1 + K^2 + 2`` float64 values with a pull (``K = 1`` at the first step,
+    then 2), the loss alone without one (``"empirical"``): 7 steps."""
+    sent = ranks[0][f"kfac-quadratic-plain-{fisher}"]["bytes"]
+    assert "quadratic loss" not in sent
+    assert sent["quadratic model"] == (8 * (4 + 6 * 7) if fisher == "type2" else 8 * 7)
+
+
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_a_bad_batch_on_one_rank_is_rejected_on_every_rank(ranks, name):
     """Rank 1's batch of step 2 is empty or has a NaN: that step is not taken, on every

@@ -1088,11 +1088,15 @@ def test_quadratic_rule_refuses_what_it_cannot_do():
     opt.close()
 
 
-def test_quadratic_rule_resumes_from_a_state_dict_bit_for_bit():
-    """The previous update and the rejection count travel in ``state_dict`` (float32; in
-    float64 a resumed run was seen to differ in the last bit: an open problem)."""
-    torch.manual_seed(0)
-    X, y = torch.randn(32, 10, dtype=torch.float32), torch.randint(0, 3, (32,))
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_quadratic_rule_resumes_from_a_state_dict_bit_for_bit(dtype, seed):
+    """The previous update and the rejection count travel in ``state_dict``. (In float64
+    a resumed run used to differ in the last bit now and then, for about one seed in
+    seven: LAPACK's ``lstsq``, which solved the 2x2 system, returned different last bits
+    for the same input in different calls; the system is now solved in closed form.)"""
+    torch.manual_seed(seed)
+    X, y = torch.randn(32, 10, dtype=dtype), torch.randint(0, 3, (32,))
     ce = nn.CrossEntropyLoss()
 
     def run(model, opt, steps):
@@ -1110,17 +1114,17 @@ def test_quadratic_rule_resumes_from_a_state_dict_bit_for_bit():
             damping_adaptation_interval=2,
         )
 
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3)).float()
+    torch.manual_seed(seed + 1)
+    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
     twin = copy.deepcopy(model)
     opt = make(model)
     run(model, opt, 3)
     state = copy.deepcopy(opt.state_dict())
     twin.load_state_dict(model.state_dict())
-    run(model, opt, 3)
+    run(model, opt, 5)
     resumed = make(twin)
     resumed.load_state_dict(state)
-    run(twin, resumed, 3)
+    run(twin, resumed, 5)
     assert_lists_close(params(model), params(twin), atol=0)
     assert opt.param_groups[0]["damping"] == resumed.param_groups[0]["damping"]
     opt.close()

@@ -4,7 +4,9 @@ The rules that pick the step from losses and curvature products (``update_rule="
 with and without a closure, ``adaptive_damping=True``, ``line_search_grid``) on 2 gloo
 ranks, each with 4 samples of the 8-sample union batch and a mean loss (so DDP's gradient
 average is the union's mean-loss gradient); the reference runs one process on the union.
-Launched through ``distributed_worker.spawn(..., "rules")``.
+The setups ``@unequal`` (3 and 5 samples, the rank's mean loss scaled by ``W N_r / N``)
+and ``@sum`` (a sum-reduction ``loss_func``, the rank's loss times ``W``) follow
+docs/distributed.md's table. Launched through ``distributed_worker.spawn(..., "rules")``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from torch import nn
 import curvature
 
 STEPS = 6
-SIZES = (4, 4)  # equal: a mean loss per rank, averaged over the ranks, is the union's
-CE = nn.CrossEntropyLoss()
+SETUPS = {  # per-rank batch sizes, loss reduction
+    "equal": ((4, 4), "mean"),
+    "unequal": ((3, 5), "mean"),
+    "sum": ((4, 4), "sum"),
+}
 BASE = dict(damping=1e-1, inverse_every=2, factor_decay=0.8, damping_adaptation_interval=2)
 
 # name -> (class name, kwargs, closure?, DDP?)
@@ -69,6 +74,13 @@ RULES["kfac-quadratic-closure-noddp"] = (
     True,
     False,
 )
+# the quadratic rule (whose curvature and losses come from loss_func) in the other setups
+_QUADRATIC = [n for n in RULES if "quadratic" in n and "noddp" not in n]
+for _setup in ("unequal", "sum"):
+    for _name in _QUADRATIC:
+        RULES[f"{_name}@{_setup}"] = RULES[_name]
+    RULES[f"kfac-adaptive-damping@{_setup}"] = RULES["kfac-adaptive-damping"]
+
 # faults on rank 1 at step 2: scenario -> (rule, fault); the ranks must stay identical
 FAULTS = {
     "kfac-quadratic-plain-type2-empty": ("kfac-quadratic-plain-type2", "empty"),
@@ -83,15 +95,15 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(torch.float64)
 
 
-def batch(step: int, rank: Optional[int]):
-    """The union batch of ``step`` (``rank=None``) or the rank's half of it."""
+def batch(step: int, rank: Optional[int], sizes=(4, 4)):
+    """The union batch of ``step`` (``rank=None``) or the rank's part of it."""
     g = torch.Generator().manual_seed(200 + step)
-    X = torch.randn(sum(SIZES), 4, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (sum(SIZES),), generator=g)
+    X = torch.randn(sum(sizes), 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (sum(sizes),), generator=g)
     if rank is None:
         return X, y
-    start = sum(SIZES[:rank])
-    return X[start : start + SIZES[rank]], y[start : start + SIZES[rank]]
+    start = sum(sizes[:rank])
+    return X[start : start + sizes[rank]], y[start : start + sizes[rank]]
 
 
 def run_rule(name: str, rank: Optional[int], fault: Optional[str] = None) -> dict:
@@ -99,12 +111,21 @@ def run_rule(name: str, rank: Optional[int], fault: Optional[str] = None) -> dic
     ``fault``: rank 1's batch of step 2 is empty (``"empty"``) or has a NaN (``"nan"``).
     """
     cls_name, kwargs, with_closure, ddp = RULES[name]
+    sizes, reduction = SETUPS[name.split("@")[1] if "@" in name else "equal"]
+    loss_func = nn.CrossEntropyLoss(reduction=reduction)
     model = make_model()
     net = nn.parallel.DistributedDataParallel(model) if ddp and rank is not None else model
-    opt = getattr(curvature, cls_name)(net, **{**BASE, **kwargs}, loss_func=CE)
+    opt = getattr(curvature, cls_name)(net, **{**BASE, **kwargs}, loss_func=loss_func)
+
+    def CE(out, y):  # the rank's share of the union loss (docs/distributed.md's table)
+        loss = loss_func(out, y)
+        if rank is None:
+            return loss
+        return loss * len(sizes) * (len(y) / sum(sizes) if reduction == "mean" else 1)
+
     trace = []
     for step in range(STEPS):
-        X, y = batch(step, rank)
+        X, y = batch(step, rank, sizes)
         if fault is not None and rank == 1 and step == 2:
             X, y = (X[:0], y[:0]) if fault == "empty" else (X.clone(), y)
             X[:1, :1] = float("nan")
@@ -131,7 +152,7 @@ def run_rule(name: str, rank: Optional[int], fault: Optional[str] = None) -> dic
             )
         )
     if not with_closure:  # the last step is judged by the next forward
-        X, y = batch(STEPS, rank)
+        X, y = batch(STEPS, rank, sizes)
         opt.zero_grad()
         CE(net(X), y).backward()
         opt.step()

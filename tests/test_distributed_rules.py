@@ -4,8 +4,13 @@
 ``line_search_grid`` choose the step from losses and curvature products; every rank must
 take the same decisions (parameters bit-identical across ranks), and those of one
 process on the union batch (to rounding: float64, the sums over the union are formed in
-another order, per rank then over the ranks; measured at most 3e-13 after 7 steps, so
-``1e-10`` leaves room without hiding a wrong average, which is off by 1e-2 and more).
+another order, per rank then over the ranks; measured at most 1.3e-10 after 7 steps, the
+largest with EKFAC's empirical Fisher and a sum-reduction loss, 3e-13 with equal batches
+and a mean; ``1e-8`` leaves room without hiding a wrong average: unweighted averages with
+3 + 5 samples were off by 0.19 to 0.26, the mean of sum-reduction ranks by 0.75 to 0.92).
+
+Setups: equal batches and a mean-reduction loss; ``@unequal`` batches of 3 and 5 samples;
+``@sum`` a sum-reduction loss (see ``distributed_rules_worker.py``).
 """
 
 import pytest
@@ -36,11 +41,11 @@ def test_ranks_stay_bit_identical(ranks, name):
 
 @pytest.mark.parametrize("fisher", ["type2", "empirical"])
 def test_plain_rule_reduces_the_loss_and_the_gram_matrix_in_one_all_reduce(ranks, fisher):
-    """Per step ``1 + K^2 + 2`` float64 values with a pull (``K = 1`` at the first step,
-    then 2), the loss alone without one (``"empirical"``): 7 steps."""
+    """Per step ``2 + K^2 + 3`` float64 values with a pull (``K = 1`` at the first step,
+    then 2), the loss and its weight alone without one (``"empirical"``): 7 steps."""
     sent = ranks[0][f"kfac-quadratic-plain-{fisher}"]["bytes"]
     assert "quadratic loss" not in sent
-    assert sent["quadratic model"] == (8 * (4 + 6 * 7) if fisher == "type2" else 8 * 7)
+    assert sent["quadratic model"] == (8 * (6 + 6 * 9) if fisher == "type2" else 8 * 2 * 7)
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
@@ -58,7 +63,7 @@ def test_a_bad_batch_on_one_rank_is_rejected_on_every_rank(ranks, name):
 def test_two_ranks_match_one_process_on_the_union(ranks, name):
     ref = run_rule(name, None)
     for p, q in zip(ranks[0][name]["params"], ref["params"]):
-        torch.testing.assert_close(p, q, atol=1e-10, rtol=0)
+        torch.testing.assert_close(p, q, atol=1e-8, rtol=0)
     ours, theirs = ranks[0][name]["trace"], ref["trace"]
     # the same damping decisions (products of the same factors: equal bits)
     assert [t["damping"] for t in ours] == [t["damping"] for t in theirs]
@@ -67,7 +72,7 @@ def test_two_ranks_match_one_process_on_the_union(ranks, name):
             x, y = a.get(key), b.get(key)
             assert (x is None) == (y is None)
             if x is not None:
-                torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-9, rtol=1e-9)
+                torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-7, rtol=1e-7)
     # not vacuous: the parameters moved, and the damping adapted (or the grid chose)
     start = [p.detach() for p in make_model().parameters()]
     assert max(float((p - q).abs().max()) for p, q in zip(ref["params"], start)) > 1e-2

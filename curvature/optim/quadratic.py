@@ -233,9 +233,7 @@ class QuadraticRule:
         finally:
             self._collector.evaluating = False
         if self._comm is not None:  # the GGN of the union of the ranks' batches
-            shared = gram.to(self._comm.device)
-            self._comm.all_reduce([shared], "quadratic model")
-            gram = shared.cpu() / self._comm.world
+            gram = self._union_gram(gram, outputs)
         lam = self._damping_vector(directions)
         V = torch.stack(vectors)  # [K, P]: the damped Gram and the slopes read in two copies
         damped = ((V * lam) @ V.T).to(torch.float64).cpu()
@@ -279,12 +277,37 @@ class QuadraticRule:
         for g in self.param_groups:
             g["damping"] = g["damping"] * factor
 
+    def _union_gram(self, gram: Tensor, outputs: Sequence[Output]) -> Tensor:
+        """The closure rule's Gram matrix of the union batch: mean-reduction losses weigh
+        each rank by its samples (the leading size of its outputs), sum-reduction ones add
+        the ranks; one all-reduce of ``K * K + 1`` values.
+        """
+        reductions = {getattr(loss_func, "reduction", "mean") for _, loss_func, _ in outputs}
+        if len(reductions) > 1:
+            raise ValueError(
+                f"{type(self).__name__}(update_rule='quadratic') under torch.distributed: the "
+                f"closure's outputs mix loss reductions {sorted(reductions)}; the ranks' "
+                "Gauss-Newton matrices cannot be combined into the union batch's. Use one."
+            )
+        mean = reductions == {"mean"}
+        weight = float(sum(out.shape[0] if out.dim() else 1 for out, _, _ in outputs))
+        weight = weight if mean else 1.0
+        flat = torch.cat([gram.reshape(-1) * weight, gram.new_full((1,), weight)])
+        shared = flat.to(self._comm.device)
+        self._comm.all_reduce([shared], "quadratic model")
+        shared = shared.cpu()
+        K = gram.shape[0]
+        return shared[:-1].view(K, K) / (shared[-1] if mean else 1.0)
+
     # -- plain loop: no closure ----------------------------------------------------------------
-    def _observed_loss(self, like: Tensor) -> Tensor:
-        """``h``: the sum of this rank's ``loss_func`` values since the last step."""
+    def _observed_loss(self, like: Tensor) -> Tuple[Tensor, int]:
+        """``(h, N)``: the sum of this rank's ``loss_func`` values since the last step and
+        the samples they saw (the leading sizes of their inputs).
+        """
         mine = {id(p) for p in self.layout.params}
         seen = self._collector.losses  # (a rebuilt collector keeps the old one's list)
-        losses = [v for v, into in seen if reaches(into.grad_fn, mine)]
+        kept = [(v, into) for v, into in seen if reaches(into.grad_fn, mine)]
+        losses = [v for v, _ in kept]
         seen.clear()
         if not losses:
             raise ValueError(
@@ -293,7 +316,8 @@ class QuadraticRule:
                 "passed to the optimizer in the training loop (a scalar loss, model in train "
                 "mode, gradients enabled), or pass a closure with a backward keyword."
             )
-        return torch.stack([v.to(like.device, plain_dtype(like)) for v in losses]).sum()
+        h = torch.stack([v.to(like.device, plain_dtype(like)) for v in losses]).sum()
+        return h, sum(into.shape[0] if into.dim() else 1 for _, into in kept)
 
     def _plain_quadratic_update(self, grads: Tensor, directions: Tensor) -> None:
         """The rule without a closure: ``C`` is the batch Fisher / GGN from the pulled
@@ -311,7 +335,7 @@ class QuadraticRule:
             vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
         # the batch Gram matrix of the momentum before the rollback below zeroes it (then
         # masked): the loss and the Gram matrix are averaged over the ranks in one all-reduce
-        h, batch = self._batch_gram(torch.stack(vectors), self._observed_loss(grads))
+        h, batch = self._batch_gram(torch.stack(vectors), *self._observed_loss(grads))
         zero = h.new_zeros(())
         ref = group.get("quadratic_loss")
         # after a rebuild (parameters (un)frozen) the curvature restarts: measure, no move
@@ -371,66 +395,75 @@ class QuadraticRule:
         if self.steps > 0 and self.steps % interval == 0:
             self._plain_adapt_damping(group)
 
-    def _batch_gram(self, V: Tensor, h: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-        """``(h, [K, K])``: the loss ``h`` averaged over the ranks, and ``v_i^T F v_j`` with
-        ``F`` the Fisher of this step's last pull (the MC / type-2 / Rademacher curvature
-        of the batch, not its Kronecker approximation), from the pulled layer inputs ``a``
-        and output gradients ``g`` the collector kept:
+    def _batch_gram(self, V: Tensor, h: Tensor, n: int) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(h, [K, K])``: the loss ``h`` of ``n`` samples and ``v_i^T F v_j`` with ``F`` the
+        Fisher of this step's last pull (the MC / type-2 / Rademacher curvature of the
+        batch, not its Kronecker approximation), from the pulled layer inputs ``a`` and
+        output gradients ``g`` the collector kept:
         ``u_i[k, n] = sum_layers sum_s g[k, n, s]^T V_i a[n, s]`` (``(J v_i)^T`` times the
         ``k``-th source) and ``F = scale * sum_{k, n} u_i u_j`` per term. ``None`` when
         nothing was pulled (``"empirical"``, a step off ``factor_every``).
 
-        Under ``torch.distributed`` both are averaged in one all-reduce; the Gram matrix
-        whenever a pull was due (the same on every rank), also on a rank that pulled
-        nothing (an empty batch: it adds zeros), so that no rank skips what the others run.
+        Under ``torch.distributed`` both become the union batch's in one all-reduce: a
+        mean-reduction loss weighs each rank by its samples (``sum_r N_r h_r / sum_r N_r``),
+        a sum-reduction one adds the ranks. The Gram part runs whenever a pull was due (the
+        same on every rank), also on a rank that pulled nothing (an empty batch: weight 0),
+        so that no rank skips what the others run.
         """
         records = self._collector.projections
         pulled = self.config.fisher.value in ("mc", "type-2", "rademacher")
         shared = self._comm is not None and pulled and self._collector.due
         empty = not records  # (a rank with an empty batch pulled nothing)
-        local = None if empty and not shared else self._local_batch_gram(V, records)
+        local, samples = (None, 0) if empty and not shared else self._local_batch_gram(V, records)
         records.clear()
         if self._comm is None:
             return h, local
-        # [1 + K * K + 2]: the loss; the Gram matrix, the number of ranks that found a layer
-        # without linear structure (then every rank that pulled anything found it) and the
-        # number of ranks that pulled anything
+        mean = getattr(self.config.loss_func, "reduction", "mean") == "mean"
+        # [2 + K * K + 3]: the weighted loss and its weight; the weighted Gram matrix, its
+        # weight, the number of ranks that found a layer without linear structure (then
+        # every rank that pulled anything found it) and the number that pulled anything
         K = V.shape[0]
-        payload = V.new_zeros(1 + (K * K + 2 if shared else 0), dtype=torch.float64)
-        payload[:1] = h.to(payload.dtype)
+        payload = V.new_zeros(2 + (K * K + 3 if shared else 0), dtype=torch.float64)
+        payload[:2] = torch.stack([h.to(payload.dtype), h.new_ones((), dtype=payload.dtype)])
+        payload[:2] *= float(n) if mean else 1.0
         if shared and local is None:
-            payload[1 + K * K] = 1.0
+            payload[3 + K * K] = 1.0
         elif shared:
-            payload[1 : 1 + K * K] = local.reshape(-1)
+            weight = float(samples) if mean else 1.0
+            payload[2 : 2 + K * K] = local.reshape(-1) * weight
+            payload[2 + K * K] = weight
         if shared:
-            payload[2 + K * K] = float(not empty)
+            payload[4 + K * K] = float(not empty)
         self._comm.all_reduce([payload], "quadratic model")
-        payload = payload / self._comm.world
-        h = payload[0].to(h.dtype)
+        h = (payload[0] / payload[1] if mean else payload[0]).to(h.dtype)
         if local is None or not shared:
             return h, None
-        gram = payload[1 : 1 + K * K].view(K, K)
+        gram = payload[2 : 2 + K * K].view(K, K)
+        gram = gram / payload[2 + K * K] if mean else gram
         if empty:  # the others decide, on the device (no read): the Kronecker curvature
             # where one found no linear structure or none pulled anything
             kron = V @ torch.stack([self._curvature_matvec(v) for v in V]).T
-            fallback = (payload[1 + K * K] > 0) | (payload[2 + K * K] == 0)
+            fallback = (payload[3 + K * K] > 0) | (payload[4 + K * K] == 0)
             gram = torch.where(fallback, kron.to(gram.dtype), gram)
         return h, gram
 
-    def _local_batch_gram(self, V: Tensor, records: list) -> Optional[Tensor]:
-        """The :meth:`_batch_gram` of this rank's records (zeros without any)."""
+    def _local_batch_gram(self, V: Tensor, records: list) -> Tuple[Optional[Tensor], int]:
+        """The :meth:`_batch_gram` of this rank's records (zeros without any) and the
+        samples of its pull (0 without one).
+        """
         last: dict = {}  # term -> (ctx, [(name, blocks)]): the last pull of each term
         for ctx, term, name, blocks in records:
             if term not in last or last[term][0] is not ctx:
                 last[term] = (ctx, [])
             last[term][1].append((name, blocks))
         gram = V.new_zeros(V.shape[0], V.shape[0], dtype=torch.float64)
+        samples = 0
         for ctx, layers in last.values():
             u = None
             for name, blocks in layers:
                 index = self._projection_index(name, V.device)
                 if blocks is None or index is None or set(index) != set(blocks):
-                    return None  # a layer without linear structure (e.g. an embedding)
+                    return None, 0  # a layer without linear structure (e.g. an embedding)
                 for suffix, ix in index.items():
                     a, g = blocks[suffix]  # [N, S, C, D], [..., N, S, C, D_out]
                     Vc = V.to(a.dtype).index_select(1, ix.reshape(-1))
@@ -442,7 +475,8 @@ class QuadraticRule:
             U = u.flatten(1).double()
             scale = ctx.g_scale / ctx.samples if ctx.reduction == "mean" else ctx.g_scale
             gram = gram + scale * (U @ U.T)
-        return gram
+            samples = max(samples, ctx.samples)
+        return gram, samples
 
     def _projection_index(self, name: str, device: torch.device) -> Optional[Dict[str, Tensor]]:
         """A layer's ``kfac_index``: suffix to the flat positions ``[C, D_out, D]``."""

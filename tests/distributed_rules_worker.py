@@ -163,8 +163,35 @@ def run_rule(name: str, rank: Optional[int], fault: Optional[str] = None) -> dic
     return out
 
 
+def mixed_reductions(rank: int) -> str:
+    """The closure rule with outputs of a mean and a sum loss: the error on this rank."""
+    model = make_model()
+    mean, total = nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="sum")
+    opt = curvature.KFAC(model, **BASE, fisher="type-2", update_rule="quadratic", loss_func=mean)
+    X, y = batch(0, rank)
+
+    def closure(backward=True):
+        opt.zero_grad()
+        out = model(X)
+        opt.register_output(out[:2], mean, y[:2])
+        opt.register_output(out[2:], total, y[2:])
+        loss = mean(out[:2], y[:2]) + total(out[2:], y[2:])
+        if backward:
+            loss.backward()
+        return loss
+
+    try:
+        opt.step(closure)
+        return ""
+    except ValueError as err:
+        return str(err)
+    finally:
+        opt.close()
+
+
 def run_rules(rank: int) -> Dict[str, dict]:
     out = {name: run_rule(name, rank) for name in RULES}
+    out["mixed-reductions"] = {"error": mixed_reductions(rank)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out.update({name: run_rule(FAULTS[name][0], rank, FAULTS[name][1]) for name in FAULTS})

@@ -82,6 +82,11 @@ def test_two_ranks_match_one_process_on_the_union(ranks, name):
         assert len({t["damping"] for t in theirs}) > 1
 
 
+def test_a_closure_mixing_loss_reductions_is_refused_on_every_rank(ranks):
+    for r in range(2):
+        assert "mix loss reductions ['mean', 'sum']" in ranks[r]["mixed-reductions"]["error"]
+
+
 def test_coefficients_are_the_exact_solve_and_least_norm_when_singular():
     g = torch.Generator().manual_seed(0)
     A = torch.randn(2, 2, generator=g, dtype=torch.float64)

@@ -12,12 +12,15 @@ damping. With ``v = (Delta, delta0)`` the solution is the 2x2 linear system
 
     [v_i^T (C + lambda) v_j] (alpha, mu)^T = -[g^T v_i]
 
-(``mu = 0`` and a 1x1 system at the first step). ``C v`` products come from the outputs
-that the closure registers (:meth:`~curvature.KFAC.register_output`) or, when it
-registers none, from its calls of ``loss_func``: ``v^T C w = (J v)^T H (J w)`` with ``J``
-the output's Jacobian (a double backward on the closure's graph) and ``H`` the loss's
-Hessian w.r.t. the output; under ``torch.distributed`` these are averaged over the ranks
-(the gradient is already).
+(``mu = 0`` and a 1x1 system at the first step). With ``fisher="type-2"`` the products
+``v^T C w`` come from the statistics that the closure's own step pulled (the layer inputs
+and the loss Hessian's square root pulled to the layer outputs, as in the plain loop
+below: no extra pass). Otherwise (sampled pulls: ``"mc"``, ``"rademacher"``; none this
+step) the closure is evaluated once more, keeping the graph of the outputs it registers
+(:meth:`~curvature.KFAC.register_output`) or, when it registers none, of its calls of
+``loss_func``: ``v^T C w = (J v)^T H (J w)`` with ``J`` the output's Jacobian (a double
+backward on that graph) and ``H`` the loss's Hessian w.r.t. the output. Under
+``torch.distributed`` these are averaged over the ranks (the gradient is already).
 
 After the move the closure is evaluated once more (loss only, the same batch): the
 reduction ratio ``rho = (h(theta + delta) - h(theta)) / M(delta)`` adapts ``lambda`` by
@@ -51,6 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..options import FisherType
 from ..warn import warn
 from .updates import damping_factor
 
@@ -210,32 +214,22 @@ class QuadraticRule:
             self._plain_quadratic_update(grads, directions)
             return
         self._collector.losses.clear()  # the closure's own calls: not a plain loop's losses
-        self._collector.projections.clear()  # the closure's statistics (not used here)
         who = type(self).__name__
         slots = self._slots()
         previous = [self.state[s.param].get("previous_update") for s in slots]
         vectors = [-directions]
         if all(p is not None for p in previous):
             vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
-        outputs = self._closure_outputs(closure)
-        if not outputs:
-            raise ValueError(
-                f"{who}(update_rule='quadratic'): the closure neither registered an output "
-                "nor called loss_func on one; the rule needs the Gauss-Newton matrix of the "
-                "loss (call loss_func inside the closure, or optim.register_output)."
-            )
-        params = [s.param for s in slots]
-        spans = [s.span for s in slots]
-        as_lists = [[v[sp].view_as(p) for sp, p in zip(spans, params)] for v in vectors]
-        self._collector.evaluating = True  # the loss_func calls below are not training
-        try:
-            gram = ggn_gram(outputs, params, as_lists)
-        finally:
-            self._collector.evaluating = False
-        if self._comm is not None:  # the GGN of the union of the ranks' batches
-            gram = self._union_gram(gram, outputs)
+        V = torch.stack(vectors)  # [K, P]
+        # type-2 in one process: the exact GGN of the closure's batch from the statistics
+        # its backward pulled (no second forward, no double backward); else (sampled pulls,
+        # none this step, or torch.distributed, whose union weighing needs the closure's
+        # outputs) from a second evaluation of the closure that keeps its outputs' graph
+        exact = self.config.fisher is FisherType.TYPE2 and self._comm is None
+        gram = self._closure_batch_gram(V) if exact else None
+        if gram is None:
+            gram = self._closure_gram(closure, vectors)
         lam = self._damping_vector(directions)
-        V = torch.stack(vectors)  # [K, P]: the damped Gram and the slopes read in two copies
         damped = ((V * lam) @ V.T).to(torch.float64).cpu()
         linear = (V @ grads.to(V.dtype)).to(torch.float64).cpu()
         c, model = solve_coefficients(gram, damped, linear)
@@ -276,6 +270,40 @@ class QuadraticRule:
             factor = decay ** -(2 ** (group["quadratic_rejections"] - 1))
         for g in self.param_groups:
             g["damping"] = g["damping"] * factor
+
+    def _closure_gram(self, closure, vectors: List[Tensor]) -> Tensor:
+        """``[K, K]``: ``v_i^T C v_j`` with ``C`` the GGN of the closure's outputs, from a
+        second evaluation of the closure that keeps their graph (:func:`ggn_gram`).
+        """
+        self._collector.projections.clear()  # the closure's statistics (not used here)
+        outputs = self._closure_outputs(closure)
+        if not outputs:
+            raise ValueError(
+                f"{type(self).__name__}(update_rule='quadratic'): the closure neither "
+                "registered an output nor called loss_func on one; the rule needs the "
+                "Gauss-Newton matrix of the loss (call loss_func inside the closure, or "
+                "optim.register_output)."
+            )
+        slots = self._slots()
+        params = [s.param for s in slots]
+        as_lists = [[v[s.span].view_as(s.param) for s in slots] for v in vectors]
+        self._collector.evaluating = True  # the loss_func calls below are not training
+        try:
+            gram = ggn_gram(outputs, params, as_lists)
+        finally:
+            self._collector.evaluating = False
+        if self._comm is not None:  # the GGN of the union of the ranks' batches
+            gram = self._union_gram(gram, outputs)
+        return gram
+
+    def _closure_batch_gram(self, V: Tensor) -> Optional[Tensor]:
+        """:meth:`_local_batch_gram` of the closure step's pulled statistics (on the host),
+        or ``None`` where they give none (no pull, a layer without linear structure).
+        """
+        records = self._collector.projections
+        gram = self._local_batch_gram(V, records)[0] if records else None
+        records.clear()
+        return None if gram is None else gram.cpu()
 
     def _union_gram(self, gram: Tensor, outputs: Sequence[Output]) -> Tensor:
         """The closure rule's Gram matrix of the union batch: mean-reduction losses weigh

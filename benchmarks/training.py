@@ -203,7 +203,6 @@ def autoencoder(budget: float) -> Workload:
         reached=lambda m: False,  # set from the tuned Adam's loss at its budget
         target_text="the training loss of the best tuned Adam at the end of its budget",
         kfac_rows={
-            "KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": bce},
             # adaptive: learning rate, momentum and damping from the quadratic model, in the
             # plain loop of train() (no closure), nothing searched
             "KFAC adaptive (update_rule=quadratic), fisher=mc": {
@@ -211,6 +210,7 @@ def autoencoder(budget: float) -> Workload:
                 "loss_func": bce,
                 "update_rule": "quadratic",
             },
+            "KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": bce},
         },
     )
     return wl

@@ -1059,11 +1059,11 @@ def new_workloads_head(results: Dict[str, Any]) -> str:
             )
             kfac = max((r["times"][-1] for r in res["runs"] if "KFAC" in r["method"]), default=0)
             text += (
-                f"Autoencoder: the baselines ({kinds}; seed 0) run {res['budget']:g} s each; "
-                "the target is the lowest training loss among the Adam runs at the end of "
-                "their budget (the issue: the loss the best tuned Adam reaches after 10 "
-                "minutes). KFAC runs with nothing searched, up to the target or "
-                f"{kfac:.0f} s (1/3 of {res['budget']:g} s decides the target). The loss "
+                f"Autoencoder: the baselines ({kinds}; seed 0) run {res['budget']:g} s each "
+                "(the grid line gives where each run ended); the target is the lowest training "
+                "loss among the Adam runs at the end of their budget (the issue: the loss the "
+                "best tuned Adam reaches after 10 minutes). KFAC runs with nothing searched, "
+                f"up to {kfac:.0f} s (1/3 of {res['budget']:g} s decides the target). The loss "
                 "(5,000 training images) is checked on the clock, for every method alike: "
                 "after the first step that ends at or past each multiple of 2 s (a check "
                 "costs ~0.2 s, outside the clock).\n\n"

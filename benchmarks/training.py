@@ -57,7 +57,18 @@ Workloads:
 * ``autoencoder``: the deep autoencoder of Martens & Grosse (2015), 784-1000-500-250-30 and
   mirror (tanh), ``BCEWithLogitsLoss`` on Fashion-MNIST, batch 500, training loss on a
   fixed 5,000-image subset. Target: the loss the best tuned Adam reaches at the end of its
-  budget (``--ae-budget`` seconds; the issue asks for 10 minutes).
+  budget (``--ae-budget`` seconds; the issue asks for 10 minutes). Its loss is checked on
+  the clock (after the first step past each multiple of 2 s, every method alike: a KFAC
+  step costs ~5x an Adam step). ``--only`` / ``--lrs`` split it over processes; the KFAC
+  rows then run to ``--ae-kfac-budget`` and ``--from-json`` sets the target from the best
+  Adam of all parts::
+
+      python benchmarks/training.py --workloads autoencoder --seeds 0 --ae-budget 600 \
+          --clock cpu --threads 1 --only adam --lrs 1e-4,3e-4,1e-3 --json part1.json
+      python benchmarks/training.py --workloads autoencoder --seeds 0 --ae-budget 600 \
+          --ae-kfac-budget 300 --clock cpu --threads 1 --only adam,kfac --lrs 3e-3,1e-2 \
+          --json part2.json
+      python benchmarks/training.py --from-json part1.json,part2.json
 """
 
 from __future__ import annotations
@@ -111,10 +122,14 @@ class Workload:
     grids: Optional[Dict[str, Sequence[float]]] = None
     #: the verdict of the image workloads (see :func:`image_workload`)
     compare: Optional[Dict[str, Any]] = None
-    #: check the target whenever the training clock has advanced by this many seconds
-    #: since the last check (the same schedule in time for every method), instead of
-    #: every ``eval_every`` steps (``None``)
+    #: check on the clock instead of every ``eval_every`` steps: after the first step that
+    #: ends at or past each multiple of ``eval_seconds`` (the same for every method)
     eval_seconds: Optional[float] = None
+    #: the budget of the KFAC rows (``None``: ``budget``)
+    kfac_budget: Optional[float] = None
+    #: the target is the best Adam's loss at the budget but the Adam grid is split over
+    #: processes: KFAC runs to its budget without stopping; ``--from-json`` sets the target
+    target_later: bool = False
     #: lines the report prints under the workload's verdicts
     notes: List[str] = field(default_factory=list)
 
@@ -142,6 +157,8 @@ def _mean_loss(model: nn.Module, loss: nn.Module, X: Tensor, y: Tensor) -> float
 #: method (a fixed number of steps would check a method with slow steps, KFAC, less often
 #: and add up to one interval to its time to target: 50 steps were 0.65 s of KFAC against
 #: 0.14 s of Adam). One check (20,000 images forward) costs about 0.05 s, outside the clock.
+#: the autoencoder's check interval [s of training clock]
+AE_CHECK_SECONDS = 2.0
 MLP_CHECK_SECONDS = 0.1
 
 
@@ -228,11 +245,11 @@ def autoencoder(budget: float) -> Workload:
         batch=500,
         budget=budget,
         eval_every=20,
+        eval_seconds=AE_CHECK_SECONDS,  # (KFAC's step ~5x Adam's: one grid in seconds)
         evaluate=evaluate,
         reached=lambda m: False,  # set from the tuned Adam's loss at its budget
         target_text="the training loss of the best tuned Adam at the end of its budget",
         kfac_rows={
-            "KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": bce},
             # adaptive: learning rate, momentum and damping from the quadratic model, in the
             # plain loop of train() (no closure), nothing searched
             "KFAC adaptive (update_rule=quadratic), fisher=mc": {
@@ -240,6 +257,7 @@ def autoencoder(budget: float) -> Workload:
                 "loss_func": bce,
                 "update_rule": "quadratic",
             },
+            "KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": bce},
         },
     )
     return wl
@@ -582,8 +600,17 @@ def make_optimizer(kind: str, model: nn.Module, options: Dict[str, Any]) -> Any:
     return curvature.KFAC(model, **options)
 
 
-def train(wl: Workload, method: str, kind: str, options: Dict[str, Any], seed: int) -> Run:
-    """Train from seed ``seed``'s initialization until the target or the budget."""
+def train(
+    wl: Workload,
+    method: str,
+    kind: str,
+    options: Dict[str, Any],
+    seed: int,
+    budget: Optional[float] = None,
+) -> Run:
+    """Train from seed ``seed``'s initialization until the target or the budget (``budget``
+    seconds, else the workload's)."""
+    budget = wl.budget if budget is None else budget
     torch.manual_seed(seed)
     model = wl.make_model()
     opt = make_optimizer(kind, model, options)
@@ -609,11 +636,11 @@ def train(wl: Workload, method: str, kind: str, options: Dict[str, Any], seed: i
         return False
 
     check()
-    every = wl.eval_seconds
-    while clock < wl.budget:
+    every = wl.eval_every if wl.eval_seconds is None else sys.maxsize
+    next_check = wl.eval_seconds or 0.0
+    while clock < budget:
         t0 = clock_now()
-        done = 0
-        while True:
+        for _ in range(every):
             if pos + wl.batch > N:
                 perm, pos = torch.randperm(N, generator=order), 0
             idx = perm[pos : pos + wl.batch]
@@ -623,12 +650,11 @@ def train(wl: Workload, method: str, kind: str, options: Dict[str, Any], seed: i
             loss.backward()
             opt.step()
             step += 1
-            done += 1
-            if every is None and done == wl.eval_every:
-                break
-            if every is not None and clock_now() - t0 >= every:  # (one clock read a step)
+            if wl.eval_seconds is not None and clock + clock_now() - t0 >= min(next_check, budget):
                 break
         clock += clock_now() - t0
+        while wl.eval_seconds is not None and next_check <= clock:
+            next_check += wl.eval_seconds
         if check():
             break
     return run
@@ -666,14 +692,11 @@ def run_workload(wl: Workload, seeds: Sequence[int], grids: Dict[str, Sequence[f
         out["grids"][kind] = [r.as_dict() for r in trials]
         chosen[kind] = (best.method, {"lr": float(best.method.split("lr=")[1])})
         out["runs"].append(best.as_dict())
-    if wl.name == "autoencoder":  # the target is the tuned Adam's loss at its budget
+    if wl.name == "autoencoder" and not wl.target_later:  # the tuned Adam's loss at the budget
         target = best_of([Run(**r) for r in out["grids"]["adam"]]).final_loss
         wl.target_loss = target
         wl.reached = lambda m, t=target: m["loss"] <= t
-        wl.target_text = f"training loss <= {target:.4f} (best tuned Adam at {wl.budget:g} s)"
-        out["target"] = wl.target_text
-        for r in out["runs"] + [t for trials in out["grids"].values() for t in trials]:
-            apply_target(r, wl.reached)
+        set_adam_target(out, target, wl.budget)
     for kind, (name, options) in chosen.items():
         for seed in rest:
             r = train(wl, name, kind, options, seed)
@@ -681,10 +704,19 @@ def run_workload(wl: Workload, seeds: Sequence[int], grids: Dict[str, Sequence[f
             out["runs"].append(r.as_dict())
     for name, options in wl.kfac_rows.items():
         for seed in seeds:
-            r = train(wl, name, "kfac", options, seed)
+            r = train(wl, name, "kfac", options, seed, wl.kfac_budget)
             print(f"  {wl.name} seed {seed} {name}: {summary(r)}", flush=True)
             out["runs"].append(r.as_dict())
     return out
+
+
+def set_adam_target(res: Dict[str, Any], target: float, budget: float) -> None:
+    """The autoencoder's target, the best Adam's loss ``target`` at ``budget`` seconds: its
+    text, and every run's time / steps to it (from the curves)."""
+    res["target_loss"] = target
+    res["target"] = f"training loss <= {target:.4f} (best tuned Adam at {budget:g} s)"
+    for r in res["runs"] + [t for trials in res["grids"].values() for t in trials]:
+        apply_target(r, lambda m: m["loss"] <= target)
 
 
 def apply_target(r: Dict[str, Any], reached: Callable[[Dict[str, float]], bool]) -> None:
@@ -735,7 +767,28 @@ def report(results: Dict[str, Any], seeds: Sequence[int]) -> str:
             lines += verdicts(wl_name, methods, seeds) + [""]
         if res.get("notes"):
             lines += list(res["notes"]) + [""]
+        if wl_name == "autoencoder" and res.get("budget"):
+            lines += budget_ratios(methods, seeds, res["budget"]) + [""]
     return "\n".join(lines)
+
+
+def budget_ratios(
+    methods: Dict[str, Dict[int, Dict]], seeds: Sequence[int], budget: float
+) -> List[str]:
+    """The autoencoder's KFAC times to target over the Adam budget (the issue's "1/3 of that
+    time"; the verdict above divides by the best Adam's first check at or below its final
+    loss instead, which is at most the budget: the stricter of the two)."""
+    out = []
+    for m, by_seed in methods.items():
+        if m.startswith("KFAC"):
+            shown = ", ".join(
+                "not reached"
+                if by_seed.get(s, {}).get("time_to_target") is None
+                else f"{by_seed[s]['time_to_target'] / budget:.2f}"
+                for s in seeds
+            )
+            out.append(f"- {m}: time to target / {budget:g} s = {shown}")
+    return out
 
 
 def verdicts(wl: str, methods: Dict[str, Dict[int, Dict]], seeds: Sequence[int]) -> List[str]:
@@ -921,13 +974,15 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--only",
         default=None,
-        help="image workloads: run only these of adam, adamw, sgd, kfac (comma-separated; "
+        help="image workloads and the autoencoder: run only these of adam, adamw, sgd, kfac "
+        "(comma-separated; "
         "to split one workload over several processes, merged by --from-json)",
     )
     p.add_argument(
         "--lrs",
         default=None,
-        help="image and PINN workloads: run only these points of the grids (comma-separated)",
+        help="image, PINN and autoencoder workloads: run only these points of the grids "
+        "(comma-separated)",
     )
     p.add_argument("--pinn-budget", type=float, default=20.0, help="seconds per 2-d PINN run")
     p.add_argument("--pinn5d-budget", type=float, default=30.0, help="seconds per 5-d run")
@@ -979,6 +1034,22 @@ def split_grids(
     return {k: [x for x in v if any(math.isclose(x, y) for y in lrs)] for k, v in kinds.items()}
 
 
+def autoencoder_split(
+    wl: Workload, grids: Dict[str, Sequence[float]], args: argparse.Namespace
+) -> Dict[str, Sequence[float]]:
+    """The autoencoder's grids under ``--only`` / ``--lrs`` (``kfac`` in ``--only``: the KFAC
+    rows), and its KFAC budget. A process that does not run the whole Adam grid leaves the
+    target to ``--from-json`` (:func:`merge_results`): its KFAC rows run to their budget."""
+    only = None if args.only is None else args.only.split(",")
+    lrs = None if args.lrs is None else [float(x) for x in args.lrs.split(",")]
+    split = split_grids(grids, only, lrs)
+    if only is not None and "kfac" not in only:
+        wl.kfac_rows = {}
+    wl.kfac_budget = args.ae_kfac_budget
+    wl.target_later = list(split.get("adam", ())) != list(grids["adam"])
+    return split
+
+
 def merge_results(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """The workloads of several saved runs; a workload split over several (``--only``,
     ``--lrs``) is joined: its grid points and runs, in the order of ``runs``. Where one
@@ -998,6 +1069,10 @@ def merge_results(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
                 joined["runs"] += [r for r in old_runs + res["runs"] if r["method"] == best]
             joined["runs"] += [r for r in old_runs + res["runs"] if " lr=" not in r["method"]]
             joined["runs"].sort(key=lambda r: r["method"].startswith("KFAC"))  # KFAC last
+    for res in out.values():
+        if res.get("target_later"):  # the autoencoder split: the best Adam over all parts
+            best = _best_point({}, [{**t, "time_to_target": None} for t in res["grids"]["adam"]])
+            set_adam_target(res, best["losses"][-1], res["budget"])
     return out
 
 
@@ -1039,6 +1114,22 @@ def new_workloads_head(results: Dict[str, Any]) -> str:
             "`curvature.KFAC(model, kl_clip=1e-3)`.\n\n"
         )
     for name, res in results.items():
+        if name == "autoencoder" and res.get("budget"):
+            kinds = "; ".join(
+                f"{BASELINE_NAMES[k]} lr {', '.join(t['method'].split('lr=')[1] for t in v)}"
+                for k, v in res["grids"].items()
+            )
+            kfac = max((r["times"][-1] for r in res["runs"] if "KFAC" in r["method"]), default=0)
+            text += (
+                f"Autoencoder: the baselines ({kinds}; seed 0) run {res['budget']:g} s each "
+                "(the grid line gives where each run ended); the target is the lowest training "
+                "loss among the Adam runs at the end of their budget (the issue: the loss the "
+                "best tuned Adam reaches after 10 minutes). KFAC runs with nothing searched, "
+                f"up to {kfac:.0f} s (1/3 of {res['budget']:g} s decides the target). The loss "
+                "(5,000 training images) is checked on the clock, for every method alike: "
+                "after the first step that ends at or past each multiple of 2 s (a check "
+                "costs ~0.2 s, outside the clock).\n\n"
+            )
         if name == "resnet18":
             text += (
                 f"ResNet-18 runs in a reduced setting: {res['title'].split(', ')[1]}, "
@@ -1061,6 +1152,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--seeds", default="0,1,2", help="comma-separated; the grid runs on the first")
     p.add_argument("--budget", type=float, default=60.0, help="seconds per run (fmnist-mlp)")
     p.add_argument("--ae-budget", type=float, default=120.0, help="seconds per autoencoder run")
+    p.add_argument(
+        "--ae-kfac-budget",
+        type=float,
+        default=None,
+        help="seconds per autoencoder KFAC run (default: --ae-budget; 1/3 of it decides the "
+        "target)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -1097,9 +1195,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             results[name]["clock"] = args.clock
             continue
         wl = WORKLOADS[name](args.ae_budget if name == "autoencoder" else args.budget)
+        wl_grids = grids
+        if name == "autoencoder":
+            wl_grids = autoencoder_split(wl, grids, args)
         print(f"{wl.title}: {wl.target_text}", flush=True)
-        res = run_workload(wl, seeds, grids)
+        res = run_workload(wl, seeds, wl_grids)
         res["target_loss"] = wl.target_loss
+        if name == "autoencoder":
+            res["budget"], res["target_later"] = wl.budget, wl.target_later
         results[name] = res
     argv_used = list(argv) if argv is not None else sys.argv[1:]
     command = common.portable_command("benchmarks/training.py", argv_used)
@@ -1146,8 +1249,9 @@ def write_report(results: Dict[str, Any], runs: List[Dict[str, Any]], args) -> N
         + "\n\n"
         "The clock counts training steps only (zero_grad, forward, loss, backward, step); "
         f"the target is checked outside the clock (the Fashion-MNIST MLP every "
-        f"{MLP_CHECK_SECONDS:g} s of training clock, for every method alike; the autoencoder "
-        "every 20 steps, the image workloads every 100). Baselines: Adam over "
+        f"{MLP_CHECK_SECONDS:g} s of training clock and the autoencoder every "
+        f"{AE_CHECK_SECONDS:g} s, for every method alike: after the first step that ends at or "
+        "past each multiple; the image workloads every 100 steps). Baselines: Adam over "
         f"lr {', '.join(f'{x:g}' for x in grids['adam'])}"
         + (
             f" and SGD (momentum 0.9) over lr {', '.join(f'{x:g}' for x in grids['sgd'])}"

@@ -96,8 +96,9 @@ def test_train_stops_at_the_target_and_counts_steps():
 
 def test_train_checks_by_time_when_eval_seconds_is_set(monkeypatch):
     """With ``eval_seconds`` the checks follow the clock, not a count of steps: a fake
-    clock that advances 0.25 s per read (one read per step, one at each end) checks every
-    4 steps although ``eval_every`` says 5."""
+    clock that advances 0.25 s per read (one read per step, one at each end of a stretch)
+    checks after the first step that ends at or past each whole second (4 steps, then 3
+    each: the end reads count too) although ``eval_every`` says 5."""
     X = torch.randn(64, 3)
     y = X.sum(1, keepdim=True)
     mse = nn.MSELoss()
@@ -119,8 +120,8 @@ def test_train_checks_by_time_when_eval_seconds_is_set(monkeypatch):
         eval_seconds=1.0,
     )
     r = training.train(wl, "SGD", "sgd", {"lr": 0.05}, 0)
-    assert r.steps == [0, 4, 8, 12]
-    assert r.times == [0.0, 1.25, 2.5, 3.75]
+    assert r.steps == [0, 4, 7, 10]
+    assert r.times == [0.0, 1.25, 2.25, 3.25]
     assert wl.check_text() == "every 1 s of the training clock"
 
 
@@ -351,3 +352,110 @@ def test_equal_time_accuracy_reads_each_curve_at_the_shortest_end():
     text = training.report({"resnet18": res}, [0])
     line = "- at equal time, seed 0 (last check at or before 5 s): SGD+momentum lr=0.1 85.0%"
     assert line + " (5 s, 100 steps); KFAC defaults 80.0% (4 s, 10 steps)" in text
+
+
+def test_time_based_checks_after_the_first_step_past_each_multiple(monkeypatch):
+    clock = [0.0]
+
+    class Slow(nn.Linear):
+        def forward(self, x):  # a training step "costs" 0.7 s of the fake clock
+            if self.training:
+                clock[0] += 0.7
+            return super().forward(x)
+
+    monkeypatch.setattr(training, "clock_now", lambda: clock[0])
+    X = torch.randn(32, 3)
+    wl = training.Workload(
+        name="toy",
+        title="toy",
+        make_model=lambda: Slow(3, 1),
+        X=X,
+        y=X[:, :1],
+        loss_func=nn.MSELoss(),
+        batch=8,
+        budget=5.0,
+        eval_every=1000,
+        evaluate=lambda m: {"loss": 1.0},
+        reached=lambda m: False,
+        target_text="never",
+        eval_seconds=2.0,
+    )
+    r = training.train(wl, "SGD", "sgd", {"lr": 0.01}, 0)
+    # steps end at 0.7, 1.4, 2.1 (check), 2.8, 3.5, 4.2 (check), 4.9, 5.6 (budget: check)
+    assert r.steps == [0, 3, 6, 8]
+    assert r.times == pytest.approx([0.0, 2.1, 4.2, 5.6])
+    # a budget of its own (the autoencoder's KFAC rows)
+    clock[0] = 0.0
+    assert training.train(wl, "SGD", "sgd", {"lr": 0.01}, 0, budget=2.0).steps == [0, 3]
+
+
+def ae_run(method, times, losses):
+    return {
+        "method": method,
+        "seed": 0,
+        "steps": [10 * i for i in range(len(times))],
+        "times": list(times),
+        "losses": list(losses),
+        "metrics": [{"loss": x} for x in losses],
+        "steps_to_target": None,
+        "time_to_target": None,
+        "diverged": False,
+    }
+
+
+def test_autoencoder_split_sets_the_target_from_the_best_adam_of_all_parts():
+    def part(adam, kfac):
+        return {
+            "results": {
+                "autoencoder": {
+                    "title": "AE",
+                    "target": "later",
+                    "grids": {"adam": adam} if adam else {},
+                    "runs": adam[-1:] + kfac,
+                    "target_loss": None,
+                    "budget": 600.0,
+                    "target_later": True,
+                }
+            }
+        }
+
+    a = [ae_run("Adam lr=0.001", [0, 300, 600], [0.5, 0.31, 0.29])]
+    b = [ae_run("Adam lr=0.003", [0, 300, 600], [0.5, 0.30, 0.32])]
+    k = [ae_run("KFAC adaptive", [0, 100, 150, 300], [0.5, 0.3, 0.289, 0.28])]
+    merged = training.merge_results([part(a, []), part(b, []), part([], k)])["autoencoder"]
+    assert merged["target_loss"] == 0.29  # lr 1e-3's loss at 600 s, not lr 3e-3's 0.30
+    assert "training loss <= 0.2900 (best tuned Adam at 600 s)" == merged["target"]
+    names = [r["method"] for r in merged["runs"]]
+    assert names == ["Adam lr=0.001", "KFAC adaptive"]
+    assert merged["runs"][1]["time_to_target"] == 150
+    assert "= 0.25 (seeds 0); target <= 0.33 on each seed: **met**" in training.report(
+        {"autoencoder": merged}, [0]
+    )
+
+
+def test_autoencoder_split_options():
+    import argparse
+
+    wl = training.Workload(
+        name="autoencoder",
+        title="AE",
+        make_model=lambda: nn.Linear(3, 3),
+        X=torch.zeros(1, 3),
+        y=torch.zeros(1, 3),
+        loss_func=nn.MSELoss(),
+        batch=1,
+        budget=600.0,
+        eval_every=20,
+        evaluate=lambda m: {"loss": 1.0},
+        reached=lambda m: False,
+        target_text="later",
+        kfac_rows={"KFAC": {}},
+    )
+    grids = {"adam": training.ADAM_GRID}
+    ns = argparse.Namespace(only="adam", lrs="1e-3", ae_kfac_budget=None)
+    assert training.autoencoder_split(wl, grids, ns) == {"adam": [1e-3]}
+    assert wl.target_later and wl.kfac_rows == {}
+    wl.kfac_rows = {"KFAC": {}}
+    ns = argparse.Namespace(only=None, lrs=None, ae_kfac_budget=300.0)
+    assert training.autoencoder_split(wl, grids, ns) == grids
+    assert not wl.target_later and wl.kfac_budget == 300.0 and wl.kfac_rows

@@ -1055,13 +1055,19 @@ def merge_results(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     ``--lrs``) is joined: its grid points and runs, in the order of ``runs``. Where one
     grid was split, only the best point over all its parts stays among the rows."""
     out: Dict[str, Any] = {}
+    first: Dict[str, int] = {}  # the seed each workload's grid ran on
     for run in runs:
         for name, res in run["results"].items():
             if name not in out:
                 out[name] = {**res, "grids": dict(res["grids"]), "runs": list(res["runs"])}
+                first[name] = run.get("seeds", [0])[0]
                 continue
             joined = out[name]
             old_runs, joined["runs"] = joined["runs"], []
+            if run.get("seeds", [0])[0] != first[name]:  # another seed's part: its "grid" points
+                # are reruns of tuned points on that seed (rows, not grid points)
+                res = {**res, "grids": {}, "runs": list(res["runs"])}
+                res["runs"] += [t for ts in run["results"][name]["grids"].values() for t in ts]
             for kind, trials in res["grids"].items():
                 joined["grids"][kind] = list(joined["grids"].get(kind, [])) + list(trials)
             for trials in joined["grids"].values():
@@ -1223,6 +1229,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     write_report(results, [run], args)
 
 
+def workload_seeds(runs: Sequence[Dict[str, Any]], name: str) -> List[int]:
+    """The seeds of the saved runs holding workload ``name``, in order of appearance."""
+    seeds: List[int] = []
+    for r in runs:
+        if name in r["results"]:
+            seeds += [s for s in r.get("seeds", [0]) if s not in seeds]
+    return seeds
+
+
 def run_line(run: Dict[str, Any]) -> str:
     """Command, date, duration, machine and load of one saved run."""
     load = f", load average {run['load']:.1f} at the end" if run.get("load") is not None else ""
@@ -1237,10 +1252,7 @@ def run_line(run: Dict[str, Any]) -> str:
 
 def write_report(results: Dict[str, Any], runs: List[Dict[str, Any]], args) -> None:
     """Print the report of ``runs``; write the figure and the docs section when asked."""
-    text = "\n".join(
-        report({k: results[k]}, next(r["seeds"] for r in runs if k in r["results"]))
-        for k in results
-    )
+    text = "\n".join(report({k: results[k]}, workload_seeds(runs, k)) for k in results)
     print(text)
     grids, seeds = runs[0]["grids"], runs[0]["seeds"]
     head = (

@@ -334,6 +334,20 @@ def test_merge_results_of_one_grid_split_keeps_the_best_point_over_all_parts():
     assert "= 5.0x" in training.report({"p": merged}, [0])
 
 
+def test_merge_results_of_another_seed_makes_rows_not_grid_points():
+    """A part run on seed 1 only (its "grid" is the tuned point rerun there) adds seed-1
+    rows; the verdict then covers both seeds."""
+    a, b = pinn_fixture(), pinn_fixture()
+    b["grids"] = {"adam": [pinn_run("Adam lr=0.003", 1, 2e-4)]}
+    b["runs"] = [pinn_run("KFAC (example defaults)", 1, 1e-4)]
+    runs = [{"seeds": [0], "results": {"p": a}}, {"seeds": [1], "results": {"p": b}}]
+    merged = training.merge_results(runs)["p"]
+    assert [t["method"] for t in merged["grids"]["adam"]] == ["Adam lr=0.001", "Adam lr=0.003"]
+    assert training.workload_seeds(runs, "p") == [0, 1]
+    text = training.report({"p": merged}, [0, 1])
+    assert "= 10.0x, 2.0x (seeds 0, 1)" in text and "**not met**" in text  # seed 0 alone: met
+
+
 def test_split_grids_by_kind_and_learning_rate():
     grids = {"adam": training.ADAM_GRID, "sgd": training.PINN_SGD_GRID}
     assert training.split_grids(grids, None, None) == grids

@@ -57,6 +57,28 @@ def test_verdict_met_only_when_every_seed_is_below_the_bound():
     assert "**met**" in training.report(res, [0, 1])
 
 
+def toy_workload(**overrides) -> "training.Workload":
+    """A 3 -> 1 linear regression workload that never reaches its target (``overrides``:
+    any :class:`Workload` field)."""
+    X = overrides.pop("X", None)
+    X = torch.randn(32, 3) if X is None else X
+    fields = dict(
+        name="toy",
+        title="toy",
+        make_model=lambda: nn.Linear(3, 1),
+        X=X,
+        y=X[:, :1],
+        loss_func=nn.MSELoss(),
+        batch=8,
+        budget=3.0,
+        eval_every=2,
+        evaluate=lambda m: {"loss": 1.0},
+        reached=lambda m: False,
+        target_text="never",
+    )
+    return training.Workload(**{**fields, **overrides})
+
+
 def test_apply_target_reads_the_curve():
     r = run("KFAC", 0, None, losses=(1.0, 0.2))
     training.apply_target(r, lambda m: m["loss"] <= 0.5)
@@ -100,25 +122,9 @@ def test_train_checks_by_time_when_eval_seconds_is_set(monkeypatch):
     checks after the first step that ends at or past each whole second (4 steps, then 3
     each: the end reads count too) although ``eval_every`` says 5."""
     X = torch.randn(64, 3)
-    y = X.sum(1, keepdim=True)
-    mse = nn.MSELoss()
     reads = iter(0.25 * k for k in range(10**6))
     monkeypatch.setattr(training, "clock_now", lambda: next(reads))
-    wl = training.Workload(
-        name="toy",
-        title="toy",
-        make_model=lambda: nn.Linear(3, 1),
-        X=X,
-        y=y,
-        loss_func=mse,
-        batch=16,
-        budget=3.0,
-        eval_every=5,
-        evaluate=lambda model: {"loss": 1.0},
-        reached=lambda m: False,
-        target_text="never",
-        eval_seconds=1.0,
-    )
+    wl = toy_workload(X=X, y=X.sum(1, keepdim=True), batch=16, eval_every=5, eval_seconds=1.0)
     r = training.train(wl, "SGD", "sgd", {"lr": 0.05}, 0)
     assert r.steps == [0, 4, 7, 10]
     assert r.times == [0.0, 1.25, 2.25, 3.25]
@@ -263,22 +269,7 @@ def test_image_workloads_train_cnn_and_resnet18_with_batchnorm():
 def test_cpu_clock_option_and_the_train_loop_uses_it(monkeypatch):
     ticks = iter(range(1000))
     monkeypatch.setattr(training, "clock_now", lambda: float(next(ticks)))
-    X = torch.randn(32, 3)
-    mse = nn.MSELoss()
-    wl = training.Workload(
-        name="toy",
-        title="toy",
-        make_model=lambda: nn.Linear(3, 1),
-        X=X,
-        y=X[:, :1],
-        loss_func=mse,
-        batch=8,
-        budget=3.0,
-        eval_every=2,
-        evaluate=lambda m: {"loss": 1.0},
-        reached=lambda m: False,
-        target_text="never",
-    )
+    wl = toy_workload()
     r = training.train(wl, "SGD", "sgd", {"lr": 0.01}, 0)
     # each block of 2 steps reads the fake clock twice: 1 "second" per block, 3 blocks
     assert r.times == [0.0, 1.0, 2.0, 3.0] and r.steps == [0, 2, 4, 6]
@@ -378,22 +369,7 @@ def test_time_based_checks_after_the_first_step_past_each_multiple(monkeypatch):
             return super().forward(x)
 
     monkeypatch.setattr(training, "clock_now", lambda: clock[0])
-    X = torch.randn(32, 3)
-    wl = training.Workload(
-        name="toy",
-        title="toy",
-        make_model=lambda: Slow(3, 1),
-        X=X,
-        y=X[:, :1],
-        loss_func=nn.MSELoss(),
-        batch=8,
-        budget=5.0,
-        eval_every=1000,
-        evaluate=lambda m: {"loss": 1.0},
-        reached=lambda m: False,
-        target_text="never",
-        eval_seconds=2.0,
-    )
+    wl = toy_workload(make_model=lambda: Slow(3, 1), budget=5.0, eval_every=1000, eval_seconds=2.0)
     r = training.train(wl, "SGD", "sgd", {"lr": 0.01}, 0)
     # steps end at 0.7, 1.4, 2.1 (check), 2.8, 3.5, 4.2 (check), 4.9, 5.6 (budget: check)
     assert r.steps == [0, 3, 6, 8]

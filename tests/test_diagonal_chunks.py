@@ -92,15 +92,21 @@ def chunks_seen(monkeypatch):
 BOUNDS = {"one-sample": 1, "small": 3000, "medium": 9000, "whole": 2**30}
 
 
-@pytest.mark.parametrize("bound", BOUNDS.values(), ids=BOUNDS.keys())
-def test_chunked_diagonal_equals_per_sample_gradients_squared(bound, monkeypatch):
-    model, (X, y) = Net(), data()
+def empirical_in_chunks(model: nn.Module, bound: int, monkeypatch):
+    """``(X, brute-force diagonal, diag_ggn's, chunk sizes seen)`` of the empirical Fisher
+    (summed cross-entropy) with chunks bounded by ``bound`` elements alone."""
+    X, y = data()
     expected = brute_force(model, X, y)
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
     seen = chunks_seen(monkeypatch)
     loss = nn.CrossEntropyLoss(reduction="sum")
-    got = curvature.diag_ggn(model, loss, (X, y), fisher="empirical")
+    return X, expected, curvature.diag_ggn(model, loss, (X, y), fisher="empirical"), seen
+
+
+@pytest.mark.parametrize("bound", BOUNDS.values(), ids=BOUNDS.keys())
+def test_chunked_diagonal_equals_per_sample_gradients_squared(bound, monkeypatch):
+    X, expected, got, seen = empirical_in_chunks(Net(), bound, monkeypatch)
     assert list(got) == list(expected)
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=1e-10, atol=1e-12, msg=k)
@@ -190,13 +196,7 @@ def test_the_default_bound_cuts_a_large_batch_within_the_documented_bound(monkey
 
 @pytest.mark.parametrize("bound", [1, 8000, 2**30], ids=["one-sample", "ragged", "whole"])
 def test_a_convolution_called_twice_in_chunks_equals_the_twin(bound, monkeypatch):
-    model, (X, y) = Twice(), data()
-    expected = brute_force(model, X, y)
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
-    seen = chunks_seen(monkeypatch)
-    loss = nn.CrossEntropyLoss(reduction="sum")
-    got = curvature.diag_ggn(model, loss, (X, y), fisher="empirical")
+    _, expected, got, seen = empirical_in_chunks(Twice(), bound, monkeypatch)
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=1e-10, atol=1e-12, msg=k)
     # per sample 2 x 36 positions: S C (2 D + D_out) + D_out D = 2918 elements

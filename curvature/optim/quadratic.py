@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from ..options import FisherType
 from ..warn import warn
+from .batch_gram import Projection, batch_gram, projection_of
 from .updates import damping_factor
 
 Output = Tuple[Tensor, nn.Module, Optional[Tensor]]
@@ -353,17 +354,16 @@ class QuadraticRule:
         of the next forward measures the step, a blow-up is rolled back one step later.
 
         Every quantity stays on the device (``torch.where`` selects); the host reads the
-        interval's sums once every ``damping_adaptation_interval`` steps.
+        interval's sums once every ``damping_adaptation_interval`` steps. A step that does
+        not move (a rollback, a rebuild: ``keep`` false) zeroes ``(alpha, mu)``, so the
+        momentum needs no mask of its own.
         """
         group, slots = self.param_groups[0], self._slots()
         previous = [self.state[s.param].get("previous_update") for s in slots]
         with_momentum = all(p is not None for p in previous)
-        vectors = [-directions]
-        if with_momentum:
-            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
-        # the batch Gram matrix of the momentum before the rollback below zeroes it (then
-        # masked): the loss and the Gram matrix are averaged over the ranks in one all-reduce
-        h, batch = self._batch_gram(torch.stack(vectors), *self._observed_loss(grads))
+        V, out, turn = self._plain_directions(directions, previous if with_momentum else None)
+        # the loss and the batch Gram matrix are averaged over the ranks in one all-reduce
+        h, batch = self._batch_gram(V, *self._observed_loss(grads))
         zero = h.new_zeros(())
         ref = group.get("quadratic_loss")
         # after a rebuild (parameters (un)frozen) the curvature restarts: measure, no move
@@ -388,40 +388,70 @@ class QuadraticRule:
             h = torch.where(bad, ref, h)  # the loss at the parameters we keep
             group["quadratic_level"] = torch.where(bad, level, 0.9 * level + 0.1 * h)
             keep = keep & ~bad
-            if with_momentum:  # roll the blown-up step back; its momentum goes
+            if with_momentum:  # roll the blown-up step back (p - delta0 * bad)
+                back = {p.dtype: -bad.to(p.dtype) for p in previous}
                 for s, p in zip(slots, previous):
-                    s.param.sub_(p * bad.to(p.dtype))
-            previous = [None if p is None else p * keep.to(p.dtype) for p in previous]
+                    s.param.addcmul_(p, back[p.dtype])
         else:
             for key in ("quadratic_actual", "quadratic_predicted", "quadratic_bad"):
                 group[key] = zero
-        vectors = [-directions]
-        if with_momentum:
-            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
-        V = torch.stack(vectors)  # [K, P]
-        lam = self._damping_vector(directions)
         if batch is None:  # no pulled statistics this step: the Kronecker-factored curvature
-            gram = V @ torch.stack([self._curvature_matvec(v) for v in vectors]).T
-        elif with_momentum:  # the momentum as kept (zero after a rollback)
-            m = torch.stack([keep.new_ones(()), keep]).to(batch.dtype)
-            gram = batch * (m[:, None] * m[None, :])
+            gram = V @ torch.stack([self._curvature_matvec(v) for v in V]).T
         else:
             gram = batch
-        system = (gram.to(V.dtype) + (V * lam) @ V.T).to(h.dtype)
+        dampings = {g["damping"] for g in self.param_groups}
+        if len(dampings) == 1:  # lambda V V^T
+            damped = dampings.pop() * (V @ V.T)
+        else:  # each position's group damping
+            damped = (V * self._damping_vector(directions)) @ V.T
+        system = (gram.to(V.dtype) + damped).to(h.dtype)
         linear = (V @ grads.to(V.dtype)).to(h.dtype)
         c, model = solve_on_device((system + system.T) / 2, linear)
         ok = keep & torch.isfinite(c).all() & torch.isfinite(model) & (model < 0)
         c, model = torch.where(ok, c, zero), torch.where(ok, model, zero)
-        delta = torch.where(ok, c[: len(vectors)].to(V.dtype) @ V, 0.0)
-        for s in slots:
-            step = delta[s.span].view_as(s.param).to(s.param.dtype)
-            s.param.add_(step)
+        torch.mm(c[: V.shape[0]].to(V.dtype).unsqueeze(0), V, out=out.unsqueeze(0))
+        delta = out.masked_fill_(~ok, 0.0)
+        steps = [delta[s.span].view_as(s.param).to(s.param.dtype) for s in slots]
+        torch._foreach_add_([s.param for s in slots], steps)
+        for s, step in zip(slots, steps):
             self.state[s.param]["previous_update"] = step
+        self._plain_previous = (turn, steps)
         group["quadratic_loss"], group["quadratic_model"] = h, model
         self._coefficients, self._model_change, self._taken = c, model, ok
         interval = self.config.damping_adaptation_interval
         if self.steps > 0 and self.steps % interval == 0:
             self._plain_adapt_damping(group)
+
+    def _plain_directions(
+        self, directions: Tensor, previous: Optional[List[Tensor]]
+    ) -> Tuple[Tensor, Tensor, int]:
+        """``(V [K, P], out [P], i)``: ``V = (-d, delta0)`` (``K = 1`` without ``previous``)
+        and where this step's update goes (the ``i``-th buffer), rows of two persistent
+        ``[2, P]`` buffers used in turn. The last update (whose views are the
+        ``previous_update`` states) is ``V``'s second row as it lies; other states (loaded,
+        another dtype) are copied in.
+        """
+        P, dtype, device = directions.numel(), directions.dtype, directions.device
+        buffers = self.__dict__.get("_plain_buffers")
+        if (
+            buffers is None
+            or not (buffers[0] is self.layout and buffers[1].shape[-1] == P)
+            or (buffers[1].dtype, buffers[1].device) != (dtype, device)
+        ):
+            buffers = self._plain_buffers = (self.layout, directions.new_empty(2, 2, P))
+            self._plain_previous = None
+        last = self.__dict__.get("_plain_previous")  # (buffer, update's views)
+        turn = 0 if last is None else last[0]
+        if previous is not None and not (
+            last is not None
+            and len(last[1]) == len(previous)
+            and all(p is q and p.dtype == dtype for p, q in zip(previous, last[1]))
+        ):
+            turn = 1 - turn  # copied into the buffer the states do not lie in
+            torch.cat([p.reshape(-1).to(dtype) for p in previous], out=buffers[1][turn, 1])
+        V = buffers[1][turn, : 1 if previous is None else 2]
+        torch.neg(directions, out=V[0])
+        return V, buffers[1][1 - turn, 1], 1 - turn
 
     def _batch_gram(self, V: Tensor, h: Tensor, n: int) -> Tuple[Tensor, Optional[Tensor]]:
         """``(h, [K, K])``: the loss ``h`` of ``n`` samples and ``v_i^T F v_j`` with ``F`` the
@@ -477,37 +507,14 @@ class QuadraticRule:
 
     def _local_batch_gram(self, V: Tensor, records: list) -> Tuple[Optional[Tensor], int]:
         """The :meth:`_batch_gram` of this rank's records (zeros without any) and the
-        samples of its pull (0 without one).
+        samples of its pull (0 without one): :func:`~curvature.optim.batch_gram.batch_gram`.
         """
-        last: dict = {}  # term -> (ctx, [(name, blocks)]): the last pull of each term
-        for ctx, term, name, blocks in records:
-            if term not in last or last[term][0] is not ctx:
-                last[term] = (ctx, [])
-            last[term][1].append((name, blocks))
-        gram = V.new_zeros(V.shape[0], V.shape[0], dtype=torch.float64)
-        samples = 0
-        for ctx, layers in last.values():
-            u = None
-            for name, blocks in layers:
-                index = self._projection_index(name, V.device)
-                if blocks is None or index is None or set(index) != set(blocks):
-                    return None, 0  # a layer without linear structure (e.g. an embedding)
-                for suffix, ix in index.items():
-                    a, g = blocks[suffix]  # [N, S, C, D], [..., N, S, C, D_out]
-                    Vc = V.to(a.dtype).index_select(1, ix.reshape(-1))
-                    z = torch.einsum("nscd,kcod->knsco", a, Vc.view(V.shape[0], *ix.shape))
-                    part = torch.einsum("knsco,lnsco->kln", z, g.reshape(-1, *g.shape[-4:]))
-                    u = part if u is None else u + part  # [K, L, N]: summed over the layers
-            if u is None:
-                continue
-            U = u.flatten(1).double()
-            scale = ctx.g_scale / ctx.samples if ctx.reduction == "mean" else ctx.g_scale
-            gram = gram + scale * (U @ U.T)
-            samples = max(samples, ctx.samples)
-        return gram, samples
+        return batch_gram(V, records, lambda name: self._projection_index(name, V.device))
 
-    def _projection_index(self, name: str, device: torch.device) -> Optional[Dict[str, Tensor]]:
-        """A layer's ``kfac_index``: suffix to the flat positions ``[C, D_out, D]``."""
+    def _projection_index(self, name: str, device: torch.device) -> Optional[Dict[str, Projection]]:
+        """A layer's ``kfac_index``: suffix to the flat positions ``[C, D_out, D]``
+        (:class:`~curvature.optim.batch_gram.Projection`: strided spans where they are).
+        """
         cache = self.__dict__.setdefault("_projection_ix", {})
         if cache.get("layout") is not self.layout:  # a rebuild (parameters (un)frozen)
             cache.clear()
@@ -520,7 +527,9 @@ class QuadraticRule:
             }
             offsets = {n: starts[id(p)] for n, p in module.named_parameters() if id(p) in starts}
             index = rule.kfac_index(module, offsets)
-            cache[(name, device)] = index and {k: v.to(device) for k, v in index.items()}
+            cache[(name, device)] = index and {
+                k: projection_of(v, device) for k, v in index.items()
+            }
         return cache[(name, device)]
 
     def _plain_adapt_damping(self, group) -> None:

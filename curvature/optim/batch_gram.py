@@ -1,0 +1,145 @@
+"""The quadratic rule's batch Gram matrix from the pulled layer inputs and output gradients.
+
+For a layer with linear structure (a weight that acts as a matrix on its expanded inputs
+``a [N, S, C, D]``, the bias column included) and the output gradients ``g [L, N, S, C,
+D_out]`` of the ``L`` sources a pull sent back, a direction ``v`` over the flat parameters
+moves the layer's outputs by ``z = V a`` (``V [C, D_out, D]`` the layer's part of ``v``), and
+``u[l, n] = sum_{s, c} g[l, n, s, c]^T z[n, s, c]`` is ``(J_n v)^T`` times the ``l``-th
+source. :func:`layer_products` gives ``u`` for ``K`` directions at once, :func:`batch_gram`
+sums it over the layers and forms ``F = scale * sum_{l, n} u_i u_j``.
+
+Where the layer's positions in the flat vector are strided (:func:`projection_of`: a
+``Linear`` or a convolution, whose weight is one contiguous ``[C, D_out, D_w]`` span and
+whose bias is another), ``V`` is read as views of the directions and ``z = a_w W^T + a_b b``
+is one matrix product per direction and group; otherwise the positions are gathered
+through the layer's index.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class Projection(NamedTuple):
+    """Where a layer block's matrix ``[C, D_out, D]`` lies in the flat vector.
+
+    Attributes:
+        index: ``[C, D_out, D]`` positions of the entries (the layer rule's ``kfac_index``).
+        weight: Start of the contiguous span of the first ``D_w`` columns, ``None`` when the
+            positions are not strided (then ``index`` gathers them).
+        columns: ``D_w``, the columns in that span (``D`` or ``D - 1``).
+        bias: Start of the contiguous span of the last column (``D_w = D - 1``), or ``None``.
+
+    """
+
+    index: Tensor
+    weight: Optional[int] = None
+    columns: int = 0
+    bias: Optional[int] = None
+
+
+def projection_of(index: Tensor, device: torch.device) -> Projection:
+    """The :class:`Projection` of a host index ``[C, D_out, D]`` (kept on ``device``):
+    strided when entry ``(c, o, i)`` sits at ``w + (c D_out + o) D_w + i`` for ``i < D_w``
+    and the last column (``D_w = D - 1``) at ``b + c D_out + o``, as a ``Linear``'s
+    ``[W | b]``.
+    """
+    C, Do, D = index.shape
+    on = index.to(device)
+    if index.numel() == 0:
+        return Projection(on)
+    for columns in (D, D - 1):
+        if columns < 1:
+            continue
+        w = int(index[0, 0, 0])
+        expected = w + torch.arange(C * Do * columns, dtype=index.dtype).view(C, Do, columns)
+        if not torch.equal(index[..., :columns], expected):
+            continue
+        if columns == D:
+            return Projection(on, w, columns)
+        b = int(index[0, 0, D - 1])
+        if torch.equal(index[..., D - 1], b + torch.arange(C * Do, dtype=index.dtype).view(C, Do)):
+            return Projection(on, w, columns, b)
+    return Projection(on)
+
+
+def layer_products(V: Tensor, a: Tensor, g: Tensor, where: Projection) -> Tensor:
+    """``u [K, L, N]``: ``u[k, l, n] = sum_{s, c} g[l, n, s, c]^T V_k[c] a[n, s, c]``.
+
+    Args:
+        V: ``[K, P]`` directions over the flat parameters.
+        a: ``[N, S, C, D]`` the layer's expanded inputs (bias column included).
+        g: ``[..., N, S, C, D_out]`` the output gradients of the pulled sources.
+        where: The layer block's positions in the flat vector (:func:`projection_of`).
+
+    """
+    K = V.shape[0]
+    N, S, C, D = a.shape
+    Do = g.shape[-1]
+    g = g.reshape(-1, N, S * C * Do)  # [L, N, M]
+    if where.weight is None:  # gather the positions
+        Vc = V.to(a.dtype).index_select(1, where.index.reshape(-1)).view(K, C, Do, D)
+        z = torch.einsum("nscd,kcod->knsco", a, Vc)
+    else:  # views of the directions: z = a_w W^T (+ a_b b)
+        Dw, w = where.columns, where.weight
+        W = V[:, w : w + C * Do * Dw].view(K, C, Do, Dw).to(a.dtype)
+        if C == 1:
+            rows = a.reshape(N * S, D)
+            z = a.new_empty(K, N * S, Do)
+            for k in range(K):
+                torch.mm(rows[:, :Dw], W[k, 0].T, out=z[k])
+            z = z.view(K, N, S, C, Do)
+        else:
+            z = torch.einsum("nscd,kcod->knsco", a[..., :Dw], W)
+        if where.bias is not None:
+            b = V[:, where.bias : where.bias + C * Do].view(K, 1, 1, C, Do).to(a.dtype)
+            z.addcmul_(a[None, ..., Dw:], b)
+    # sum over the positions, groups and outputs per sample: [N, K, M] @ [N, M, L]
+    u = torch.bmm(z.reshape(K, N, -1).transpose(0, 1), g.permute(1, 2, 0))
+    return u.permute(1, 2, 0)
+
+
+def batch_gram(
+    V: Tensor, records: list, projection: Callable[[str], Optional[Dict[str, Projection]]]
+) -> Tuple[Optional[Tensor], int]:
+    """``([K, K], N)``: ``v_i^T F v_j`` for the Fisher / GGN ``F`` of the last pull of each
+    term in ``records`` and the samples of that pull (zeros and 0 without any).
+
+    Args:
+        V: ``[K, P]`` directions over the flat parameters.
+        records: ``(ctx, term, name, blocks)`` per pulled layer, in the order of the pulls
+            (the collector's ``projections``; ``blocks``: the rule's ``expanded_blocks``).
+        projection: A layer's name to its blocks' :class:`Projection` (``None``: the layer
+            has no linear structure).
+
+    Returns:
+        ``(None, 0)`` where a layer has no linear structure (e.g. an embedding).
+
+    """
+    last: dict = {}  # term -> (ctx, [(name, blocks)]): the last pull of each term
+    for ctx, term, name, blocks in records:
+        if term not in last or last[term][0] is not ctx:
+            last[term] = (ctx, [])
+        last[term][1].append((name, blocks))
+    gram = V.new_zeros(V.shape[0], V.shape[0], dtype=torch.float64)
+    samples = 0
+    for ctx, layers in last.values():
+        u = None
+        for name, blocks in layers:
+            index = projection(name)
+            if blocks is None or index is None or set(index) != set(blocks):
+                return None, 0
+            for suffix, where in index.items():
+                a, g = blocks[suffix]  # [N, S, C, D], [..., N, S, C, D_out]
+                part = layer_products(V, a, g, where)
+                u = part if u is None else u + part  # [K, L, N]: summed over the layers
+        if u is None:
+            continue
+        U = u.flatten(1).double()
+        scale = ctx.g_scale / ctx.samples if ctx.reduction == "mean" else ctx.g_scale
+        gram = gram + scale * (U @ U.T)
+        samples = max(samples, ctx.samples)
+    return gram, samples

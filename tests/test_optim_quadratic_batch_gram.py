@@ -145,3 +145,24 @@ def test_group_dampings_enter_the_2x2_model_per_position():
     alpha, mu = torch.linalg.solve(V.T @ C @ V, -V.T @ g).tolist()
     assert opt.last_update_coefficients == pytest.approx((alpha, mu), rel=1e-7)
     opt.close()
+
+
+def test_a_checkpoint_holds_the_momentum_as_tensors_of_their_own():
+    """The ``previous_update`` states are views of the plain loop's persistent buffers;
+    ``state_dict()`` gives them as copies of their own size (a saved checkpoint holds
+    ``P`` values, not the buffers' ``4 P``), and taking it changes nothing in the run."""
+    runs = []
+    for save in (False, True):
+        model, X, y = mlp_problem()
+        opt = curvature.KFAC(model, fisher="mc", loss_func=MSE, update_rule="quadratic", seed=1)
+        for _ in range(3):
+            train_step(opt, model, X, y, MSE)
+            if save:
+                state = opt.state_dict()["state"]
+                for i, p in enumerate(model.parameters()):
+                    saved = state[i]["previous_update"]
+                    assert saved.untyped_storage().nbytes() == p.numel() * p.element_size()
+                    assert torch.equal(saved, opt.state[p]["previous_update"])
+        runs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        opt.close()
+    assert torch.equal(runs[0], runs[1])

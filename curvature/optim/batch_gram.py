@@ -1,4 +1,5 @@
-"""The quadratic rule's batch Gram matrix from the pulled layer inputs and output gradients.
+"""The quadratic rule's batch Gram matrix from the pulled layer inputs and output gradients,
+and the plain loop's persistent buffers of its directions (:class:`DirectionBuffers`).
 
 For a layer with linear structure (a weight that acts as a matrix on its expanded inputs
 ``a [N, S, C, D]``, the bias column included) and the output gradients ``g [L, N, S, C,
@@ -17,7 +18,7 @@ through the layer's index.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -143,3 +144,54 @@ def batch_gram(
         gram = gram + scale * (U @ U.T)
         samples = max(samples, ctx.samples)
     return gram, samples
+
+
+class DirectionBuffers:
+    """The plain loop's directions ``V = (-d, delta0)`` in two persistent ``[2, P]`` buffers
+    used in turn: a step's update is written into the row of the other buffer whose views
+    become the ``previous_update`` states, and is ``V``'s second row as it lies at the next
+    step (no concatenation of the states, no copy); states replaced in between (loaded,
+    set by the user, of another dtype than the directions) are copied in instead.
+    """
+
+    def __init__(self) -> None:
+        self.layout: Any = None
+        self.buffers: Optional[Tensor] = None  # [2 (turn), 2 (-d, delta0), P]
+        self.turn = 0  # the buffer of the next V
+        self.views: Tuple[Tensor, ...] = ()  # the last update's views (the states)
+
+    def directions(
+        self, layout: Any, directions: Tensor, previous: Optional[List[Tensor]]
+    ) -> Tuple[Tensor, Tensor]:
+        """``(V [K, P], out [P])``: ``V = (-d, delta0)`` (``K = 1`` without ``previous``) and
+        where this step's update goes (then :meth:`written`).
+        """
+        P, dtype, device = directions.numel(), directions.dtype, directions.device
+        b = self.buffers
+        if (
+            b is None
+            or layout is not self.layout
+            or (b.shape[-1], b.dtype, b.device) != (P, dtype, device)
+        ):
+            self.buffers = b = directions.new_empty(2, 2, P)
+            self.layout, self.turn, self.views = layout, 0, ()
+        if previous is not None and not (
+            len(self.views) == len(previous)
+            and all(p is q and p.dtype == dtype for p, q in zip(previous, self.views))
+        ):
+            self.turn = 1 - self.turn  # into the buffer the states do not lie in
+            torch.cat([p.reshape(-1).to(dtype) for p in previous], out=b[self.turn, 1])
+        V = b[self.turn, : 1 if previous is None else 2]
+        torch.neg(directions, out=V[0])
+        return V, b[1 - self.turn, 1]
+
+    def written(self, views: Sequence[Tensor]) -> None:
+        """The update is in ``out``; ``views`` (its views per parameter) are the states."""
+        self.turn, self.views = 1 - self.turn, tuple(views)
+
+    def detached(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """A parameter's state with a ``previous_update`` in the buffers as its own copy."""
+        p, b = state.get("previous_update"), self.buffers
+        if p is None or b is None or p.untyped_storage().data_ptr() != b.data_ptr():
+            return state
+        return {**state, "previous_update": p.clone()}

@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from ..options import FisherType
 from ..warn import warn
-from .batch_gram import Projection, batch_gram, projection_of
+from .batch_gram import DirectionBuffers, Projection, batch_gram, projection_of
 from .updates import damping_factor
 
 Output = Tuple[Tensor, nn.Module, Optional[Tensor]]
@@ -179,6 +179,16 @@ class QuadraticRule:
     @last_step_taken.setter
     def last_step_taken(self, value: Any) -> None:
         self._taken = value
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``torch.optim``'s state; the plain loop's ``previous_update`` states as tensors of
+        their own (they are views of its persistent buffers, 4x their size).
+        """
+        sd = super().state_dict()
+        buffers = self.__dict__.get("_plain_buffers")
+        if buffers is not None:
+            sd["state"] = {i: buffers.detached(st) for i, st in sd["state"].items()}
+        return sd
 
     def _check_quadratic(self, closure: Any) -> None:
         """Refuse what the rule cannot do: weight decay (``closure=None``: at construction),
@@ -361,7 +371,8 @@ class QuadraticRule:
         group, slots = self.param_groups[0], self._slots()
         previous = [self.state[s.param].get("previous_update") for s in slots]
         with_momentum = all(p is not None for p in previous)
-        V, out, turn = self._plain_directions(directions, previous if with_momentum else None)
+        buffers = self.__dict__.setdefault("_plain_buffers", DirectionBuffers())
+        V, out = buffers.directions(self.layout, directions, previous if with_momentum else None)
         # the loss and the batch Gram matrix are averaged over the ranks in one all-reduce
         h, batch = self._batch_gram(V, *self._observed_loss(grads))
         zero = h.new_zeros(())
@@ -415,43 +426,12 @@ class QuadraticRule:
         torch._foreach_add_([s.param for s in slots], steps)
         for s, step in zip(slots, steps):
             self.state[s.param]["previous_update"] = step
-        self._plain_previous = (turn, steps)
+        buffers.written(steps)
         group["quadratic_loss"], group["quadratic_model"] = h, model
         self._coefficients, self._model_change, self._taken = c, model, ok
         interval = self.config.damping_adaptation_interval
         if self.steps > 0 and self.steps % interval == 0:
             self._plain_adapt_damping(group)
-
-    def _plain_directions(
-        self, directions: Tensor, previous: Optional[List[Tensor]]
-    ) -> Tuple[Tensor, Tensor, int]:
-        """``(V [K, P], out [P], i)``: ``V = (-d, delta0)`` (``K = 1`` without ``previous``)
-        and where this step's update goes (the ``i``-th buffer), rows of two persistent
-        ``[2, P]`` buffers used in turn. The last update (whose views are the
-        ``previous_update`` states) is ``V``'s second row as it lies; other states (loaded,
-        another dtype) are copied in.
-        """
-        P, dtype, device = directions.numel(), directions.dtype, directions.device
-        buffers = self.__dict__.get("_plain_buffers")
-        if (
-            buffers is None
-            or not (buffers[0] is self.layout and buffers[1].shape[-1] == P)
-            or (buffers[1].dtype, buffers[1].device) != (dtype, device)
-        ):
-            buffers = self._plain_buffers = (self.layout, directions.new_empty(2, 2, P))
-            self._plain_previous = None
-        last = self.__dict__.get("_plain_previous")  # (buffer, update's views)
-        turn = 0 if last is None else last[0]
-        if previous is not None and not (
-            last is not None
-            and len(last[1]) == len(previous)
-            and all(p is q and p.dtype == dtype for p, q in zip(previous, last[1]))
-        ):
-            turn = 1 - turn  # copied into the buffer the states do not lie in
-            torch.cat([p.reshape(-1).to(dtype) for p in previous], out=buffers[1][turn, 1])
-        V = buffers[1][turn, : 1 if previous is None else 2]
-        torch.neg(directions, out=V[0])
-        return V, buffers[1][1 - turn, 1], 1 - turn
 
     def _batch_gram(self, V: Tensor, h: Tensor, n: int) -> Tuple[Tensor, Optional[Tensor]]:
         """``(h, [K, K])``: the loss ``h`` of ``n`` samples and ``v_i^T F v_j`` with ``F`` the

@@ -379,10 +379,10 @@ def test_time_based_checks_after_the_first_step_past_each_multiple(monkeypatch):
     assert training.train(wl, "SGD", "sgd", {"lr": 0.01}, 0, budget=2.0).steps == [0, 3]
 
 
-def ae_run(method, times, losses):
+def ae_run(method, times, losses, seed=0):
     return {
         "method": method,
-        "seed": 0,
+        "seed": seed,
         "steps": [10 * i for i in range(len(times))],
         "times": list(times),
         "losses": list(losses),
@@ -414,13 +414,46 @@ def test_autoencoder_split_sets_the_target_from_the_best_adam_of_all_parts():
     k = [ae_run("KFAC adaptive", [0, 100, 150, 300], [0.5, 0.3, 0.289, 0.28])]
     merged = training.merge_results([part(a, []), part(b, []), part([], k)])["autoencoder"]
     assert merged["target_loss"] == 0.29  # lr 1e-3's loss at 600 s, not lr 3e-3's 0.30
-    assert "training loss <= 0.2900 (best tuned Adam at 600 s)" == merged["target"]
+    assert "training loss <= 0.29000 (best tuned Adam at 600 s)" == merged["target"]
     names = [r["method"] for r in merged["runs"]]
     assert names == ["Adam lr=0.001", "KFAC adaptive"]
     assert merged["runs"][1]["time_to_target"] == 150
     assert "= 0.25 (seeds 0); target <= 0.33 on each seed: **met**" in training.report(
         {"autoencoder": merged}, [0]
     )
+
+
+def test_autoencoder_targets_per_seed_from_the_tuned_adam_rerun_on_that_seed():
+    def part(adam, kfac, seed):
+        res = {
+            "title": "AE",
+            "target": "later",
+            "grids": {"adam": adam} if adam else {},
+            "runs": adam[-1:] + kfac,
+            "target_loss": None,
+            "budget": 600.0,
+            "target_later": True,
+        }
+        return {"seeds": [seed], "results": {"autoencoder": res}}
+
+    a0 = [ae_run("Adam lr=0.001", [0, 300, 600], [0.5, 0.31, 0.29])]
+    b0 = [ae_run("Adam lr=0.003", [0, 300, 600], [0.5, 0.30, 0.32])]
+    a1 = [ae_run("Adam lr=0.001", [0, 300, 600], [0.5, 0.31, 0.295], seed=1)]
+    k0 = [ae_run("KFAC adaptive", [0, 100, 150, 300], [0.5, 0.3, 0.289, 0.28])]
+    # seed 1: 0.292 at 100 s is below seed 1's own target (0.295) but not seed 0's (0.29)
+    k1 = [ae_run("KFAC adaptive", [0, 100, 250, 300], [0.5, 0.292, 0.289, 0.28], seed=1)]
+    parts = [part(a0, [], 0), part(b0, [], 0), part([], k0, 0), part(a1, [], 1), part([], k1, 1)]
+    merged = training.merge_results(parts)["autoencoder"]
+    assert merged["target"] == (
+        "training loss <= 0.29000 (best tuned Adam at 600 s); "
+        "seed 1: <= 0.29500 (the same Adam on seed 1 at 600 s)"
+    )
+    by = training.by_method(merged["runs"])
+    assert by["KFAC adaptive"][0]["time_to_target"] == 150  # seed 0's target
+    assert by["KFAC adaptive"][1]["time_to_target"] == 100  # seed 1's own
+    assert by["Adam lr=0.001"][1]["time_to_target"] == 600
+    text = training.report({"autoencoder": merged}, [0, 1])
+    assert "= 0.25, 0.17 (seeds 0, 1); target <= 0.33 on each seed: **met**" in text
 
 
 def test_autoencoder_split_options():

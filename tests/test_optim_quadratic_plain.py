@@ -432,3 +432,43 @@ def test_a_grad_scaler_passed_to_the_optimizer_leaves_the_measured_loss_unscaled
         runs.append((flat(model), ratios[1:]))
     assert runs[1][1] == pytest.approx(runs[0][1], rel=1e-6)
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=1e-7)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.h1, self.h2 = nn.Linear(10, 16), nn.Linear(16, 3), nn.Linear(16, 3)
+
+    def forward(self, x, head=1):
+        h = torch.tanh(self.body(x))
+        return self.h1(h) if head == 1 else self.h2(h)
+
+
+@pytest.mark.parametrize("with_closure", [False, True], ids=["plain", "closure"])
+def test_a_parameter_without_a_gradient_does_not_move(with_closure):
+    """As in ``torch.optim``: a head unused in a step (``.grad`` is ``None``) keeps its
+    values; before, the rule's momentum moved it by ``mu`` times its last update."""
+    _, X, y = classifier()
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = curvature.KFAC(model, fisher="type-2", loss_func=CE, update_rule="quadratic")
+    for i, head in enumerate([2, 1, 1, 1]):
+        Xb, yb = X[32 * i : 32 * (i + 1)], y[32 * i : 32 * (i + 1)]
+
+        def closure(backward=True, Xb=Xb, yb=yb, head=head):
+            opt.zero_grad()
+            loss = CE(model(Xb, head), yb)
+            if backward:
+                loss.backward()
+            return loss
+
+        if head == 1 and i == 1:
+            unused = [p.detach().clone() for p in model.h2.parameters()]
+        if with_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+    assert opt.last_update_coefficients[1] != 0.0  # the momentum was in use
+    for p, q in zip(model.h2.parameters(), unused):
+        assert torch.equal(p, q)

@@ -472,3 +472,33 @@ def test_a_parameter_without_a_gradient_does_not_move(with_closure):
     assert opt.last_update_coefficients[1] != 0.0  # the momentum was in use
     for p, q in zip(model.h2.parameters(), unused):
         assert torch.equal(p, q)
+
+
+def test_a_backward_discarded_by_zero_grad_does_not_measure_the_step():
+    """A validation gradient (``loss_func`` on another batch, ``backward()``) taken before
+    ``zero_grad()``: its loss is zeroed with its gradient, so the plain loop's measured loss
+    and damping are those of the clean loop (before, its value was added to the loss)."""
+    _, X, y = classifier()
+    runs = []
+    for validation in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+        opt = curvature.KFAC(
+            model,
+            fisher="type-2",
+            loss_func=CE,
+            update_rule="quadratic",
+            damping_adaptation_interval=1,
+        )
+        ratios = []
+        for i in range(5):
+            if validation:
+                CE(model(X[200:] * 2), y[200:]).backward()
+            opt.zero_grad()
+            CE(model(X[32 * i : 32 * (i + 1)]), y[32 * i : 32 * (i + 1)]).backward()
+            opt.step()
+            ratios.append(opt.last_reduction_ratio)
+        runs.append((flat(model), ratios, opt.param_groups[0]["damping"]))
+    assert runs[1][1] == runs[0][1]
+    assert runs[1][2] == runs[0][2]
+    assert torch.equal(runs[1][0], runs[0][0])

@@ -325,8 +325,9 @@ class StatisticsCollector:
 
         Empirical: everything folded so far. The automatic pulls of mc / type-2 /
         rademacher: those of forwards whose backward already ran (a forward whose backward
-        comes after ``zero_grad()`` still counts).
+        comes after ``zero_grad()`` still counts). So do the quadratic rule's losses.
         """
+        self.losses.clear()  # (their backward ran: a validation gradient, say)
         if self.fisher == FisherType.EMPIRICAL:
             self.discard()
         elif self.confirming:

@@ -210,6 +210,11 @@ class QuadraticRule:
 
     def _quadratic_update(self, closure, loss: Tensor, grads: Tensor, directions: Tensor) -> None:
         """Choose ``(alpha, mu)`` by the 2x2 solve and move the parameters."""
+        unused = [s.span for s in self._slots() if s.param.grad is None]
+        if unused:  # as in torch.optim, a parameter without a gradient does not move
+            directions = directions.clone()
+            for span in unused:
+                directions[span] = 0
         if closure is None:
             self._plain_quadratic_update(grads, directions)
             return
@@ -219,7 +224,7 @@ class QuadraticRule:
         previous = [self.state[s.param].get("previous_update") for s in slots]
         vectors = [-directions]
         if all(p is not None for p in previous):
-            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
+            vectors.append(self._momentum(slots, previous, directions))
         V = torch.stack(vectors)  # [K, P]
         # type-2 in one process: the exact GGN of the closure's batch from the statistics
         # its backward pulled (no second forward, no double backward); else (sampled pulls,
@@ -347,6 +352,14 @@ class QuadraticRule:
         h = torch.stack([v.to(like.device, plain_dtype(like)) for v in losses]).sum()
         return h, sum(into.shape[0] if into.dim() else 1 for _, into in kept)
 
+    @staticmethod
+    def _momentum(slots, previous, like: Tensor) -> Tensor:
+        """The previous update, flat; zero where a parameter has no gradient this step."""
+        moving = [
+            p if s.param.grad is not None else torch.zeros_like(p) for s, p in zip(slots, previous)
+        ]
+        return torch.cat([p.reshape(-1).to(like.dtype) for p in moving])
+
     def _plain_quadratic_update(self, grads: Tensor, directions: Tensor) -> None:
         """The rule without a closure: ``C`` is the batch Fisher / GGN from the pulled
         statistics (:meth:`_batch_gram`; else the Kronecker-factored curvature), the loss
@@ -360,7 +373,7 @@ class QuadraticRule:
         with_momentum = all(p is not None for p in previous)
         vectors = [-directions]
         if with_momentum:
-            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
+            vectors.append(self._momentum(slots, previous, directions))
         # the batch Gram matrix of the momentum before the rollback below zeroes it (then
         # masked): the loss and the Gram matrix are averaged over the ranks in one all-reduce
         h, batch = self._batch_gram(torch.stack(vectors), *self._observed_loss(grads))
@@ -397,7 +410,7 @@ class QuadraticRule:
                 group[key] = zero
         vectors = [-directions]
         if with_momentum:
-            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
+            vectors.append(self._momentum(slots, previous, directions))
         V = torch.stack(vectors)  # [K, P]
         lam = self._damping_vector(directions)
         if batch is None:  # no pulled statistics this step: the Kronecker-factored curvature

@@ -1225,8 +1225,8 @@ def _profiler(est):
 @row(
     "requires_grad-toggled",
     "`requires_grad_(False)` on a layer mid-run, then `requires_grad_(True)` again",
-    "Warning at each change (the curvature is reset); the frozen layer does not move; the "
-    "steps after the change are exact again.",
+    "Warning at each change (the curvature is reset, the step of the change takes the plain "
+    "gradient); the frozen layer does not move; the steps after the change are exact again.",
     OPT,
     outcome="warning",
 )
@@ -1288,6 +1288,28 @@ def _evaluation_forwards(est):
         model(X2)
         model.train()
         loss_func(out, y).backward()
+        opt.step()
+
+    exact(est, mlp(), ce(), *batch(), train=train)
+
+
+@row(
+    "training-forwards-without-backward",
+    "Training-mode forwards with gradients on that are never backpropagated (a training "
+    "accuracy on another batch before the forward, a validation loss with `loss_func` after "
+    "the backward)",
+    "Exact: only forwards that a backward reaches count (the curvature backward of type-2 / "
+    "mc still runs for the others; mc draws samples for it).",
+    OPT,
+)
+def _forwards_without_backward(est):
+    X2, y2 = batch(5)
+
+    def train(opt, model, loss_func, X, y):
+        opt.zero_grad()
+        (model(X2 * 3).argmax(1) == y2).float().mean()
+        loss_func(model(X), y).backward()
+        loss_func(model(X2), y2).item()
         opt.step()
 
     exact(est, mlp(), ce(), *batch(), train=train)

@@ -352,3 +352,153 @@ def test_freezing_a_layer_mid_run_keeps_training():
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
     opt.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known issue: the plain loop measures a step by the sum of the micro-batches' "
+    "loss_func values, while its model is of the union's mean loss (rho twice the one-batch "
+    "run's with 2 micro-batches); weighting each value by the backward's weight fixes this "
+    "but needs the distributed reduction and the AMP scale settled (see the docs)",
+)
+def test_gradient_accumulation_measures_the_union_loss():
+    """Two micro-batches with ``loss / 2`` each should be measured by the loss that the
+    backward differentiates (the mean of the two ``loss_func`` values), not their sum,
+    which makes the reduction ratio twice the one-batch run's and adapts the damping
+    differently. With identical halves the last micro-batch's Gauss-Newton matrix is the
+    union's, so the two loops should take the same steps."""
+    runs = []
+    for micro in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+        opt = curvature.KFAC(
+            model,
+            fisher="type-2",
+            loss_func=CE,
+            update_rule="quadratic",
+            damping_adaptation_interval=1,
+        )
+        ratios = []
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            X = torch.randn(8, 6, generator=g, dtype=torch.float64).repeat(2, 1)
+            y = torch.randint(0, 3, (8,), generator=g).repeat(2)
+            opt.zero_grad()
+            for Xc, yc in zip(X.chunk(micro), y.chunk(micro)):
+                (CE(model(Xc), yc) / micro).backward()
+            opt.step()
+            ratios.append(opt.last_reduction_ratio)
+        runs.append((flat(model), ratios[1:], opt.param_groups[0]["damping"]))
+    (one, rho_one, damping_one), (two, rho_two, damping_two) = runs
+    assert rho_two == pytest.approx(rho_one, rel=1e-9)
+    torch.testing.assert_close(two, one, rtol=1e-9, atol=1e-12)
+    assert damping_two == damping_one
+
+
+def test_a_grad_scaler_passed_to_the_optimizer_leaves_the_measured_loss_unscaled():
+    """``scaler.scale(loss).backward()`` weighs the loss by the scale; given the scaler, the
+    plain loop measures the unscaled loss: the same steps as without it (a power-of-two
+    scale, no autocast: the unscaled gradients are exact)."""
+    try:
+        torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    except (RuntimeError, TypeError, AttributeError) as err:
+        pytest.skip(f"no CPU GradScaler in this torch: {err}")
+    runs = []
+    for scaled in (False, True):
+        model, X, y = classifier()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        if scaled and not scaler.is_enabled():
+            pytest.skip("the CPU GradScaler is disabled in this torch")
+        opt = curvature.KFAC(
+            model,
+            fisher="type-2",
+            loss_func=CE,
+            update_rule="quadratic",
+            damping_adaptation_interval=1,
+            grad_scaler=scaler if scaled else None,
+        )
+        ratios = []
+        for i in range(6):
+            opt.zero_grad()
+            loss = CE(model(X[32 * i : 32 * (i + 1)]), y[32 * i : 32 * (i + 1)])
+            if scaled:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            ratios.append(opt.last_reduction_ratio)
+        runs.append((flat(model), ratios[1:]))
+    assert runs[1][1] == pytest.approx(runs[0][1], rel=1e-6)
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=1e-7)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.h1, self.h2 = nn.Linear(10, 16), nn.Linear(16, 3), nn.Linear(16, 3)
+
+    def forward(self, x, head=1):
+        h = torch.tanh(self.body(x))
+        return self.h1(h) if head == 1 else self.h2(h)
+
+
+@pytest.mark.parametrize("with_closure", [False, True], ids=["plain", "closure"])
+def test_a_parameter_without_a_gradient_does_not_move(with_closure):
+    """As in ``torch.optim``: a head unused in a step (``.grad`` is ``None``) keeps its
+    values; before, the rule's momentum moved it by ``mu`` times its last update."""
+    _, X, y = classifier()
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = curvature.KFAC(model, fisher="type-2", loss_func=CE, update_rule="quadratic")
+    for i, head in enumerate([2, 1, 1, 1]):
+        Xb, yb = X[32 * i : 32 * (i + 1)], y[32 * i : 32 * (i + 1)]
+
+        def closure(backward=True, Xb=Xb, yb=yb, head=head):
+            opt.zero_grad()
+            loss = CE(model(Xb, head), yb)
+            if backward:
+                loss.backward()
+            return loss
+
+        if head == 1 and i == 1:
+            unused = [p.detach().clone() for p in model.h2.parameters()]
+        if with_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+    assert opt.last_update_coefficients[1] != 0.0  # the momentum was in use
+    for p, q in zip(model.h2.parameters(), unused):
+        assert torch.equal(p, q)
+
+
+def test_a_backward_discarded_by_zero_grad_does_not_measure_the_step():
+    """A validation gradient (``loss_func`` on another batch, ``backward()``) taken before
+    ``zero_grad()``: its loss is zeroed with its gradient, so the plain loop's measured loss
+    and damping are those of the clean loop (before, its value was added to the loss)."""
+    _, X, y = classifier()
+    runs = []
+    for validation in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+        opt = curvature.KFAC(
+            model,
+            fisher="type-2",
+            loss_func=CE,
+            update_rule="quadratic",
+            damping_adaptation_interval=1,
+        )
+        ratios = []
+        for i in range(5):
+            if validation:
+                CE(model(X[200:] * 2), y[200:]).backward()
+            opt.zero_grad()
+            CE(model(X[32 * i : 32 * (i + 1)]), y[32 * i : 32 * (i + 1)]).backward()
+            opt.step()
+            ratios.append(opt.last_reduction_ratio)
+        runs.append((flat(model), ratios, opt.param_groups[0]["damping"]))
+    assert runs[1][1] == runs[0][1]
+    assert runs[1][2] == runs[0][2]
+    assert torch.equal(runs[1][0], runs[0][0])

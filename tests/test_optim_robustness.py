@@ -507,11 +507,70 @@ def test_eval_and_no_grad_forwards_after_step_change_nothing(fisher):
     data = [batch(seed=s) for s in range(4)]
     clean, clean_opt = _run_with_stray_forwards(fisher, None, data)
     stray, stray_opt = _run_with_stray_forwards(fisher, "after-step", data)
-    if fisher == "empirical":  # the unused train forward has no backward: dropped
+    if fisher != "mc":  # the unused train forward has no backward: dropped
         assert all(torch.equal(p, q) for p, q in zip(clean, stray))
         assert_factors_equal(stray_opt.factors(), clean_opt.factors())
-    else:  # type-2 / mc: a train forward with a graph is a curvature sample; it must be sane
-        assert all(bool(torch.isfinite(p).all()) for p in stray)
+    else:  # mc: its curvature backward drew other samples; the first layer's A is exact
+        A = clean_opt.factors()["0"][0]
+        torch.testing.assert_close(stray_opt.factors()["0"][0], A, atol=0, rtol=0)
+
+
+def _stray_grad_forwards(make, stray, steps=3):
+    """A loop with forwards that have a graph but no backward: a training accuracy on
+    another batch before the training forward, a validation loss with ``loss_func`` after
+    the backward (both without ``torch.no_grad()``)."""
+    model = mlp()
+    opt = make(model)
+    for seed in range(steps):
+        X, y = batch(seed=seed)
+        Xv, yv = batch(N=7, seed=100 + seed)
+        Xv = Xv * 10.0  # other inputs: counted, they would change A
+        opt.zero_grad()
+        if stray:
+            (model(Xv).argmax(1) == yv).float().mean()
+        loss = CE(model(X), y)
+        loss.backward()
+        if stray:
+            CE(model(Xv), yv).item()
+        opt.step()
+    return params(model), opt
+
+
+STRAY_MAKERS = {
+    "KFAC": lambda m, f: curvature.KFAC(m, lr=0.2, damping=1e-2, fisher=f, loss_func=CE),
+    "EKFAC": lambda m, f: curvature.EKFAC(m, lr=0.2, damping=1e-2, fisher=f, loss_func=CE),
+    "DiagonalNaturalGradient": lambda m, f: curvature.DiagonalNaturalGradient(
+        m, lr=0.2, damping=1e-2, fisher=f, loss_func=CE
+    ),
+    "KFAC-quadratic": lambda m, f: curvature.KFAC(
+        m, fisher=f, loss_func=CE, update_rule="quadratic", damping_adaptation_interval=1
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name, fisher",
+    [
+        (n, f)
+        for n in STRAY_MAKERS
+        for f in ("type-2", "mc")
+        if (n, f) != ("DiagonalNaturalGradient", "mc")
+    ],
+)
+def test_a_forward_that_no_backward_reaches_is_not_counted(name, fisher):
+    """The curvature backward of mc / type-2 runs at the end of every training forward;
+    only the forwards that a backward then reaches count (a training accuracy or a
+    validation loss computed with gradients on must not), with the quadratic rule's
+    losses and Gauss-Newton products too."""
+    clean, clean_opt = _stray_grad_forwards(lambda m: STRAY_MAKERS[name](m, fisher), False)
+    got, opt = _stray_grad_forwards(lambda m: STRAY_MAKERS[name](m, fisher), True)
+    if fisher == "type-2":  # no sampling: the same steps
+        assert all(torch.equal(p, q) for p, q in zip(clean, got))
+    if hasattr(opt, "factors"):  # mc: other samples drawn; the first layer's A is exact
+        A = clean_opt.factors()["0"][0]
+        torch.testing.assert_close(opt.factors()["0"][0], A, atol=0, rtol=0)
+        if fisher == "type-2":
+            assert_factors_equal(opt.factors(), clean_opt.factors())
 
 
 @pytest.mark.parametrize("stray", ["before-backward-no-grad", "before-backward-eval"])

@@ -221,8 +221,9 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         if now == self.layout.names or self._closed:
             return
         warn(
-            f"{type(self).__name__}: the trainable parameters changed since the last step; "
-            "the curvature estimates are reset."
+            f"{type(self).__name__}: the trainable parameters changed since the last step; the "
+            "curvature estimates are reset and this step takes the plain gradient (-lr * grad; "
+            "update_rule='quadratic': no move)."
         )
         self._collector.close()
         self._build()
@@ -478,8 +479,7 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
 
     def _flat_grads(self) -> Optional[Tensor]:
         """The gradients as one flat vector (averaged over the ranks where we sync them)."""
-        comm = self._comm if self.sync_grads else None
-        return flat_gradients(self.layout, comm, self._flat[0])
+        return flat_gradients(self.layout, self._comm if self.sync_grads else None, self._flat[0])
 
     def _group_damping(self, param: Tensor) -> float:
         for g in self.param_groups:

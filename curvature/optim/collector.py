@@ -42,6 +42,7 @@ from .distributed import (
     finish_statistics_reduction,
     start_statistics_reduction,
 )
+from .pending import PendingPulls, PendingStatistics, absorb, count_loss
 from .statistics import BatchContext, StepStatistics, normalize, promote
 
 Accumulate = Callable[..., None]
@@ -98,9 +99,8 @@ class StatisticsCollector:
         self.loss_func = loss_func
         self.mc_samples = mc_samples
         self.auto_output = auto_output
-        # held weakly: the optimizer owns the collector, so a strong reference back would
-        # make a cycle that only the garbage collector frees (after the hooks' weak
-        # handles are cleared, so that they could not be removed)
+        # held weakly: a strong reference back would make a cycle that only the garbage
+        # collector frees (after the hooks' weak handles are cleared: unremovable hooks)
         self._accumulate = weakref.WeakMethod(accumulate)
         self._finish = None if finish is None else weakref.WeakMethod(finish)
         self.generator = generator
@@ -118,11 +118,10 @@ class StatisticsCollector:
         self.forward_scale = 1.0
         self.pending: Optional[PendingReduction] = None
         self.waiting: Optional[Any] = None  # a forward whose curvature backward is due
-        self.staged: Optional[StepStatistics] = None  # its output pull, until the loss
+        self.staged: Optional[PendingStatistics] = None  # its output pull, until the loss
         self.staged_rng: Optional[Tensor] = None
         self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
         self.late_warned = False
-        self.backward_seen = False
         self.graph_warned = False
         self.root_seen = False  # a forward of the model itself ran
         self.root_warned = False
@@ -135,8 +134,8 @@ class StatisticsCollector:
         self.capture.on_forward(start=self._forward_start, end=self._forward_end)
         if self.pulls and auto_output and loss_func is not None:
             self.capture.watch_module(loss_func, end=self._loss_called)
-        # automatic pulls wait for their forward's backward: zero_grad() before it drops them
-        self.unconfirmed = StepStatistics()
+        # automatic pulls wait for a backward through them; zero_grad() after it drops them
+        self.unconfirmed = PendingPulls()
         self.confirming = self.pulls and auto_output and ddp is None
         if self.confirming:
             self.capture.watch_accumulation(self._accumulated)
@@ -210,9 +209,8 @@ class StatisticsCollector:
             return
         self.waiting = output
         if self.mode == "unknown" and isinstance(output, Tensor) and output.grad_fn is not None:
-            self.staged = StepStatistics()
+            self.staged = PendingStatistics(self.projections is not None)
             self.staged_rng = self.generator.get_state()  # restored if it is replaced
-            self.backward_seen = False
             self.pull(output, self.loss_func, None, keep_calls=True, stats=self.staged)
 
     def _loss_called(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -240,8 +238,8 @@ class StatisticsCollector:
         if self.sink is not None:
             self.sink["called"].append((values[0], module, values[1]))
         elif self.projections is not None and self.model.training and not self.evaluating:
-            if isinstance(output, Tensor) and output.numel() == 1:  # the input: whose loss
-                self.losses.append((output.detach().reshape(()), values[0]))
+            if isinstance(output, Tensor) and output.numel() == 1 and output.requires_grad:
+                count_loss(self, output, values[0])  # counted once a backward reaches it
 
     def _check_targets(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Empirical Fisher, ``CrossEntropyLoss(reduction="mean")``: no ignored targets.
@@ -279,10 +277,12 @@ class StatisticsCollector:
             self.staged = None
             return
         if self.staged is not None:
-            seen = self.backward_seen or not self.confirming
-            (self.stats if seen else self.unconfirmed).absorb(self.staged)
-            self.staged = None
+            staged, self.staged = self.staged, None
             self.capture.clear()  # the staged forward's calls
+            if self.confirming and not staged.reached:  # no backward yet: which mode is open
+                self.unconfirmed.items.append(staged)
+                return
+            absorb(self.stats, self.projections, staged)
             self.mode = "output"
             self._launch_early()
             return
@@ -313,29 +313,30 @@ class StatisticsCollector:
         self._launch_early()
 
     def _auto_stats(self) -> StepStatistics:
-        """Where an automatic pull's statistics go: held until the user's backward."""
-        return self.unconfirmed if self.confirming else self.stats
+        """Where an automatic pull's statistics go: held until a backward reaches it."""
+        return self.unconfirmed.new(self.projections is not None) if self.confirming else self.stats
 
-    def _accumulated(self) -> None:
-        """The user's backward accumulated gradients: its forwards' statistics count."""
-        self.backward_seen = True
-        if self.unconfirmed:
-            self.stats.absorb(self.unconfirmed)
-            self.unconfirmed = StepStatistics()
+    def _accumulated(self, drop: bool = False) -> None:
+        """A backward accumulated gradients: the pulls it reached count (``drop``: the rest go)."""
+        self.unconfirmed.confirm(self.stats, self.projections, drop)
 
     def gradients_zeroed(self) -> None:
         """``zero_grad()``: drop the statistics whose gradients were just zeroed.
 
         Empirical: everything folded so far. The automatic pulls of mc / type-2 /
         rademacher: those of forwards whose backward already ran (a forward whose backward
-        comes after ``zero_grad()`` still counts).
+        comes after ``zero_grad()`` still counts). So do the quadratic rule's losses.
         """
+        self.losses.clear()  # (their backward ran: a validation gradient, say)
         if self.fisher == FisherType.EMPIRICAL:
             self.discard()
         elif self.confirming:
             self.stats.drop_queue()
             self.stats.take()
-            if self.staged is not None and self.backward_seen:
+            if self.projections is not None:
+                self.projections.clear()
+            self.unconfirmed.forget_reached()
+            if self.staged is not None and self.staged.reached:
                 self.staged, self.waiting = None, None
                 self.capture.clear()
 
@@ -412,6 +413,8 @@ class StatisticsCollector:
         # G-like sums are kept as raw per-sample sums: the sources carry sqrt(R(N)).
         context = BatchContext(N, reduction, 1.0 / reduction_scale(loss_func, N))
         self._consume(self.capture.reached(take=not keep_calls), context, stats=stats)
+        if isinstance(stats, PendingStatistics):
+            stats.watch(output)  # after the pull, whose own backward would fire the hook
 
     def consume_pushed(self) -> None:
         """Fold the calls whose user backward committed (``"empirical"``) and flush."""
@@ -473,8 +476,9 @@ class StatisticsCollector:
                         continue
                     ctx, with_g = self._prepare(module, rule, cs, context)
                     term = self.term if self.registered else 0
-                    if self.projections is not None and isinstance(context, BatchContext):
-                        self.projections.append((ctx, term, name, rule.expanded_blocks(module, cs)))
+                    records = getattr(stats, "projections", self.projections)
+                    if records is not None and isinstance(context, BatchContext):
+                        records.append((ctx, term, name, rule.expanded_blocks(module, cs)))
 
                     def emit(key, values, kinds, rows=0, _ctx=ctx, _term=term):
                         stats.add((*key, _term), values, kinds, _ctx, rows)
@@ -513,7 +517,7 @@ class StatisticsCollector:
             self.consume_pushed()
         self.warn_no_root()
         self.settle()  # a forward whose loss_func call never came
-        self._accumulated()  # forwards without a backward count too
+        self._accumulated(drop=True)  # a forward no backward reached does not count
         self.stats.flush()
         self.capture.clear()  # calls whose backward never came (or kept for registration)
 
@@ -537,10 +541,7 @@ class StatisticsCollector:
             )
 
     def finalize(self, default_dtype: torch.dtype) -> Dict[Any, list]:
-        """The step's statistics, reduced over the ranks and normalized (then reset).
-
-        Returns an empty dict when the step is not due or nothing was collected.
-        """
+        """The step's statistics, reduced over the ranks and normalized (``{}``: none)."""
         out: Dict[Any, list] = {}
         if self.due and (self.stats or self.comm is not None):
             stats = self.stats.take()
@@ -565,11 +566,9 @@ class StatisticsCollector:
         """Overlap the statistics all-reduce with the backward when they are final.
 
         Under DDP, ``require_backward_grad_sync`` is ``False`` inside ``no_sync()``; a
-        training forward outside it is the step's last micro-batch, and for the Fisher
-        types whose backward the optimizer runs at the end of the forward its statistics
-        are complete there: their reduction is launched at once and runs during the
-        user's backward (statistics of any later forward are reduced at ``step()`` and
-        added).
+        training forward outside it is the step's last micro-batch, whose pulled statistics
+        are complete at its end: their reduction runs during the user's backward (those of
+        any later forward are reduced at ``step()`` and added).
         """
         if self.comm is None or self.ddp is None or self.pending is not None:
             return
@@ -589,7 +588,7 @@ class StatisticsCollector:
             self.pending = None
         self.stats.drop_queue()
         self.stats.take()
-        self.unconfirmed = StepStatistics()
+        self.unconfirmed = PendingPulls()
 
     def default_dtype(self) -> torch.dtype:
         """float64 for float64 models, else float32."""

@@ -221,6 +221,11 @@ class QuadraticRule:
 
     def _quadratic_update(self, closure, loss: Tensor, grads: Tensor, directions: Tensor) -> None:
         """Choose ``(alpha, mu)`` by the 2x2 solve and move the parameters."""
+        unused = [s.span for s in self._slots() if s.param.grad is None]
+        if unused:  # as in torch.optim, a parameter without a gradient does not move
+            directions = directions.clone()
+            for span in unused:
+                directions[span] = 0
         if closure is None:
             self._plain_quadratic_update(grads, directions)
             return
@@ -230,7 +235,8 @@ class QuadraticRule:
         previous = [self.state[s.param].get("previous_update") for s in slots]
         vectors = [-directions]
         if all(p is not None for p in previous):
-            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in previous]))
+            moving = self._moving(slots, previous)
+            vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in moving]))
         V = torch.stack(vectors)  # [K, P]
         # type-2 in one process: the exact GGN of the closure's batch from the statistics
         # its backward pulled (no second forward, no double backward); else (sampled pulls,
@@ -358,6 +364,13 @@ class QuadraticRule:
         h = torch.stack([v.to(like.device, plain_dtype(like)) for v in losses]).sum()
         return h, sum(into.shape[0] if into.dim() else 1 for _, into in kept)
 
+    @staticmethod
+    def _moving(slots, previous: List[Tensor]) -> List[Tensor]:
+        """The previous update per parameter; zero where a parameter has no gradient."""
+        return [
+            p if s.param.grad is not None else torch.zeros_like(p) for s, p in zip(slots, previous)
+        ]
+
     def _plain_quadratic_update(self, grads: Tensor, directions: Tensor) -> None:
         """The rule without a closure: ``C`` is the batch Fisher / GGN from the pulled
         statistics (:meth:`_batch_gram`; else the Kronecker-factored curvature), the loss
@@ -372,7 +385,8 @@ class QuadraticRule:
         previous = [self.state[s.param].get("previous_update") for s in slots]
         with_momentum = all(p is not None for p in previous)
         buffers = self.__dict__.setdefault("_plain_buffers", DirectionBuffers())
-        V, out = buffers.directions(self.layout, directions, previous if with_momentum else None)
+        moving = self._moving(slots, previous) if with_momentum else None
+        V, out = buffers.directions(self.layout, directions, moving)
         # the loss and the batch Gram matrix are averaged over the ranks in one all-reduce
         h, batch = self._batch_gram(V, *self._observed_loss(grads))
         zero = h.new_zeros(())

@@ -1,0 +1,97 @@
+"""Statistics of one forward held until a backward reaches it (:class:`PendingStatistics`).
+
+The automatic curvature backward of ``"mc"`` / ``"type-2"`` / ``"rademacher"`` runs at
+the end of a training forward (or at the user's call of ``loss_func``), before the user's
+``loss.backward()``. A forward that is never backpropagated (a training-accuracy or
+validation forward with gradients enabled) must not count: its statistics wait here
+until a backward (``loss.backward()`` or ``torch.autograd.grad``) reaches the tensor they
+were pulled from, which a hook on that tensor records.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, List, Optional
+
+from torch import Tensor
+
+from .statistics import StepStatistics
+
+
+class PendingStatistics(StepStatistics):
+    """One automatic pull's statistics and quadratic-rule projections, until reached.
+
+    Attributes:
+        reached: Whether a backward has passed through the pulled tensor since the pull.
+        projections: The pull's records for the plain-loop quadratic rule (``None``: off).
+
+    """
+
+    def __init__(self, projections: bool) -> None:
+        super().__init__()
+        self.reached = False
+        self.projections: Optional[List[Any]] = [] if projections else None
+
+    def watch(self, tensor: Any) -> None:
+        """Set :attr:`reached` when a backward next computes the gradient of ``tensor``.
+
+        Called after the pull (whose own batched backward would fire the hook); a tensor
+        without a graph is never reached.
+        """
+        if isinstance(tensor, Tensor) and tensor.requires_grad:
+            when_reached(tensor, weakref.ref(self), lambda p: setattr(p, "reached", True))
+
+
+def when_reached(tensor: Tensor, ref: Any, action: Callable[[Any], None]) -> None:
+    """Call ``action(ref())`` once, when a backward first computes ``tensor``'s gradient.
+
+    ``ref`` is a weak reference (or any callable returning the object, ``None`` when gone).
+    """
+    done = [False]
+
+    def hook(grad: Tensor) -> None:
+        target = ref()
+        if not done[0] and target is not None:
+            done[0] = True
+            action(target)
+
+    tensor.register_hook(hook)
+
+
+def count_loss(owner: Any, output: Tensor, into: Tensor) -> None:
+    """Append ``(output, into)`` to ``owner.losses`` once a backward reaches the scalar loss
+    ``output`` (the plain-loop quadratic rule's loss; not a validation loss with grad on).
+    """
+    record = (output.detach().reshape(()), into)
+    when_reached(output, weakref.ref(owner), lambda collector: collector.losses.append(record))
+
+
+def absorb(stats: StepStatistics, records: Optional[List[Any]], pending: PendingStatistics) -> None:
+    """Add ``pending``'s statistics to ``stats`` and its projections to ``records``."""
+    stats.absorb(pending)
+    if records is not None and pending.projections:
+        records.extend(pending.projections)
+
+
+class PendingPulls:
+    """The automatic pulls of a step not yet reached by a backward, in pull order."""
+
+    def __init__(self) -> None:
+        self.items: List[PendingStatistics] = []
+
+    def new(self, projections: bool) -> PendingStatistics:
+        """A new pull's (empty) statistics, held here."""
+        pending = PendingStatistics(projections)
+        self.items.append(pending)
+        return pending
+
+    def confirm(self, stats: StepStatistics, records: Optional[List[Any]], drop: bool) -> None:
+        """Move the reached pulls into ``stats`` / ``records``; ``drop``: forget the rest."""
+        for pending in self.items:
+            if pending.reached:
+                absorb(stats, records, pending)
+        self.items = [p for p in self.items if not (p.reached or drop)]
+
+    def forget_reached(self) -> None:
+        """``zero_grad()``: the reached pulls' gradients were zeroed, so they do not count."""
+        self.items = [p for p in self.items if not p.reached]

@@ -237,6 +237,14 @@ def training_steps(model, twin, X, y, loss_func, with_asdl):
                 yield f"ASDL KFAC {label}", asdl_kfac(theirs, X, y, loss_func, fisher), None
 
 
+def _load_average():
+    """The 1-minute load average of the machine, or ``None`` where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def asdl_text():
     """How the ASDL rows were measured (for the generated section)."""
     version = common.package_version("asdfghjkl")
@@ -293,6 +301,7 @@ def main(argv=None):
     gate = common.QuietGate() if hasattr(common, "QuietGate") else (lambda: None)
     with_asdl = load_asdl() is not None
     rows, data = [], {}
+    load_start = _load_average()
     start = time.perf_counter()
     keys = ["mlp", "cnn", "tokens"]
     for key, (title, model, X, y) in zip(keys, workloads()):
@@ -334,17 +343,29 @@ def main(argv=None):
         f"({time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - start:.0f} s). "
         f"Machine: {common.machine_line()}"
         + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
-        + ".\n\n"
+        + "."
+        + (
+            f" Load average (1 min, other jobs included) {load_start:.1f} at the start, "
+            f"{_load_average():.1f} at the end."
+            if load_start is not None
+            else ""
+        )
+        + "\n\n"
         "One full training step (zero_grad, forward, backward, optimizer step with statistics "
         "every step and decompositions every 10 steps, amortized) as a ratio to a plain "
         "forward+backward: each measurement times 10 consecutive steps (one refresh "
         "period, so exactly one refresh) against 10 plain steps; `time` is per step. "
         + (asdl_text() if with_asdl else ASDL_REFERENCE)
-        + " The baseline runs on a copy of the model without the "
-        "optimizers' hooks. On the CNN, the 12544->128 layer exceeds "
-        "`max_factor_size=4096`: its `A` is kept as its diagonal, `G` full "
-        "(`OneSidedBlock`; ASDL decomposes the full factor), so that row is not a "
-        "like-for-like comparison. KFAC uses its default pi damping (damped inverses "
+        + " The baseline runs on a copy of the model without the optimizers' hooks. "
+        + (
+            "On the CNN, the 12544->128 layer exceeds "
+            "`max_factor_size=4096`: its `A` is kept as its diagonal, `G` full "
+            "(`OneSidedBlock`; ASDL decomposes the full factor), so that row is not a "
+            "like-for-like comparison. "
+            if "cnn" in args.workloads
+            else ""
+        )
+        + "KFAC uses its default pi damping (damped inverses "
         "by Cholesky at each refresh); EKFAC decomposes with `eigh`.\n\n"
         + table
         + (head_to_head(data) if with_asdl else "")

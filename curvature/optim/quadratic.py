@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from ..options import FisherType
 from ..warn import warn
-from .updates import damping_factor
+from .updates import damping_factor, layer_projections
 
 Output = Tuple[Tensor, nn.Module, Optional[Tensor]]
 
@@ -508,8 +508,8 @@ class QuadraticRule:
                 for suffix, ix in index.items():
                     a, g = blocks[suffix]  # [N, S, C, D], [..., N, S, C, D_out]
                     Vc = V.to(a.dtype).index_select(1, ix.reshape(-1))
-                    z = torch.einsum("nscd,kcod->knsco", a, Vc.view(V.shape[0], *ix.shape))
-                    part = torch.einsum("knsco,lnsco->kln", z, g.reshape(-1, *g.shape[-4:]))
+                    g = g.reshape(-1, *g.shape[-4:])  # [L, N, S, C, D_out]
+                    part = layer_projections(a, g, Vc.view(-1, *ix.shape))
                     u = part if u is None else u + part  # [K, L, N]: summed over the layers
             if u is None:
                 continue

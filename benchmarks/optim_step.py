@@ -9,15 +9,26 @@ The ratio includes the amortized decompositions (``inverse_every=10``): each tim
 is 10 consecutive training steps (one refresh period), against 10 plain steps.
 ``--device cuda`` runs the same workloads on the GPU (each timed call ends with
 ``torch.cuda.synchronize()``) and writes its own section of docs/benchmarks.md.
+
+When ASDL is installed (``pip install asdfghjkl``, import ``asdl``), its KFAC training step
+is measured in the same run, the same way ("ASDL KFAC empirical" and "ASDL KFAC mc-1",
+right after ours): ``KfacGradientMaker`` with statistics every step, inverses every 10
+steps (``curvature_upd_interval=1``, ``preconditioner_upd_interval=10``), the same damping
+(pi, ``1e-2``) and factor average (``ema_decay = 1 - factor_decay = 0.05``), then an SGD
+step on the preconditioned gradient. Without ASDL the section quotes its figures from
+shared/PERFORMANCE.md (measured on another machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
 import time
+import types
+import warnings
 
 import torch
 from torch import nn
@@ -80,14 +91,194 @@ def _period(fn, device=None):
     return run
 
 
+LR, DAMPING, FACTOR_DECAY = 1e-4, 1e-2, 0.95  # of the curvature optimizers (ours and ASDL's)
+
+#: ASDL's figures from shared/PERFORMANCE.md (another machine), quoted when ASDL is missing
+ASDL_REFERENCE = (
+    "Peers' figures from shared/PERFORMANCE.md for the same workloads: "
+    "KFAC step with inverses every 10 steps 6.9x / 41x / 3.1x (ASDL), an "
+    "SGD step 1.2x (another machine; ASDL is not installed here, so not re-measured)."
+)
+
+
 def optimizers(model, loss_func):
     yield "SGD", torch.optim.SGD(model.parameters(), lr=1e-3)
-    yield "Adam", torch.optim.Adam(model.parameters(), lr=1e-4)
-    kw = dict(lr=1e-4, damping=1e-2, inverse_every=PERIOD, loss_func=loss_func)
+    yield "Adam", torch.optim.Adam(model.parameters(), lr=LR)
+    kw = dict(lr=LR, damping=DAMPING, inverse_every=PERIOD, loss_func=loss_func)
     yield "KFAC empirical", curvature.KFAC(model, fisher="empirical", **kw)
     yield "KFAC mc-1", curvature.KFAC(model, fisher="mc", **kw)
     yield "EKFAC empirical", curvature.EKFAC(model, fisher="empirical", **kw)
     yield "DiagonalNG empirical", curvature.DiagonalNaturalGradient(model, fisher="empirical", **kw)
+
+
+# -- ASDL (peer) ---------------------------------------------------------------------------------
+def load_asdl():
+    """ASDL (``pip install asdfghjkl``, import ``asdl``) ready to run here, or ``None``.
+
+    ASDL wraps its statistics and its refresh in ``torch.cuda.nvtx.range``, which raises
+    on a CPU-only build of torch ("NVTX functions not installed"). There its module-level
+    ``nvtx`` names are replaced by a no-op range: NVTX ranges are profiler annotations
+    and compute nothing. Two warnings it triggers in every step are silenced.
+    """
+    try:
+        import asdl
+        from asdl.operations import operation
+        from asdl.precondition import natural_gradient
+    except ImportError:
+        return None
+    try:
+        torch.cuda.nvtx.range_push("asdl")
+        torch.cuda.nvtx.range_pop()
+    except RuntimeError:
+        shim = types.SimpleNamespace(range=lambda *args, **kwargs: contextlib.nullcontext())
+        operation.nvtx = natural_gradient.nvtx = shim
+    warnings.filterwarnings("ignore", "Using a non-full backward hook", FutureWarning)
+    warnings.filterwarnings("ignore", ".*Consider using tensor.detach", UserWarning)
+    return asdl
+
+
+def asdl_kfac(
+    model,
+    X,
+    y,
+    loss_func,
+    fisher="empirical",
+    *,
+    lr=LR,
+    damping=DAMPING,
+    factor_decay=FACTOR_DECAY,
+    period=PERIOD,
+):
+    """One ASDL KFAC training step on ``(X, y)``, set up like our ``curvature.KFAC`` rows.
+
+    ``KfacGradientMaker`` (Kronecker factors, "expand" for convolutions) computes the
+    statistics in every step (``curvature_upd_interval=1``; its own forward and backward,
+    which also give the gradient) and the damped factor inverses every ``period`` steps
+    (``preconditioner_upd_interval``; Cholesky with pi damping, ``(A + pi sqrt(lambda)
+    I)`` and ``(B + sqrt(lambda)/pi I)`` with ``pi = sqrt(mean diag A / mean diag B)``,
+    as our default), averages the factors by ``ema_decay = 1 - factor_decay`` (the weight
+    of the new estimate) and leaves the preconditioned gradient in ``.grad``, where a
+    plain SGD step uses it. ``data_size`` is the number of terms ``loss_func`` averages
+    (``N`` for a cross-entropy, every element for an MSE), so that ASDL's gradient is
+    that of our mean loss.
+
+    Args:
+        model (nn.Module): The model (ASDL stores its factors on the modules).
+        X (Tensor): Inputs ``[N, ...]``.
+        y (Tensor): Targets: class indices ``[N]`` or regression targets.
+        loss_func (nn.Module): ``nn.CrossEntropyLoss()`` or ``nn.MSELoss()`` (mean).
+        fisher (str): ``"empirical"`` or ``"mc"`` (one sample).
+        lr (float): SGD learning rate.
+        damping (float): ``lambda``.
+        factor_decay (float): Weight of the old factors in their running average.
+        period (int): Steps between two inverse refreshes.
+
+    Returns:
+        Callable[[], None]: The training step (zero_grad, ASDL's forward and backward
+        with statistics and, every ``period`` steps, the inverses; preconditioning; SGD).
+
+    Raises:
+        ImportError: When ASDL is not installed.
+        ValueError: For another ``fisher`` or loss.
+    """
+    asdl = load_asdl()
+    if asdl is None:
+        raise ImportError("ASDL is not installed: pip install asdfghjkl")
+    fishers = {"empirical": asdl.FISHER_EMP, "mc": asdl.FISHER_MC}
+    if fisher not in fishers:
+        raise ValueError(f"fisher must be one of {sorted(fishers)}, got {fisher!r}")
+    if isinstance(loss_func, nn.CrossEntropyLoss):
+        loss_type, data_size = asdl.LOSS_CROSS_ENTROPY, y.shape[0]
+    elif isinstance(loss_func, nn.MSELoss):
+        loss_type, data_size = asdl.LOSS_MSE, y.numel()
+    else:
+        raise ValueError(f"loss_func must be nn.CrossEntropyLoss or nn.MSELoss, got {loss_func}")
+    if loss_func.reduction != "mean":
+        raise ValueError(f"loss_func must average (reduction='mean'), got {loss_func.reduction!r}")
+    config = asdl.PreconditioningConfig(
+        data_size=data_size,
+        damping=damping,
+        ema_decay=1.0 - factor_decay,
+        curvature_upd_interval=1,
+        preconditioner_upd_interval=period,
+    )
+    maker = asdl.KfacGradientMaker(
+        model, config, fisher_type=fishers[fisher], loss_type=loss_type, n_mc_samples=1
+    )
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step():
+        sgd.zero_grad()
+        output = maker.setup_model_call(model, X)
+        maker.setup_loss_call(loss_func, output, y)
+        maker.forward_and_backward()
+        sgd.step()
+
+    return step
+
+
+def training_steps(model, twin, X, y, loss_func, with_asdl):
+    """``(name, step, close)`` of every row: ours, and ASDL's right after our KFAC rows.
+
+    Ours share ``model`` (one after the other; each is closed before the next is built);
+    ASDL gets a fresh copy of the untouched ``twin``.
+    """
+    for name, opt in optimizers(model, loss_func):
+
+        def step(opt=opt):
+            opt.zero_grad()
+            loss_func(model(X), y).backward()
+            opt.step()
+
+        yield name, step, getattr(opt, "close", None)
+        if name == "KFAC mc-1" and with_asdl:
+            for fisher, label in (("empirical", "empirical"), ("mc", "mc-1")):
+                theirs = copy.deepcopy(twin)
+                yield f"ASDL KFAC {label}", asdl_kfac(theirs, X, y, loss_func, fisher), None
+
+
+def _load_average():
+    """The 1-minute load average of the machine, or ``None`` where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def asdl_text():
+    """How the ASDL rows were measured (for the generated section)."""
+    version = common.package_version("asdfghjkl")
+    return (
+        f"ASDL (asdfghjkl {version}) is measured in the same run, the same way, right after "
+        "our KFAC rows: `KfacGradientMaker` with statistics every step "
+        "(`curvature_upd_interval=1`, its own forward and backward) and Cholesky inverses "
+        "every 10 steps (`preconditioner_upd_interval=10`), pi damping `1e-2` as ours, "
+        "`ema_decay=0.05` (our `factor_decay=0.95`), then an SGD step on the preconditioned "
+        "gradient (`benchmarks/optim_step.py`, `asdl_kfac`). Its preconditioned gradient "
+        "equals ours on bias-free layers (tests/test_optim_step_bench.py); it keeps the bias "
+        "out of `A` and starts its factor average from zero, we put the bias in `A` and "
+        "start from the first factors."
+    )
+
+
+def head_to_head(data):
+    """Our KFAC empirical / mc-1 ratio over ASDL's, per workload (same run)."""
+    lines = []
+    for title, res in data.items():
+        pairs = [
+            f"{fisher} {res[f'KFAC {fisher}']['ratio'] / res[f'ASDL KFAC {fisher}']['ratio']:.2f}"
+            for fisher in ("empirical", "mc-1")
+            if f"KFAC {fisher}" in res and f"ASDL KFAC {fisher}" in res
+        ]
+        if pairs:
+            lines.append(f"- {title}: " + ", ".join(pairs))
+    if not lines:
+        return ""
+    return (
+        "\n\nOur KFAC step over ASDL's (the two ratios above; below 1: ours is faster):\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def main(argv=None):
@@ -108,7 +299,9 @@ def main(argv=None):
         parser.error("--device cuda: CUDA is not available")
     repeats = 3 if args.quick else 7
     gate = common.QuietGate() if hasattr(common, "QuietGate") else (lambda: None)
+    with_asdl = load_asdl() is not None
     rows, data = [], {}
+    load_start = _load_average()
     start = time.perf_counter()
     keys = ["mlp", "cnn", "tokens"]
     for key, (title, model, X, y) in zip(keys, workloads()):
@@ -124,13 +317,7 @@ def main(argv=None):
             model.zero_grad()
             loss_func(model(X), y).backward()
 
-        for name, opt in optimizers(model, loss_func):
-
-            def step(opt=opt, model=model, X=X, y=y, loss_func=loss_func):
-                opt.zero_grad()
-                loss_func(model(X), y).backward()
-                opt.step()
-
+        for name, step, close in training_steps(model, twin, X, y, loss_func, with_asdl):
             # one measurement = one refresh period, so that every measurement holds
             # exactly one refresh (a median over shorter blocks would mostly miss it)
             res = common.compare(
@@ -145,8 +332,8 @@ def main(argv=None):
             rows.append([title, name, f"{1e3 * res['time']:.1f}", f"{res['ratio']:.2f}"])
             data.setdefault(title, {})[name] = res
             print(f"{title:40s} {name:22s} {res['ratio']:6.2f}x", flush=True)
-            if hasattr(opt, "close"):
-                opt.close()
+            if close is not None:
+                close()
     table = common.markdown_table(["workload", "optimizer", "time [ms]", "x fwd+bwd"], rows)
     command = "python benchmarks/optim_step.py" + (" --quick" if args.quick else "")
     command += " --workloads " + " ".join(args.workloads)
@@ -156,21 +343,34 @@ def main(argv=None):
         f"({time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - start:.0f} s). "
         f"Machine: {common.machine_line()}"
         + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
-        + ".\n\n"
+        + "."
+        + (
+            f" Load average (1 min, other jobs included) {load_start:.1f} at the start, "
+            f"{_load_average():.1f} at the end."
+            if load_start is not None
+            else ""
+        )
+        + "\n\n"
         "One full training step (zero_grad, forward, backward, optimizer step with statistics "
         "every step and decompositions every 10 steps, amortized) as a ratio to a plain "
         "forward+backward: each measurement times 10 consecutive steps (one refresh "
         "period, so exactly one refresh) against 10 plain steps; `time` is per step. "
-        "Peers' figures from shared/PERFORMANCE.md for the same workloads: "
-        "KFAC step with inverses every 10 steps 6.9x / 41x / 3.1x (ASDL), an "
-        "SGD step 1.2x. The baseline runs on a copy of the model without the "
-        "optimizers' hooks. On the CNN, the 12544->128 layer exceeds "
-        "`max_factor_size=4096`: its `A` is kept as its diagonal, `G` full "
-        "(`OneSidedBlock`; ASDL decomposes the full factor), so that row is not a "
-        "like-for-like comparison. KFAC uses its default pi damping (damped inverses "
-        "by Cholesky at each refresh); EKFAC decomposes with `eigh`.\n\n" + table
+        + (asdl_text() if with_asdl else ASDL_REFERENCE)
+        + " The baseline runs on a copy of the model without the optimizers' hooks. "
+        + (
+            "On the CNN, the 12544->128 layer exceeds "
+            "`max_factor_size=4096`: its `A` is kept as its diagonal, `G` full "
+            "(`OneSidedBlock`; ASDL decomposes the full factor), so that row is not a "
+            "like-for-like comparison. "
+            if "cnn" in args.workloads
+            else ""
+        )
+        + "KFAC uses its default pi damping (damped inverses "
+        "by Cholesky at each refresh); EKFAC decomposes with `eigh`.\n\n"
+        + table
+        + (head_to_head(data) if with_asdl else "")
     )
-    print(table)
+    print(table + (head_to_head(data) if with_asdl else ""))
     if not args.no_doc:
         title = "Optimizer steps" + (f" ({device.type})" if device.type != "cpu" else "")
         common.update_doc_section("docs/benchmarks.md", title, body)

@@ -37,12 +37,14 @@ def brute_products(V, a, g, index):
     return u
 
 
-LAYERS = ["linear", "linear-no-bias", "linear-frozen-weight", "conv-groups"]
+LAYERS = ["linear", "linear-no-bias", "linear-frozen-weight", "linear-wide", "conv-groups"]
 
 
 def layer(name):
     if name == "conv-groups":
         return nn.Conv2d(4, 6, 2, groups=2)
+    if name == "linear-wide":  # D_out >= D: through g^T W
+        return nn.Linear(3, 7)
     module = nn.Linear(5, 3, bias=name != "linear-no-bias")
     module.weight.requires_grad_(name != "linear-frozen-weight")
     return module

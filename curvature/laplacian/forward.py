@@ -163,8 +163,11 @@ def _observed(module: nn.Module) -> bool:
 def elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:
     """``(z, dz, lap) -> (s(z), s'(z) dz, s'(z) lap + s''(z) sum_j c_j dz_j^2)``.
 
-    One full-size product ``s'(z) * state``, then slot 0 and the Laplacian slot are
-    written in place (into that fresh product, which no one else holds): no concatenation.
+    The state is split into views of its three parts and the result concatenated: the
+    backward of a concatenation is a view per part and that of the split one
+    concatenation, where writing slot 0 and the Laplacian slot in place into a
+    full-size product (and reading slot 0 by indexing) made the backward clone the
+    full-size gradient per write and fill a full-size zero tensor per read.
 
     Args:
         derivatives: ``z -> (s(z), s'(z), s''(z))`` (``s''`` may be ``None``: zero).
@@ -174,13 +177,13 @@ def elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:
         ``[N, d + 2, *F]``.
 
     """
-    value, d1, d2 = derivatives(state[:, 0])
-    out = d1.unsqueeze(1) * state
-    out[:, 0] = value
+    z, dz, lap = state.split([1, state.shape[1] - 2, 1], dim=1)
+    value, d1, d2 = derivatives(z.squeeze(1))  # each [N, *F]
+    d1 = d1.unsqueeze(1)
+    lap = d1 * lap
     if d2 is not None:
-        dz = state[:, 1:-1]
-        out[:, -1].addcmul_(d2, _weighted_sum(dz * dz))
-    return out
+        lap = torch.addcmul(lap, d2.unsqueeze(1), _weighted_sum(dz * dz).unsqueeze(1))
+    return torch.cat([value.unsqueeze(1).expand_as(lap), d1 * dz, lap], dim=1)
 
 
 def _weighted_sum(t: Tensor) -> Tensor:

@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 from torch import Tensor
 
+from .updates import layer_projections
+
 
 class Projection(NamedTuple):
     """Where a layer block's matrix ``[C, D_out, D]`` lies in the flat vector.
@@ -83,24 +85,43 @@ def layer_products(V: Tensor, a: Tensor, g: Tensor, where: Projection) -> Tensor
     g = g.reshape(-1, N, S * C * Do)  # [L, N, M]
     if where.weight is None:  # gather the positions
         Vc = V.to(a.dtype).index_select(1, where.index.reshape(-1)).view(K, C, Do, D)
-        z = torch.einsum("nscd,kcod->knsco", a, Vc)
-    else:  # views of the directions: z = a_w W^T (+ a_b b)
-        Dw, w = where.columns, where.weight
-        W = V[:, w : w + C * Do * Dw].view(K, C, Do, Dw).to(a.dtype)
-        if C == 1:
-            rows = a.reshape(N * S, D)
-            z = a.new_empty(K, N * S, Do)
-            for k in range(K):
-                torch.mm(rows[:, :Dw], W[k, 0].T, out=z[k])
-            z = z.view(K, N, S, C, Do)
-        else:
-            z = torch.einsum("nscd,kcod->knsco", a[..., :Dw], W)
-        if where.bias is not None:
-            b = V[:, where.bias : where.bias + C * Do].view(K, 1, 1, C, Do).to(a.dtype)
-            z.addcmul_(a[None, ..., Dw:], b)
+        return layer_projections(a, g.view(-1, N, S, C, Do), Vc)
+    Dw, w = where.columns, where.weight  # views of the directions: z = a_w W^T (+ a_b b)
+    W = V[:, w : w + C * Do * Dw].view(K, C, Do, Dw).to(a.dtype)
+    if C == 1 and Do >= D:  # the narrower side (as updates.layer_projections): g^T W a
+        return _through_g(V, a, g, W, where)
+    if C == 1:
+        rows = a.reshape(N * S, D)
+        z = a.new_empty(K, N * S, Do)
+        for k in range(K):
+            torch.mm(rows[:, :Dw], W[k, 0].T, out=z[k])
+        z = z.view(K, N, S, C, Do)
+    else:
+        z = torch.einsum("nscd,kcod->knsco", a[..., :Dw], W)
+    if where.bias is not None:
+        b = V[:, where.bias : where.bias + C * Do].view(K, 1, 1, C, Do).to(a.dtype)
+        z.addcmul_(a[None, ..., Dw:], b)
     # sum over the positions, groups and outputs per sample: [N, K, M] @ [N, M, L]
     u = torch.bmm(z.reshape(K, N, -1).transpose(0, 1), g.permute(1, 2, 0))
     return u.permute(1, 2, 0)
+
+
+def _through_g(V: Tensor, a: Tensor, g: Tensor, W: Tensor, where: Projection) -> Tensor:
+    """:func:`layer_products` of one group with ``D_out >= D``: ``y = g W`` (``[L N S, D_w]``
+    per direction), then summed against ``a_w`` (and ``(g . b) a_b`` for the bias column).
+    """
+    K, L = V.shape[0], g.shape[0]
+    N, S, _, D = a.shape
+    Do, Dw = W.shape[-2], where.columns
+    rows, g2 = a.reshape(1, N * S, D), g.reshape(L * N * S, Do)
+    u = a.new_zeros(K, L, N * S)
+    for k in range(K):
+        y = torch.mm(g2, W[k, 0]).view(L, N * S, Dw)
+        u[k] = (y * rows[..., :Dw]).sum(-1)
+        if where.bias is not None:
+            b = V[k, where.bias : where.bias + Do].to(a.dtype)
+            u[k] += torch.mv(g2, b).view(L, N * S) * rows[..., Dw]
+    return u.view(K, L, N, S).sum(-1)
 
 
 def batch_gram(

@@ -884,18 +884,24 @@ def equal_time_accuracy(methods: Dict[str, Dict[int, Dict]], seeds: Sequence[int
 
     A run ends at the first check past the budget, so a method with slow steps (KFAC) can
     end later than the others; this line compares all at the same time (runs stopped at the
-    target are left out: they reached it).
+    target are left out: they reached it; so are diverged runs, which stop at once and would
+    set the time to their divergence: they are named as diverged).
     """
     out = []
     for s in seeds:
         runs = {m: by[s] for m, by in methods.items() if s in by}
-        open_runs = [r for r in runs.values() if r["time_to_target"] is None]
+        open_runs = [
+            r for r in runs.values() if r["time_to_target"] is None and not r.get("diverged")
+        ]
         if len(open_runs) < 2:
             continue
         t = min(r["times"][-1] for r in open_runs)
         cells = []
         for m, r in runs.items():
             if r["time_to_target"] is not None:
+                continue
+            if r.get("diverged"):
+                cells.append(f"{m} diverged ({r['times'][-1]:.0f} s, {r['steps'][-1]} steps)")
                 continue
             k = max(i for i, x in enumerate(r["times"]) if x <= t)
             acc = r["metrics"][k]["test_acc"]

@@ -359,6 +359,24 @@ def test_equal_time_accuracy_reads_each_curve_at_the_shortest_end():
     assert line + " (5 s, 100 steps); KFAC defaults 80.0% (4 s, 10 steps)" in text
 
 
+def test_equal_time_accuracy_leaves_out_a_diverged_run():
+    # a run that diverged at 1 s does not set the equal time (it would compare at 1 s)
+    res = image_fixture(None)
+    base = image_run("SGD+momentum lr=0.1", 0, None, 0.85)  # ends at 5 s
+    other = image_run("AdamW lr=0.001", 0, None, 0.86)
+    other.update(times=[0.0, 4.0, 9.0], steps=[0, 10, 20])
+    other["metrics"] = [{"loss": 1.0, "test_acc": 0.1}, {"loss": 0.5, "test_acc": 0.8}]
+    other["metrics"].append({"loss": 0.3, "test_acc": 0.88})
+    other["losses"] = [1.0, 0.5, 0.3]
+    bad = image_run("KFAC defaults", 0, None, 0.1)
+    bad.update(times=[0.0, 1.0], diverged=True)
+    res["runs"] = [base, other, bad]
+    text = training.report({"resnet18": res}, [0])
+    line = "- at equal time, seed 0 (last check at or before 5 s): SGD+momentum lr=0.1 85.0%"
+    assert line + " (5 s, 100 steps); AdamW lr=0.001 80.0% (4 s, 10 steps); " in text
+    assert "KFAC defaults diverged (1 s, 100 steps)" in text
+
+
 def test_time_based_checks_after_the_first_step_past_each_multiple(monkeypatch):
     clock = [0.0]
 

@@ -229,7 +229,15 @@ def test_image_verdict_against_the_fastest_baseline_of_every_kind():
 def test_image_verdict_when_no_baseline_reaches_the_target():
     res = image_fixture(5.0)
     res["runs"] = [image_run("AdamW lr=0.001", 0, None, 0.85), res["runs"][2]]
-    assert "0 (no baseline reached it)" in training.report({"resnet18": res}, [0])
+    # KFAC at 5 s, the baseline not in its 5 s: below 5 / 5, an upper bound for the verdict
+    text = training.report({"resnet18": res}, [0])
+    assert "= < 1.00 (no baseline reached it in 5 s)" in text and "**met**" in text
+    res["runs"].append(image_run("SGD+momentum lr=0.1", 1, None, 0.8))  # no seed-0 run
+    assert "= < 1.00 (no baseline reached it in 5 s)" in training.report({"resnet18": res}, [0])
+    res["runs"].pop()
+    res["runs"][1] = image_run("KFAC defaults", 0, 4.0, 0.91)
+    res["runs"][0]["times"][-1] = 2.0  # a baseline that ran only 2 s decides nothing
+    assert "= < 2.00 (no baseline reached it in 2 s)" in training.report({"resnet18": res}, [0])
     res["runs"][1] = image_run("KFAC defaults", 0, None, 0.87)
     text = training.report({"resnet18": res}, [0])
     assert "= n/a" in text and "**not met** (neither KFAC nor" in text

@@ -419,22 +419,23 @@ def ae_run(method, times, losses, seed=0):
     }
 
 
-def test_autoencoder_split_sets_the_target_from_the_best_adam_of_all_parts():
-    def part(adam, kfac):
-        return {
-            "results": {
-                "autoencoder": {
-                    "title": "AE",
-                    "target": "later",
-                    "grids": {"adam": adam} if adam else {},
-                    "runs": adam[-1:] + kfac,
-                    "target_loss": None,
-                    "budget": 600.0,
-                    "target_later": True,
-                }
-            }
-        }
+def ae_part(adam, kfac, seed=0):
+    """One saved part of a split autoencoder run: Adam grid points (the last as a row) or
+    KFAC rows, on ``seed``."""
+    res = {
+        "title": "AE",
+        "target": "later",
+        "grids": {"adam": adam} if adam else {},
+        "runs": adam[-1:] + kfac,
+        "target_loss": None,
+        "budget": 600.0,
+        "target_later": True,
+    }
+    return {"seeds": [seed], "results": {"autoencoder": res}}
 
+
+def test_autoencoder_split_sets_the_target_from_the_best_adam_of_all_parts():
+    part = ae_part
     a = [ae_run("Adam lr=0.001", [0, 300, 600], [0.5, 0.31, 0.29])]
     b = [ae_run("Adam lr=0.003", [0, 300, 600], [0.5, 0.30, 0.32])]
     k = [ae_run("KFAC adaptive", [0, 100, 150, 300], [0.5, 0.3, 0.289, 0.28])]
@@ -450,18 +451,7 @@ def test_autoencoder_split_sets_the_target_from_the_best_adam_of_all_parts():
 
 
 def test_autoencoder_targets_per_seed_from_the_tuned_adam_rerun_on_that_seed():
-    def part(adam, kfac, seed):
-        res = {
-            "title": "AE",
-            "target": "later",
-            "grids": {"adam": adam} if adam else {},
-            "runs": adam[-1:] + kfac,
-            "target_loss": None,
-            "budget": 600.0,
-            "target_later": True,
-        }
-        return {"seeds": [seed], "results": {"autoencoder": res}}
-
+    part = ae_part
     a0 = [ae_run("Adam lr=0.001", [0, 300, 600], [0.5, 0.31, 0.29])]
     b0 = [ae_run("Adam lr=0.003", [0, 300, 600], [0.5, 0.30, 0.32])]
     a1 = [ae_run("Adam lr=0.001", [0, 300, 600], [0.5, 0.31, 0.295], seed=1)]

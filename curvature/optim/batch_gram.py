@@ -23,8 +23,6 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 from torch import Tensor
 
-from .updates import layer_projections
-
 
 class Projection(NamedTuple):
     """Where a layer block's matrix ``[C, D_out, D]`` lies in the flat vector.
@@ -72,6 +70,13 @@ def projection_of(index: Tensor, device: torch.device) -> Projection:
 def layer_products(V: Tensor, a: Tensor, g: Tensor, where: Projection) -> Tensor:
     """``u [K, L, N]``: ``u[k, l, n] = sum_{s, c} g[l, n, s, c]^T V_k[c] a[n, s, c]``.
 
+    The layer's part of each direction is read as views (``W [K, C, D_out, D_w]`` and the
+    bias column ``b [K, C, D_out]``) where its positions are strided, else gathered through
+    the index (``D_w = D``, no separate bias). With one group the product runs on the
+    narrower side: ``z = a_w W^T (+ a_b b)`` (``[N S, D_out]`` per direction) when
+    ``D_out < D``, else ``y = g W`` (``[L N S, D_w]``), then summed against the other
+    operand; a first layer of a few inputs never forms a ``D_out``-wide intermediate.
+
     Args:
         V: ``[K, P]`` directions over the flat parameters.
         a: ``[N, S, C, D]`` the layer's expanded inputs (bias column included).
@@ -82,46 +87,39 @@ def layer_products(V: Tensor, a: Tensor, g: Tensor, where: Projection) -> Tensor
     K = V.shape[0]
     N, S, C, D = a.shape
     Do = g.shape[-1]
-    g = g.reshape(-1, N, S * C * Do)  # [L, N, M]
+    g = g.reshape(-1, N, S, C, Do)  # [L, N, S, C, D_out]
+    L = g.shape[0]
+    b: Optional[Tensor] = None
     if where.weight is None:  # gather the positions
-        Vc = V.to(a.dtype).index_select(1, where.index.reshape(-1)).view(K, C, Do, D)
-        return layer_projections(a, g.view(-1, N, S, C, Do), Vc)
-    Dw, w = where.columns, where.weight  # views of the directions: z = a_w W^T (+ a_b b)
-    W = V[:, w : w + C * Do * Dw].view(K, C, Do, Dw).to(a.dtype)
-    if C == 1 and Do >= D:  # the narrower side (as updates.layer_projections): g^T W a
-        return _through_g(V, a, g, W, where)
-    if C == 1:
-        rows = a.reshape(N * S, D)
-        z = a.new_empty(K, N * S, Do)
-        for k in range(K):
-            torch.mm(rows[:, :Dw], W[k, 0].T, out=z[k])
-        z = z.view(K, N, S, C, Do)
-    else:
-        z = torch.einsum("nscd,kcod->knsco", a[..., :Dw], W)
-    if where.bias is not None:
-        b = V[:, where.bias : where.bias + C * Do].view(K, 1, 1, C, Do).to(a.dtype)
-        z.addcmul_(a[None, ..., Dw:], b)
-    # sum over the positions, groups and outputs per sample: [N, K, M] @ [N, M, L]
-    u = torch.bmm(z.reshape(K, N, -1).transpose(0, 1), g.permute(1, 2, 0))
-    return u.permute(1, 2, 0)
-
-
-def _through_g(V: Tensor, a: Tensor, g: Tensor, W: Tensor, where: Projection) -> Tensor:
-    """:func:`layer_products` of one group with ``D_out >= D``: ``y = g W`` (``[L N S, D_w]``
-    per direction), then summed against ``a_w`` (and ``(g . b) a_b`` for the bias column).
-    """
-    K, L = V.shape[0], g.shape[0]
-    N, S, _, D = a.shape
-    Do, Dw = W.shape[-2], where.columns
-    rows, g2 = a.reshape(1, N * S, D), g.reshape(L * N * S, Do)
-    u = a.new_zeros(K, L, N * S)
-    for k in range(K):
-        y = torch.mm(g2, W[k, 0]).view(L, N * S, Dw)
-        u[k] = (y * rows[..., :Dw]).sum(-1)
+        Dw = D
+        W = V.to(a.dtype).index_select(1, where.index.reshape(-1)).view(K, C, Do, D)
+    else:  # views of the directions
+        Dw, w = where.columns, where.weight
+        W = V[:, w : w + C * Do * Dw].view(K, C, Do, Dw).to(a.dtype)
         if where.bias is not None:
-            b = V[k, where.bias : where.bias + Do].to(a.dtype)
-            u[k] += torch.mv(g2, b).view(L, N * S) * rows[..., Dw]
-    return u.view(K, L, N, S).sum(-1)
+            b = V[:, where.bias : where.bias + C * Do].view(K, C, Do).to(a.dtype)
+    if C != 1:
+        z = torch.einsum("nscd,kcod->knsco", a[..., :Dw], W)
+        if b is not None:
+            z.addcmul_(a[None, ..., Dw:], b.view(K, 1, 1, C, Do))
+        return torch.einsum("knsco,lnsco->kln", z, g)
+    rows, g2 = a.reshape(N * S, D), g.reshape(L * N * S, Do)
+    if Do >= D:  # through g: y = g W, summed against a_w (and (g . b) a_b)
+        u = a.new_zeros(K, L, N * S)
+        for k in range(K):
+            y = torch.mm(g2, W[k, 0]).view(L, N * S, Dw)
+            u[k] = (y * rows[:, :Dw]).sum(-1)
+            if b is not None:
+                u[k] += torch.mv(g2, b[k, 0]).view(L, N * S) * rows[:, Dw]
+        return u.view(K, L, N, S).sum(-1)
+    z = a.new_empty(K, N * S, Do)  # through a: z = a_w W^T (+ a_b b)
+    for k in range(K):
+        torch.mm(rows[:, :Dw], W[k, 0].T, out=z[k])
+    if b is not None:
+        z.addcmul_(rows[None, :, Dw:], b[:, 0, None, :])
+    # sum over the positions and outputs per sample: [N, K, S D_out] @ [N, S D_out, L]
+    z = z.view(K, N, S * Do).transpose(0, 1)
+    return torch.bmm(z, g.reshape(L, N, S * Do).permute(1, 2, 0)).permute(1, 2, 0)
 
 
 def batch_gram(

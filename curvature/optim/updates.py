@@ -275,44 +275,7 @@ __all__: List[str] = [
     "apply_update",
     "damping_factor",
     "kl_scale",
-    "layer_projections",
     "line_search",
     "loss_only",
     "reduction_ratio",
 ]
-
-
-def layer_projections(a: Tensor, g: Tensor, Vc: Tensor) -> Tensor:
-    """``[K, L, N]``: ``sum_{s, c} g[l, n, s, c]^T Vc[k, c] a[n, s, c]`` for one layer.
-
-    The projections of the quadratic rule's batch Gram matrix (``(J v_k)^T`` times the
-    ``l``-th pulled source, per sample). With one group, one matrix product on the
-    narrower side: ``V a`` (``[N S, K D_out]``) when ``D_out < D``, else ``g^T V``
-    (``[L N S, K D]``), then a product with the other operand summed over its last axis;
-    a first layer (``D`` of a few inputs) thus never forms a ``D_out``-wide intermediate
-    per vector.
-
-    Args:
-        a: Expanded inputs ``[N, S, C, D]``.
-        g: Pulled output gradients ``[L, N, S, C, D_out]``.
-        Vc: The vectors' entries of the layer, ``[K, C, D_out, D]``.
-
-    Returns:
-        ``[K, L, N]``.
-
-    """
-    N, S, C, D = a.shape
-    L, K, D_out = g.shape[0], Vc.shape[0], g.shape[-1]
-    if C != 1:
-        z = torch.einsum("nscd,kcod->knsco", a, Vc)
-        return torch.einsum("knsco,lnsco->kln", z, g)
-    a2, g2, W = a.reshape(N * S, D), g.reshape(L, N * S, D_out), Vc.reshape(K, D_out, D)
-    if D_out < D:
-        z = (a2 @ W.reshape(K * D_out, D).T).view(1, N * S, K, D_out)
-        part = (z * g2.unsqueeze(2)).sum(-1)  # [L, N S, K]
-    else:
-        y = (g2.reshape(L * N * S, D_out) @ W.transpose(0, 1).reshape(D_out, K * D)).view(
-            L, N * S, K, D
-        )
-        part = (y * a2.view(1, N * S, 1, D)).sum(-1)  # [L, N S, K]
-    return part.view(L, N, S, K).sum(2).permute(2, 0, 1)

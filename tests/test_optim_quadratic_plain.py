@@ -45,6 +45,18 @@ def linear_problem(N=12, seed=0):
     return nn.Linear(3, 2).double(), X, y
 
 
+def measured_kfac(model):
+    """KFAC with the quadratic rule on type-2 statistics, damping adapted every step (the
+    reduction ratio of every step is read)."""
+    return curvature.KFAC(
+        model,
+        fisher="type-2",
+        loss_func=CE,
+        update_rule="quadratic",
+        damping_adaptation_interval=1,
+    )
+
+
 def classifier(seed=0):
     torch.manual_seed(seed)
     X = torch.randn(256, 10)
@@ -371,13 +383,7 @@ def test_gradient_accumulation_measures_the_union_loss():
     for micro in (1, 2):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-        opt = curvature.KFAC(
-            model,
-            fisher="type-2",
-            loss_func=CE,
-            update_rule="quadratic",
-            damping_adaptation_interval=1,
-        )
+        opt = measured_kfac(model)
         ratios = []
         for seed in range(4):
             g = torch.Generator().manual_seed(seed)
@@ -483,13 +489,7 @@ def test_a_backward_discarded_by_zero_grad_does_not_measure_the_step():
     for validation in (False, True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
-        opt = curvature.KFAC(
-            model,
-            fisher="type-2",
-            loss_func=CE,
-            update_rule="quadratic",
-            damping_adaptation_interval=1,
-        )
+        opt = measured_kfac(model)
         ratios = []
         for i in range(5):
             if validation:

@@ -451,12 +451,8 @@ def _kfac(
             f"max_factor_size={largest} to keep their factors (memory ~ size^2, "
             "inversion ~ size^3)."
         )
-    covered = set(torch.cat(host_index).tolist()) if host_index else set()
-    uncovered = [
-        n
-        for n, p in zip(layout.names, layout.params)
-        if layout.offsets[n] not in covered and p.numel() > 0
-    ]
+    covered = set(layout.covered_names(host_index))
+    uncovered = [n for n, p in zip(layout.names, layout.params) if n not in covered and p.numel()]
     if skipped or uncovered:
         msg = (
             "KFAC covers no block for "

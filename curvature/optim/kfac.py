@@ -306,12 +306,10 @@ class KFAC(CurvatureOptimizer):
 
     def _covered_names(self) -> List[str]:
         index = self._block_indices()
-        covered = set()
-        for ix in list(index.values()) + list(self._large.values()):
-            covered.update(ix.reshape(-1).tolist())
+        covered = self.layout.covered_names([*index.values(), *self._large.values()])
         if self._large:
             warn(large_message(self, sorted(block_name(*k) for k in self._large)))
-        return [n for n, o in self.layout.offsets.items() if o in covered]
+        return covered
 
     def factors(self) -> Dict[str, Any]:
         """Block name to the running ``(A, G)`` (``[groups, D, D]`` for grouped convs).

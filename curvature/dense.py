@@ -39,6 +39,11 @@ def batches(data: Data) -> List[Tuple[Tensor, Tensor]]:
     return [(b[0], b[1]) for b in out]
 
 
+def empty_batch(X, y) -> bool:
+    """Whether a batch has no samples (an input or target with zero entries)."""
+    return any(isinstance(t, Tensor) and t.numel() == 0 for t in (X, y))
+
+
 def trainable(model: nn.Module) -> Dict[str, Tensor]:
     """Trainable parameters (``requires_grad``) in ``named_parameters`` order, detached."""
     layout = ParamLayout.of(model)

@@ -42,7 +42,7 @@ from .blocks import (
     onesided_sides,
 )
 from .capture import capture, isolated
-from .dense import Data, batch_weights, batches
+from .dense import Data, batch_weights, batches, empty_batch
 from .layer_stats import (
     MAX_EXACT_BLOCK,
     block_name,
@@ -63,7 +63,16 @@ from .losses import (
     hessian_sqrt_chunks,
     require_tensor_output,
 )
-from .options import DampingMode, FisherType, KFACApproxType, Unsupported, choice, renamed
+from .options import (
+    DampingMode,
+    FisherType,
+    KFACApproxType,
+    Unsupported,
+    check_max_factor_size,
+    choice,
+    renamed,
+)
+from .positionwise import fold_positions
 from .warn import warn
 
 KFAC_APPROX = tuple(m.value for m in KFACApproxType)
@@ -215,7 +224,7 @@ def _check_args(
             "'per_sample_diagonal'."
         )
     unsupported, arg = renamed(unsupported, on_unsupported, "unsupported", "on_unsupported", caller)
-    _check_max_factor_size(max_factor_size, caller)
+    check_max_factor_size(max_factor_size, caller)
     check_loss(loss_func)
     fisher = check_fisher(fisher)
     kfac_approx = choice(KFACApproxType, kfac_approx, f"{caller}(kfac_approx")
@@ -243,7 +252,7 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chu
     once per chunk of at most :data:`MAX_SOURCES_NUMEL` entries of vectors.
     """
     generator = torch.Generator().manual_seed(seed)
-    bs = [(X, y) for X, y in batches(data) if not _empty(X, y)]
+    bs = [(X, y) for X, y in batches(data) if not empty_batch(X, y)]
     if not bs:
         raise ValueError(
             f"{caller}(data): the batch is empty (N = 0; every batch of data has no "
@@ -265,11 +274,6 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chu
             )
             cap.pull(out, V, is_grads_batched=True, retain_graph=False)
         yield w, cap
-
-
-def _empty(X, y) -> bool:
-    """Whether a batch has no samples (an input or target with zero entries)."""
-    return any(isinstance(t, Tensor) and t.numel() == 0 for t in (X, y))
 
 
 def kfac(
@@ -338,14 +342,6 @@ def kfac(
         max_factor_size=max_factor_size,
         large_factors=large_factors,
     )
-
-
-def _check_max_factor_size(value, caller: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{caller}(max_factor_size={value!r}): a positive int; blocks with a larger "
-            "Kronecker factor use the per-sample Fisher diagonal (default 4096)."
-        )
 
 
 def _kfac(
@@ -566,6 +562,10 @@ def diag_ggn(
     weights) sums their per-vector gradients before squaring
     (:func:`curvature.layer_stats.tied_fisher_diagonal`).
 
+    Per-position losses on ``[N, *pos, C]`` have ``C P`` type-2 vectors (in chunks); a model
+    that provably never mixes positions (:mod:`curvature.positionwise`: a token MLP) gets
+    them folded into the samples, ``C`` vectors: the same diagonal, ``P`` times less work.
+
     Returns:
         Trainable parameter name to a tensor of the parameter's shape.
 
@@ -577,6 +577,8 @@ def diag_ggn(
     layout = ParamLayout.of(model)
     ref = layout.params[0]
     flat = torch.zeros(layout.numel, dtype=ref.dtype, device=ref.device)
+    if fisher == FisherType.TYPE2:  # the same GGN with the positions as samples, C vectors
+        data, _ = fold_positions(model, loss_func, batches(data))
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):
         sharing = cap.sharing()
         with cap.computing():

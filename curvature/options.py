@@ -128,3 +128,12 @@ def renamed(value: Any, old_value: Any, name: str, old_name: str, who: str) -> T
         DeprecationWarning,
     )
     return old_value, old_name
+
+
+def check_max_factor_size(value: Any, caller: str) -> None:
+    """A ``ValueError`` unless ``max_factor_size`` is a positive int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{caller}(max_factor_size={value!r}): a positive int; blocks with a larger "
+            "Kronecker factor use the per-sample Fisher diagonal (default 4096)."
+        )

@@ -45,6 +45,10 @@ TORCH_PRIVATE = frozenset(
         "_forward_pre_hooks",  # nn.Module._forward_pre_hooks
         "_global_forward_hooks",  # torch.nn.modules.module._global_forward_hooks
         "_global_forward_pre_hooks",  # torch.nn.modules.module._global_forward_pre_hooks
+        "_backward_hooks",  # nn.Module._backward_hooks
+        "_backward_pre_hooks",  # nn.Module._backward_pre_hooks
+        "_global_backward_hooks",  # torch.nn.modules.module._global_backward_hooks
+        "_global_backward_pre_hooks",  # torch.nn.modules.module._global_backward_pre_hooks
         "_modules",  # nn.Module._modules: the children dict, set in place
         # torch.compile's wrapper (OptimizedModule) exposes the compiled model only here
         "_orig_mod",  # OptimizedModule._orig_mod: the model torch.compile wrapped

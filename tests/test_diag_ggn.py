@@ -220,20 +220,26 @@ def test_ignored_targets_add_nothing_with_sum_and_are_refused_with_mean(fisher):
 
 
 # -- per-position losses: the type-2 vectors in chunks ---------------------------------------------
-@pytest.mark.parametrize("loss", ["mse", "ce-sum", "ce-mean", "bce"])
+class _Chain(nn.Sequential):
+    """Not trusted to keep positions apart (curvature.positionwise): the C T vectors."""
+
+
+@pytest.mark.parametrize("loss", ["mse", "mse-chain", "ce-sum", "ce-mean", "bce", "bce-chain"])
 def test_type2_diagonal_of_per_token_losses_pulls_chunks_of_vectors(loss, monkeypatch):
     # [N, T, C] outputs with a per-token loss have T C type-2 vectors of N T C entries
     # each; they are pulled a chunk at a time (a sum of squares over the vectors), with
-    # the same result as the whole set and as the dense GGN
+    # the same result as the whole set and as the dense GGN. The plain nn.Sequential's
+    # positions are folded into the samples (C vectors of N T C entries, also chunked)
     N, T, C = 3, 5, 4
     if loss.startswith("ce"):  # EmbedNormConvLinear mixes the positions (a Conv1d)
         model, X = EmbedNormConvLinear(classes=C), torch.randint(0, 6, (N, T))
         y = torch.randint(0, C, (N, T))
         loss_func = nn.CrossEntropyLoss(reduction=loss[3:])
     else:
-        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, C)).double()
+        chain = _Chain if loss.endswith("chain") else nn.Sequential
+        model = chain(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, C)).double()
         X, y = torch.randn(N, T, 6), torch.rand(N, T, C)
-        loss_func = nn.MSELoss() if loss == "mse" else nn.BCEWithLogitsLoss()
+        loss_func = nn.MSELoss() if loss.startswith("mse") else nn.BCEWithLogitsLoss()
     model = model.double()
     whole = curvature.diag_ggn(model, loss_func, (X, y))
     module = importlib.import_module("curvature.kfac")  # curvature.kfac is the function

@@ -250,8 +250,12 @@ def optimizers(model: nn.Module, loss_func: nn.Module):
 
 
 # -- syncs ---------------------------------------------------------------------------------------
+#: Where the synchronizations counted by :func:`count_syncs` happened (``file:line``)
+SYNC_SITES: Dict[str, int] = {}
+
+
 def count_syncs(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
-    """Synchronizing CUDA calls made by ``fn`` (``None`` off CUDA)."""
+    """Synchronizing CUDA calls made by ``fn`` (``None`` off CUDA); sites in SYNC_SITES."""
     if device.type != "cuda":
         fn()
         return None
@@ -263,7 +267,11 @@ def count_syncs(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    hits = [w for w in caught if "synchroniz" in str(w.message)]
+    for w in hits:
+        site = f"{os.path.relpath(w.filename)}:{w.lineno}"
+        SYNC_SITES[site] = SYNC_SITES.get(site, 0) + 1
+    return len(hits)
 
 
 def part_syncs(device: torch.device, scale: str) -> Dict[str, Any]:
@@ -288,12 +296,16 @@ def part_syncs(device: torch.device, scale: str) -> Dict[str, Any]:
         plain = [count_syncs(step, device) for _ in range(PERIOD - 2)]  # steps 2..9
         refresh = count_syncs(step, device)  # step 10 refreshes
         out[name] = {"plain_steps": plain, "refresh_step": refresh}
+    out["sites (optimizers)"] = dict(SYNC_SITES)
+    SYNC_SITES.clear()
     model = make().to(device)
+    _quiet(lambda: curvature.kfac(model, loss_func, (X, y)))  # warm-up
     for fisher in ("empirical", "mc"):
         out[f"kfac() {fisher}"] = count_syncs(
             lambda f=fisher: _quiet(lambda: curvature.kfac(model, loss_func, (X, y), fisher=f)),
             device,
         )
+    out["sites (kfac)"] = dict(SYNC_SITES)
     return out
 
 
@@ -591,6 +603,23 @@ def _peers(model, loss_func, X, y):
                 return op
 
             yield label, run
+        if hasattr(curvlinops, "EKFACLinearOperator"):
+
+            def run_ekfac():
+                op = curvlinops.EKFACLinearOperator(
+                    model,
+                    loss_func,
+                    params,
+                    [(X, y)],
+                    check_deterministic=False,
+                    fisher_type="mc",
+                )
+                for name in ("compute_kronecker_factors", "compute_eigenvalue_correction"):
+                    if hasattr(op, name):
+                        getattr(op, name)()
+                return op
+
+            yield "curvlinops EKFAC mc-1", run_ekfac
     try:
         from backpack import backpack, extend
         from backpack.extensions import DiagGGNExact
@@ -675,7 +704,7 @@ def render(data: Dict[str, Any]) -> str:
         ]
         rows = []
         for name, v in syncs.items():
-            if isinstance(v, dict):
+            if isinstance(v, dict) and "plain_steps" in v:
                 plain, ref = max(v["plain_steps"]), v["refresh_step"]
                 ok = plain == 0 and ref <= 2
                 rows.append([name, str(plain), str(ref), _met(ok)])

@@ -73,6 +73,7 @@ from .options import (
     renamed,
 )
 from .positionwise import fold_positions
+from .rng import SamplingGenerators
 from .warn import warn
 
 KFAC_APPROX = tuple(m.value for m in KFACApproxType)
@@ -251,7 +252,9 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chu
     sample is a ``ValueError``. ``chunked`` (type-2, for sums over the vectors): yield
     once per chunk of at most :data:`MAX_SOURCES_NUMEL` entries of vectors.
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = SamplingGenerators(
+        torch.Generator().manual_seed(seed)
+    )  # draws on the output's device
     bs = [(X, y) for X, y in batches(data) if not empty_batch(X, y)]
     if not bs:
         raise ValueError(
@@ -406,12 +409,12 @@ def _kfac(
                         None if G_sum is None else (w * G_sum if s[1] is None else s[1] + w * G_sum)
                     )
                     s[2] += count
-    blocks, host_index = [], []  # the host's index tensors: coverage without a device read
+    blocks, indices = [], []  # built on the factors' device: no host copy per call
     for (name, suffix), (A_sum, G_sum, count) in stats.items():
         module, rule = layers[name]
-        index = _block_index(module, rule, name, suffix, layout)
-        host_index.append(index.reshape(-1))
-        index = index.to(A_sum.device)
+        with torch.device(A_sum.device):
+            index = _block_index(module, rule, name, suffix, layout)
+        indices.append(index.reshape(-1))
         A = A_sum / count
         if G_sum is None:
             G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device)
@@ -420,10 +423,10 @@ def _kfac(
             G = G_sum
         blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
     for (name, suffix), st in diag_stats.items():
-        index = large[name][suffix]
-        host_index.append(index.reshape(-1))
+        index = large[name][suffix].to(st[0].device)
+        indices.append(index.reshape(-1))
         if len(st) == 4:  # one-sided: [A_sum, G_sum, count, (full_A, full_G)]
-            blocks.append(OneSidedBlock(block_name(name, suffix), index.to(st[0].device), *st[3]))
+            blocks.append(OneSidedBlock(block_name(name, suffix), index, *st[3]))
             blocks[-1].update(st[0] / st[2], st[1])
             continue
         d = (st[0] if st[1] is None else st[0] / st[1]).expand(index.shape)
@@ -447,7 +450,7 @@ def _kfac(
             f"max_factor_size={largest} to keep their factors (memory ~ size^2, "
             "inversion ~ size^3)."
         )
-    covered = set(layout.covered_names(host_index))
+    covered = set(layout.covered_names(indices))  # one read of the device
     uncovered = [n for n, p in zip(layout.names, layout.params) if n not in covered and p.numel()]
     if skipped or uncovered:
         msg = (
@@ -589,8 +592,9 @@ def diag_ggn(
                 if sharing.tied(name):
                     continue
                 kron, parts = fisher_diagonal(rule, module, calls)
-                index = rule.kfac_index(module, layout.local_offsets(name)) if kron else None
-                for suffix, d in parts.items():
-                    ix = index[suffix] if kron else layer_positions(layout, name, module, rule)
-                    flat.index_add_(0, ix.reshape(-1).to(flat.device), w * d.reshape(-1).to(flat))
+                with torch.device(flat.device):  # index built there: no host copy
+                    index = rule.kfac_index(module, layout.local_offsets(name)) if kron else None
+                    for suffix, d in parts.items():
+                        ix = index[suffix] if kron else layer_positions(layout, name, module, rule)
+                        flat.index_add_(0, ix.reshape(-1), w * d.reshape(-1).to(flat))
     return layout.unflatten_dict(flat)

@@ -205,3 +205,27 @@ def test_flat_params_is_a_detached_copy():
     flat.zero_()
     assert model.weight.abs().sum() > 0
     assert layout.flat_params(torch.float64).dtype == torch.float64
+
+
+def test_covered_names_are_those_whose_first_entry_is_indexed():
+    # weight [2, 3] at 0, an empty parameter at 6, bias [2] at 6, scale [1] at 8
+    layout = ParamLayout(
+        [
+            ("weight", torch.zeros(2, 3)),
+            ("empty", torch.zeros(0)),
+            ("bias", torch.zeros(2)),
+            ("scale", torch.zeros(1)),
+        ]
+    )
+    assert layout.covered_names([]) == []
+    assert layout.covered_names([torch.tensor([[0, 1], [2, 3]])]) == ["weight"]
+    # the bias's first entry (6) is covered, the scale's (8) is not; the empty one never
+    assert layout.covered_names([torch.tensor([5]), torch.tensor([6, 7])]) == ["bias"]
+    assert layout.covered_names([torch.arange(9)]) == ["weight", "bias", "scale"]
+    # a brute-force twin on random indices
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ix = torch.randint(0, 9, (4,), generator=g)
+        hits = set(ix.tolist())
+        expected = [n for n in ("weight", "bias", "scale") if layout.offsets[n] in hits]
+        assert layout.covered_names([ix]) == expected

@@ -189,7 +189,7 @@ def test_the_labels_are_drawn_from_the_optimizers_seeded_generators():
     out, y = model(torch.randn(5, 6)), torch.randint(0, 4, (5,))
     sources = curvature.losses.backprop_sources
     state = opt.generator.get_state()
-    generators = curvature.optim.rng.SamplingGenerators(opt.generator)
+    generators = curvature.rng.SamplingGenerators(opt.generator)
     with_object = sources(CE, out, y, "mc", generator=generators)
     opt.generator.set_state(state)
     with_generator = sources(CE, out, y, "mc", generator=opt.generator)
@@ -325,3 +325,46 @@ def test_a_step_inside_autocast_preconditions_in_float32(cls, kwargs):
 
     for p, q in zip(run(True).parameters(), run(False).parameters()):
         assert torch.equal(p, q)
+
+
+def _cuda_syncs(fn):
+    """Synchronizing CUDA calls made by ``fn`` (CUDA's sync debug mode, 'warn')."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return out, sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])
+def test_kfac_and_diag_ggn_calls_on_cuda_sync_at_most_twice(fisher):
+    model = mlp().cuda()
+    X, y = torch.randn(5, 6, device="cuda"), torch.randint(0, 4, (5,), device="cuda")
+    curvature.kfac(model, CE, (X, y), fisher=fisher)  # warm-up (lazy CUDA initialization)
+    K, syncs = _cuda_syncs(lambda: curvature.kfac(model, CE, (X, y), fisher=fisher))
+    assert syncs <= 2
+    assert all(A.is_cuda and G.is_cuda for A, G in K.factors.values())
+    D, syncs = _cuda_syncs(lambda: curvature.diag_ggn(model, CE, (X, y), fisher))
+    assert syncs <= 2
+    if fisher != "mc":  # deterministic: equal to the CPU result
+        cpu = curvature.diag_ggn(mlp(), CE, (X.cpu(), y.cpu()), fisher)
+        for name, d in D.items():
+            torch.testing.assert_close(d.cpu(), cpu[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kfac_mc_on_cuda_draws_there_and_repeats_with_its_seed():
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).cuda()
+    X, y = torch.randn(4, 5, 6, device="cuda"), torch.randn(4, 5, 3, device="cuda")
+    mse = nn.MSELoss()
+    first = curvature.kfac(model, mse, (X, y), fisher="mc", seed=1).factors
+    again = curvature.kfac(model, mse, (X, y), fisher="mc", seed=1).factors
+    other = curvature.kfac(model, mse, (X, y), fisher="mc", seed=2).factors
+    for name, (_, G) in first.items():
+        assert torch.equal(G, again[name][1])
+        assert not torch.equal(G, other[name][1])

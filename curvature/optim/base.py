@@ -40,6 +40,7 @@ from ..foreach import FlatBuffer
 from ..layer_stats import no_block_reasons
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
 from ..options import FisherType, Unsupported
+from ..rng import SamplingGenerators
 from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
@@ -48,7 +49,6 @@ from .coverage import owner, report_batch_statistics, report_uncovered
 from .deferred import DeferredReads
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
 from .quadratic import QuadraticRule
-from .rng import SamplingGenerators
 from .ties import TiedLayers
 from .updates import (
     ParamSlot,

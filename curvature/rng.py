@@ -1,4 +1,4 @@
-"""The optimizers' sampling generators: one per device, seeded from the optimizer's seed.
+"""Sampling generators: one per device, seeded from one seed (the optimizers', ``kfac()``'s).
 
 MC labels and Rademacher signs are drawn on the device of the output they belong to, so
 nothing is copied to the host to sample. The CPU generator is the optimizer's

@@ -138,7 +138,7 @@ class ParamLayout:
         device = indices[0].device
         mask = torch.zeros(self.numel, dtype=torch.bool, device=device)
         for ix in indices:
-            mask[ix.reshape(-1).to(device)] = True
+            mask.index_fill_(0, ix.reshape(-1).to(device), True)  # no host scalar copied
         starts = torch.tensor(self._starts, dtype=torch.long).clamp_(max=self.numel - 1)
         firsts = (mask if device.type == "cpu" else mask.cpu())[starts].tolist()
         return [n for n, hit, k in zip(self.names, firsts, self.numels) if hit and k > 0]

@@ -201,3 +201,64 @@ def test_a_convolution_called_twice_in_chunks_equals_the_twin(bound, monkeypatch
         torch.testing.assert_close(got[k], expected[k], rtol=1e-10, atol=1e-12, msg=k)
     # per sample 2 x 36 positions: S C (2 D + D_out) + D_out D = 2918 elements
     assert seen == {1: [1] * N, 8000: [2, 2, 2, 1], 2**30: [N]}[bound]
+
+
+# -- the Kronecker statistics of the optimizers, a chunk of samples at a time ----------------
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+@pytest.mark.parametrize("make", [Net, Twice], ids=["net", "twice"])
+def test_kfac_statistics_in_chunks_equal_the_whole_batch(make, fisher, approx, monkeypatch):
+    def factors(bound):
+        if bound is not None:
+            monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+            monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+        model = make()
+        opt = curvature.KFAC(
+            model, lr=0.1, loss_func=nn.CrossEntropyLoss(), fisher=fisher, kfac_approx=approx
+        )
+        X, y = data()
+        for _ in range(2):
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(X), y).backward()
+            opt.step()
+        return opt.factors(), [p.detach().clone() for p in model.parameters()]
+
+    whole, params = factors(None)
+    # one sample per chunk, then a ragged last chunk of 3 + 3 + 1 samples (N = 7)
+    for bound in (1, 2 * 36 * 19 * 3):
+        chunked, chunked_params = factors(bound)
+        assert set(chunked) == set(whole)
+        for name, (A, G) in whole.items():
+            torch.testing.assert_close(chunked[name][0], A)
+            torch.testing.assert_close(chunked[name][1], G)
+        for p, q in zip(params, chunked_params):
+            torch.testing.assert_close(p, q)
+
+
+def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
+    import curvature.layers.conv as conv
+
+    seen = []
+    inner = conv.unfold_patches
+
+    def spy(module, x):
+        seen.append(x.shape[0])
+        return inner(module, x)
+
+    monkeypatch.setattr(conv, "unfold_patches", spy)
+
+    def step():
+        model = Twice()
+        opt = curvature.KFAC(model, lr=0.1, loss_func=nn.CrossEntropyLoss())
+        X, y = data()
+        nn.CrossEntropyLoss()(model(X), y).backward()
+        opt.step()
+
+    step()
+    assert set(seen) == {N}  # small inputs: the whole batch at once
+    seen.clear()
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+    # 2 S C D = 2 * 72 * 1 * 19 elements per sample: 3 samples per chunk
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3 * 2 * 72 * 19)
+    step()
+    assert sorted(set(seen)) == [1, 3]  # chunks of 3, 3 and 1 samples

@@ -46,6 +46,7 @@ from ..blocks import (
     restore_block,
     snapshots,
 )
+from ..layer_diagonal import chunked_kfac_factors
 from ..layer_stats import (
     MAX_EXACT_BLOCK,
     block_name,
@@ -334,7 +335,7 @@ class KFAC(CurvatureOptimizer):
         approx = self.config.kfac_approx.value
         if with_g and any(k[0] == name for k in self._large):
             return accumulate_large(name, module, rule, calls, approx, self._large, self, emit)
-        res = rule.kfac_factors(module, calls, approx, with_g)
+        res = chunked_kfac_factors(rule, module, calls, approx, with_g)  # patches in chunks
         if res is None:
             if (name, "") not in self._index:
                 if self.config.unsupported == Unsupported.DIAGONAL and with_g:

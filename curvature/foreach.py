@@ -4,8 +4,8 @@
 ``torch._foreach_norm`` of order 2 (the root sum of squares of each tensor), one ``stack``
 and one ``lt(inf)``, on the device and without a host synchronization. The norm is NaN
 for a tensor with a NaN, ``inf`` for one with an infinite entry or whose sum of squares
-overflows, and finite otherwise. The squares are summed in float32 for float32 and
-half-precision tensors (on CPU and CUDA), so a float32 tensor whose root sum of squares
+overflows, and finite otherwise. Torch sums the squares in float32 for float32 and
+half-precision tensors (measured on CPU), so a float32 tensor whose root sum of squares
 exceeds about ``1.8e19`` counts as non-finite although its entries are finite (float64:
 beyond about ``1.3e154``): for the curvature optimizers that skips statistics or an
 update far beyond anything a training run survives (see docs/optimizers.md).

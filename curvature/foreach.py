@@ -1,13 +1,18 @@
 """Work over many tensors in a few calls (a few kernel launches on a GPU, whatever their count).
 
 :func:`finite_flags` judges each tensor of a list as finite or not with one
-``torch._foreach_norm`` of order 1 (the sum of magnitudes of each tensor), one ``stack``
-and one ``lt(inf)``, on the device and without a host synchronization. The sum of
-magnitudes is NaN for a tensor with a NaN, ``inf`` for one with an infinite entry (or
-whose magnitudes sum beyond the dtype's range, as a plain sum would) and finite
-otherwise. (Order 1 runs at about a third of a sum's speed on CPU and in torch's fused
-multi-tensor kernel on CUDA; the largest magnitude, ``inf``, would never overflow but
-is about 15x slower than a sum on CPU.)
+``torch._foreach_norm`` of order 2 (the root sum of squares of each tensor), one ``stack``
+and one ``lt(inf)``, on the device and without a host synchronization. The norm is NaN
+for a tensor with a NaN, ``inf`` for one with an infinite entry or whose sum of squares
+overflows, and finite otherwise. Torch sums the squares in float32 for float32 and
+half-precision tensors (measured on CPU), so a float32 tensor whose root sum of squares
+exceeds about ``1.8e19`` counts as non-finite although its entries are finite (float64:
+beyond about ``1.3e154``): for the curvature optimizers that skips statistics or an
+update far beyond anything a training run survives (see docs/optimizers.md).
+(Order 2 runs at the speed of a plain sum on CPU and in torch's fused
+multi-tensor kernel on CUDA; order 1, the sum of magnitudes, which overflows only near
+the dtype's largest value, is about 3.5x slower on CPU, and the largest magnitude about
+15x.)
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ def finite_flags(tensors: Sequence[Tensor], group: int = 1) -> Tensor:
         tensors: ``n >= 1`` tensors on one device (any shapes and floating dtypes; an
             empty tensor counts as finite), in consecutive groups of ``group``.
         group: How many consecutive tensors make one judged item (the values of one
-            contribution): their sums of magnitudes are combined with
+            contribution): their norms are combined with
             ``torch._foreach_maximum`` (which keeps a NaN), ``group - 1`` calls.
 
     Returns:
@@ -37,11 +42,11 @@ def finite_flags(tensors: Sequence[Tensor], group: int = 1) -> Tensor:
     """
     tensors = list(tensors)
     if all(t.numel() for t in tensors):
-        sums = torch._foreach_norm(tensors, 1)
+        sums = torch._foreach_norm(tensors, 2)
         items = sums[0::group]
         for r in range(1, group):
             items = torch._foreach_maximum(items, sums[r::group])
-        # (a sum of magnitudes is >= 0 or NaN: below inf iff finite, in one call)
+        # (a norm is >= 0 or NaN: below inf iff finite, in one call)
         return torch.stack(items).lt(INF)
     # judged apart (a rare case; _foreach_norm refuses some empty tensors)
     flags = torch.stack([torch.isfinite(t).all() for t in tensors])

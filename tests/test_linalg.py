@@ -133,3 +133,25 @@ def test_eighs_equal_eigh_with_two_synchronizations_and_errors_per_matrix(monkey
         torch.testing.assert_close(evecs, ref_evecs)
     assert isinstance(got[3], RuntimeError) and "eigh(bad)" in str(got[3])
     assert "non-finite" in str(got[3])
+
+
+def test_foreach_finite_flags_judges_by_the_norm():
+    """``curvature.foreach.finite_flags``: NaN and infinities flagged (one flag per group of
+    values), finite values kept, including half precision whose sum of magnitudes would
+    overflow; a float32 tensor whose sum of squares overflows counts as non-finite (the
+    documented bound, about ``1.8e19`` for its norm)."""
+    from curvature.foreach import finite_flags as device_flags
+
+    nan, inf = float("nan"), float("inf")
+    ts = [torch.ones(3), torch.tensor([1.0, nan]), torch.tensor([-inf, 0.0]), torch.tensor([inf])]
+    assert device_flags(ts).tolist() == [True, False, False, False]
+    assert device_flags(ts, group=2).tolist() == [False, False]
+    assert device_flags([torch.ones(2), torch.ones(5)], group=2).tolist() == [True]
+    big = [
+        torch.full((1000,), 1e17),
+        torch.full((1000,), 1e18),
+        torch.full((10,), 1e150, dtype=torch.float64),
+    ]
+    assert device_flags(big).tolist() == [True, False, True]  # 1e18: norm 3.2e19 overflows
+    assert device_flags([torch.full((1000,), 100.0, dtype=torch.float16)]).tolist() == [True]
+    assert device_flags([torch.ones(0), torch.tensor([nan])]).tolist() == [True, False]

@@ -197,7 +197,8 @@ class StepStatistics:
         """Fold the queued contributions into their slots, skipping non-finite ones.
 
         A contribution is finite iff each of its values is (:func:`finite_flags`: the
-        sums of magnitudes of all values at once, judged on the device): a non-finite
+        norms of all values at once, judged on the device; a value whose sum of squares
+        overflows counts as non-finite, see :mod:`curvature.foreach`): a non-finite
         one is replaced by zeros, flagged in its slot's ``parts`` and counted in
         :attr:`skipped`, all without a host synchronization. A failed
         :meth:`require_false` check skips every queued contribution and is kept in

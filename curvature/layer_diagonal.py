@@ -112,7 +112,8 @@ def kfac_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Opt
     """Samples per chunk of the layer's Kronecker statistics, or ``None`` for the whole batch.
 
     The statistics need no per-sample gradients: a sample's temporaries are its unfolded
-    patches and their copy with the bias column, ``2 S C D``; the bound is
+    patches, ``S C D`` (a convolution's rule adds the bias column without copying them;
+    other rules' copies with the bias column fit within the bound's factor 2); the bound is
     :func:`diagonal_chunk`'s (the statistics at most double the memory of the layer's own
     inputs and output gradients).
     """
@@ -123,7 +124,7 @@ def kfac_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Opt
     N, S, C, D, _ = shape
     held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
     bound = max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
-    chunk = max(1, bound // max(1, 2 * S * C * D))
+    chunk = max(1, bound // max(1, S * C * D))
     return chunk if chunk < N else None
 
 

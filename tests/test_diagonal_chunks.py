@@ -258,7 +258,7 @@ def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
     assert set(seen) == {N}  # small inputs: the whole batch at once
     seen.clear()
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
-    # 2 S C D = 2 * 72 * 1 * 19 elements per sample: 3 samples per chunk
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3 * 2 * 72 * 19)
+    # S C D = 72 * 1 * 19 elements per sample (the patches): 3 samples per chunk
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3 * 72 * 19)
     step()
     assert sorted(set(seen)) == [1, 3]  # chunks of 3, 3 and 1 samples

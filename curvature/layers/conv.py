@@ -64,6 +64,42 @@ class ConvRule(LinearFamilyRule):
         g = rearrange(call.grads[0], f"... n (g c) {o} -> ... n ({o}) g c", g=module.groups)
         return a, g
 
+    def kfac_factors(self, module, calls, approx, with_g=True):
+        """KFAC statistics from the unfolded patches ``P`` without a bias column copied.
+
+        ``"expand"`` with a trainable weight and bias: ``A_sum = [[P^T P, P^T 1], [1^T P,
+        N S]]`` (the bias coordinate is 1 at every position), the same matrix as
+        :meth:`expand_calls`' ``a^T a`` without a second copy of the patches; the other
+        cases (``"reduce"``, no bias, calls inside :func:`shared_slots`) take the general
+        path.
+        """
+        has_w, has_b = self._weight_bias(module)
+        plain = approx == "expand" and has_w and has_b
+        if not plain or any(c.slots is not None for c in calls):
+            return super().kfac_factors(module, calls, approx, with_g)
+        ww = wb = G_sum = None
+        count = 0
+        for call in calls:
+            p, g = self.expand(module, call)  # [N, S, C, D_in], [..., N, S, C, D_out]
+            if g is not None and p.dtype != g.dtype:  # e.g. bf16 inputs under autocast
+                p = p.to(torch.promote_types(p.dtype, g.dtype))
+            N, S, C, D_in = p.shape
+            pp = torch.einsum("nsci,nscj->cij", p, p)
+            ps = p.sum((0, 1))  # [C, D_in]
+            ww, wb = (pp, ps) if ww is None else (ww.add_(pp), wb.add_(ps))
+            count += N * S
+            if with_g and g is not None:
+                g2 = g.reshape(-1, *g.shape[-3:])  # the pulled vectors' axis into the samples
+                gg = torch.einsum("nsco,nscp->cop", g2, g2)
+                G_sum = gg if G_sum is None else G_sum.add_(gg)
+        C, D_in = wb.shape
+        A_sum = ww.new_empty(C, D_in + 1, D_in + 1)
+        A_sum[:, :D_in, :D_in] = ww
+        A_sum[:, :D_in, D_in] = wb
+        A_sum[:, D_in, :D_in] = wb
+        A_sum[:, D_in, D_in] = count
+        return {"": (A_sum, G_sum, count)}
+
     def expanded_shape(self, module, calls):
         """``(N, S, C, D, D_out)`` of :meth:`expand_calls`' operands, without unfolding.
 

@@ -315,9 +315,9 @@ def main(argv=None) -> Dict[str, Dict[str, List[float]]]:
     parser.add_argument(
         "--factor-damping",
         choices=["tied", "greedy"],
-        default="greedy",
-        help="quadratic rule: the Kronecker factors' damping, chosen greedily by the quadratic "
-        "model every 5 steps (lambda then damps the 2x2 model only), or tied to lambda",
+        default="tied",
+        help="quadratic rule: one lambda for the Kronecker factors and the 2x2 model (tied), "
+        "or the factors' own damping chosen by the quadratic model every 5 steps (greedy)",
     )
     parser.add_argument("--adam-lr", type=float, default=1e-3)
     parser.add_argument("--sgd-lr", type=float, default=1e-3)

@@ -24,7 +24,8 @@ backward on that graph) and ``H`` the loss's Hessian w.r.t. the output. Under
 
 After the move the closure is evaluated once more (loss only, the same batch): the
 reduction ratio ``rho = (h(theta + delta) - h(theta)) / M(delta)`` adapts ``lambda`` by
-Levenberg-Marquardt every ``damping_adaptation_interval`` steps, and a step that blows
+Levenberg-Marquardt every ``damping_adaptation_interval`` steps (``factor_damping="greedy"``:
+the factors' damping apart, :mod:`.factor_damping`), and a step that blows
 the loss up (a non-finite loss, or more than twice the loss before) is rejected: the
 parameters are kept, the momentum is dropped (``mu = 0`` next step) and ``lambda`` grows by
 ``decay^(-2^(k-1))`` (``damping_adaptation_decay``) at the ``k``-th rejection in a row, so
@@ -236,7 +237,6 @@ class QuadraticRule(GreedyFactorDamping):
         who = type(self).__name__
         slots = self._slots()
         previous = [self.state[s.param].get("previous_update") for s in slots]
-        # factor_damping="greedy": the directions of the candidate factor dampings too
         heads = self._greedy_heads(grads, directions, unused) if self._greedy_due() else []
         vectors = [-d for d in heads] if heads else [-directions]
         if all(p is not None for p in previous):

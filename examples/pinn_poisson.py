@@ -175,6 +175,7 @@ def train(name: str, args, problem) -> Dict[str, List[float]]:
             inverse_every=1,
             kl_clip=None,
             update_rule="quadratic" if args.update_rule == "quadratic" else "fixed",
+            factor_damping=args.factor_damping if args.update_rule == "quadratic" else "tied",
             damping_adaptation_interval=args.adaptation_interval,
             damping_adaptation_decay=args.adaptation_decay,
             line_search_grid=(
@@ -310,6 +311,13 @@ def main(argv=None) -> Dict[str, Dict[str, List[float]]]:
         default="quadratic",
         help="KFAC's step: line search on the grid, or learning rate and momentum from the "
         "quadratic model (update_rule='quadratic')",
+    )
+    parser.add_argument(
+        "--factor-damping",
+        choices=["tied", "greedy"],
+        default="tied",
+        help="quadratic rule: one lambda for the Kronecker factors and the 2x2 model (tied), "
+        "or the factors' own damping chosen by the quadratic model every 5 steps (greedy)",
     )
     parser.add_argument("--adam-lr", type=float, default=1e-3)
     parser.add_argument("--sgd-lr", type=float, default=1e-3)

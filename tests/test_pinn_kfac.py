@@ -205,11 +205,13 @@ def test_pinn_example_poisson5d_residual_vanishes_at_the_exact_solution():
     assert residual(_SumOfSines(k=2), x_int).abs().mean() > 1.0
 
 
-def test_pinn_example_poisson5d_kfac_lowers_the_loss():
+@pytest.mark.parametrize("factor_damping", ["tied", "greedy"])
+def test_pinn_example_poisson5d_kfac_lowers_the_loss(factor_damping):
     mod = _pinn_example()
     # the first steps are rejected while the rule's back-off raises the damping from its
     # initial 1e-2 (the initial loss is ~5e2); then the loss falls fast
     argv = ["--problem", "poisson5d", "--optimizers", "kfac", "--steps", "25"]
+    argv += ["--factor-damping", factor_damping]
     argv += ["--n-int", "100", "--n-bnd", "50", "--n-eval", "200", "--log-every", "25"]
     hist = mod.main(argv)["kfac"]
     assert hist["step"] == [0, 25]

@@ -484,8 +484,8 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
     def _group_damping(self, param: Tensor) -> float:
         for g in self.param_groups:
             if any(p is param for p in g["params"]):
-                return g["damping"]
-        return self.param_groups[0]["damping"]
+                return g.get("factor_damping", g["damping"])  # (factor_damping="greedy")
+        return self.param_groups[0].get("factor_damping", self.param_groups[0]["damping"])
 
     # -- public products -------------------------------------------------------------------
     @torch.no_grad()

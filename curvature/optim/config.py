@@ -134,6 +134,7 @@ class CurvatureConfig:
     damping_adaptation_decay: float = 0.95
     line_search_grid: Optional[Tuple[float, ...]] = None
     update_rule: str = "fixed"
+    factor_damping: str = "tied"
     distributed: Optional[bool] = None
     process_group: Any = None
     sync_grads: Optional[bool] = None
@@ -261,6 +262,21 @@ class CurvatureConfig:
             raise ValueError(
                 f"{who}(update_rule='quadratic') needs loss_func=... (its Gauss-Newton matrix) "
                 "and no line_search_grid (both choose the step size)."
+            )
+        check(
+            who,
+            "factor_damping",
+            self.factor_damping,
+            self.factor_damping in ("tied", "greedy"),
+            "must be 'tied' (one damping for the Kronecker factors and the quadratic model) "
+            "or 'greedy' (the factors' own, chosen by the quadratic model; needs "
+            "update_rule='quadratic')",
+        )
+        if self.factor_damping == "greedy" and self.update_rule != "quadratic":
+            raise ValueError(
+                f"{who}(factor_damping='greedy', update_rule={self.update_rule!r}): the "
+                "greedy choice of the factors' damping needs update_rule='quadratic' (its "
+                "quadratic model picks the damping)."
             )
         check(who, "comm_timeout", self.comm_timeout, self.comm_timeout > 0, "must be > 0 seconds")
         check(who, "bucket_mb", self.bucket_mb, self.bucket_mb > 0, "must be > 0")

@@ -149,6 +149,10 @@ class KFAC(CurvatureOptimizer):
         update_rule (str): ``"fixed"`` (default: ``lr``, ``momentum``) or ``"quadratic"``
             (both from the local quadratic model, in a plain loop or with a closure:
             :mod:`curvature.optim.quadratic`).
+        factor_damping (str): ``"tied"`` (default: ``damping`` damps the Kronecker factors
+            and the quadratic model) or ``"greedy"`` (``update_rule="quadratic"`` with a
+            closure: the factors' own damping, chosen by the quadratic model every few
+            steps; :mod:`curvature.optim.factor_damping`).
         distributed (bool | None): Average the curvature over the ranks of
             ``torch.distributed`` (default None: when it is initialized with more than one
             rank; see docs/distributed.md).
@@ -210,6 +214,7 @@ class KFAC(CurvatureOptimizer):
         damping_adaptation_decay: float = 0.95,
         line_search_grid: Optional[Sequence[float]] = None,
         update_rule: str = "fixed",
+        factor_damping: str = "tied",
         distributed: Optional[bool] = None,
         process_group: Any = None,
         sync_grads: Optional[bool] = None,

@@ -24,7 +24,8 @@ backward on that graph) and ``H`` the loss's Hessian w.r.t. the output. Under
 
 After the move the closure is evaluated once more (loss only, the same batch): the
 reduction ratio ``rho = (h(theta + delta) - h(theta)) / M(delta)`` adapts ``lambda`` by
-Levenberg-Marquardt every ``damping_adaptation_interval`` steps, and a step that blows
+Levenberg-Marquardt every ``damping_adaptation_interval`` steps (``factor_damping="greedy"``:
+the factors' damping apart, :mod:`.factor_damping`), and a step that blows
 the loss up (a non-finite loss, or more than twice the loss before) is rejected: the
 parameters are kept, the momentum is dropped (``mu = 0`` next step) and ``lambda`` grows by
 ``decay^(-2^(k-1))`` (``damping_adaptation_decay``) at the ``k``-th rejection in a row, so
@@ -57,6 +58,7 @@ from torch import Tensor, nn
 from ..options import FisherType
 from ..warn import warn
 from .batch_gram import DirectionBuffers, Projection, batch_gram, projection_of
+from .factor_damping import GreedyFactorDamping, lowest_model
 from .updates import damping_factor
 
 Output = Tuple[Tensor, nn.Module, Optional[Tensor]]
@@ -137,7 +139,7 @@ def takes_backward(closure: Any) -> bool:
     return "backward" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-class QuadraticRule:
+class QuadraticRule(GreedyFactorDamping):
     """The ``update_rule="quadratic"`` part of :class:`~curvature.optim.base.CurvatureOptimizer`.
 
     Attributes:
@@ -196,6 +198,8 @@ class QuadraticRule:
         """
         if self.config.update_rule != "quadratic":
             return
+        if closure is not None:  # (False: a step without a closure)
+            self._check_greedy(closure or None)
         who = type(self).__name__
         if closure is None and any(g["weight_decay"] for g in self.param_groups):
             raise ValueError(
@@ -233,7 +237,8 @@ class QuadraticRule:
         who = type(self).__name__
         slots = self._slots()
         previous = [self.state[s.param].get("previous_update") for s in slots]
-        vectors = [-directions]
+        heads = self._greedy_heads(grads, directions, unused) if self._greedy_due() else []
+        vectors = [-d for d in heads] if heads else [-directions]
         if all(p is not None for p in previous):
             moving = self._moving(slots, previous)
             vectors.append(torch.cat([p.reshape(-1).to(directions.dtype) for p in moving]))
@@ -249,6 +254,12 @@ class QuadraticRule:
         lam = self._damping_vector(directions)
         damped = ((V * lam) @ V.T).to(torch.float64).cpu()
         linear = (V @ grads.to(V.dtype)).to(torch.float64).cpu()
+        if heads:  # keep the candidate with the lowest M(delta) (and the previous update)
+            i, models = lowest_model(gram, damped, linear, len(heads), solve_coefficients)
+            self._greedy_settle(i, models)
+            keep = [i] + list(range(len(heads), len(vectors)))
+            gram, damped, linear = gram[keep][:, keep], damped[keep][:, keep], linear[keep]
+            vectors = [vectors[j] for j in keep]
         c, model = solve_coefficients(gram, damped, linear)
         if not (torch.isfinite(c).all() and math.isfinite(model)) or model >= 0:
             warn(
@@ -275,7 +286,7 @@ class QuadraticRule:
             for s, step in zip(slots, steps):
                 self.state[s.param]["previous_update"] = step.clone()
             due = self.steps % self.config.damping_adaptation_interval == 0
-            factor = damping_factor(self.last_reduction_ratio, decay) if due else 1.0
+            factor = self._model_damping_factor(self.last_reduction_ratio, decay) if due else 1.0
         else:
             for s, p0 in zip(slots, start):
                 s.param.copy_(p0)

@@ -84,13 +84,21 @@ class ConvRule(LinearFamilyRule):
             if g is not None and p.dtype != g.dtype:  # e.g. bf16 inputs under autocast
                 p = p.to(torch.promote_types(p.dtype, g.dtype))
             N, S, C, D_in = p.shape
-            pp = torch.einsum("nsci,nscj->cij", p, p)
+            if C == 1:  # one group: a plain GEMM
+                p2 = p.reshape(-1, D_in)
+                pp = (p2.mT @ p2).unsqueeze(0)
+            else:
+                pp = torch.einsum("nsci,nscj->cij", p, p)
             ps = p.sum((0, 1))  # [C, D_in]
             ww, wb = (pp, ps) if ww is None else (ww.add_(pp), wb.add_(ps))
             count += N * S
             if with_g and g is not None:
-                g2 = g.reshape(-1, *g.shape[-3:])  # the pulled vectors' axis into the samples
-                gg = torch.einsum("nsco,nscp->cop", g2, g2)
+                if C == 1:
+                    g2 = g.reshape(-1, g.shape[-1])
+                    gg = (g2.mT @ g2).unsqueeze(0)
+                else:  # the pulled vectors' axis into the samples
+                    g2 = g.reshape(-1, *g.shape[-3:])
+                    gg = torch.einsum("nsco,nscp->cop", g2, g2)
                 G_sum = gg if G_sum is None else G_sum.add_(gg)
         C, D_in = wb.shape
         A_sum = ww.new_empty(C, D_in + 1, D_in + 1)

@@ -2,7 +2,7 @@
 memory, host synchronizations, and the curvature functions against the peers.
 
     python benchmarks/gpu.py --device cuda --json gpu.json      # on a GPU machine (~6 min)
-    python benchmarks/gpu.py --render gpu.json                  # docs/benchmarks.md section
+    python benchmarks/gpu.py --render a.json b.json             # docs/benchmarks.md section
     python benchmarks/gpu.py --device cpu --scale small --no-doc  # smoke run (seconds)
 
 Parts (``--parts``, in this order; each one writes into the JSON as soon as it ends, so a
@@ -321,10 +321,14 @@ def part_syncs(device: torch.device, scale: str) -> Dict[str, Any]:
 
 
 # -- optimizer steps -----------------------------------------------------------------------------
-def part_optim(device: torch.device, scale: str, budget: float) -> Dict[str, Any]:
+def part_optim(
+    device: torch.device, scale: str, budget: float, only: Optional[List[str]] = None
+) -> Dict[str, Any]:
     res: Dict[str, Any] = {}
     asdl = optim_step.load_asdl()
     for key, title, make, X, y, loss_func in step_workloads(scale):
+        if only and key not in only:
+            continue
         X, y = X.to(device), y.to(device)
         torch.manual_seed(0)
         template = make().to(device)
@@ -647,9 +651,13 @@ def _peers(model, loss_func, X, y):
     yield "BackPACK DiagGGNExact", diag_exact
 
 
-def part_functions(device: torch.device, scale: str, budget: float) -> Dict[str, Any]:
+def part_functions(
+    device: torch.device, scale: str, budget: float, only: Optional[List[str]] = None
+) -> Dict[str, Any]:
     res: Dict[str, Any] = {}
     for key, title, make, X, y, loss_func in function_workloads(scale):
+        if only and key not in only:
+            continue
         torch.manual_seed(0)
         model, X, y = make().to(device), X.to(device), y.to(device)
 
@@ -852,6 +860,36 @@ def _optim_cells(key, title, name, r, adam, lb) -> List[str]:
     ]
 
 
+def repeats(runs: List[Dict[str, Any]]) -> str:
+    """The step times of several runs side by side (the same GPU kind, other machines)."""
+    labels = [r.get("run", f"run {i + 1}") + f" ({r.get('code', '?')})" for i, r in enumerate(runs)]
+    rows = []
+    last = runs[-1].get("optim", {})
+    for key, w in last.items():
+        for name in w["rows"]:
+            cells = []
+            for r in runs:
+                row = r.get("optim", {}).get(key, {}).get("rows", {}).get(name, {})
+                adam = r.get("optim", {}).get(key, {}).get("rows", {}).get("AdamW", {})
+                if "time" not in row or "time" not in adam:
+                    cells.append("")
+                    continue
+                host = f", host {1e3 * row['host']:.2f}" if "host" in row else ""
+                cells.append(
+                    f"{1e3 * row['time']:.2f} ms{host} ({row['time'] / adam['time']:.2f}x)"
+                )
+            rows.append([w["title"], name, *cells])
+    return (
+        "\n### The same steps in every run of the session\n\n"
+        "ms per step (host time to enqueue it) and the ratio to that run's AdamW step; each "
+        "run on a fresh machine of the same kind, code as named (commit). Where the host "
+        "time is the step time, the host is the bottleneck and the figure follows the "
+        "machine's CPU.\n\n"
+        + common.markdown_table(["workload", "optimizer", *labels], rows)
+        + "\n"
+    )
+
+
 # -- main ----------------------------------------------------------------------------------------
 PARTS = ("syncs", "optim", "bound", "functions")
 
@@ -863,17 +901,30 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--budget", type=float, default=4.0, help="seconds per row, about")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--render", default=None, help="write the docs section from a JSON")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=None,
+        help="only these keys (optim: mlp cnn lm; functions: mlp cnn tokens)",
+    )
+    parser.add_argument(
+        "--render",
+        nargs="+",
+        default=None,
+        help="write the docs section from run JSONs (the last in full, all in the repeats)",
+    )
     parser.add_argument("--no-doc", action="store_true")
     args = parser.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            data = json.load(f)
-        body = render(data)
+        runs = []
+        for path in args.render:
+            with open(path) as f:
+                runs.append(json.load(f))
+        body = render(runs[-1]) + (repeats(runs) if len(runs) > 1 else "")
         if not args.no_doc:
             common.update_doc_section("docs/benchmarks.md", DOC_TITLE, body)
         print(body)
-        return data
+        return runs[-1]
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
@@ -900,11 +951,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             if part == "syncs":
                 data["syncs"] = part_syncs(device, args.scale)
             elif part == "optim":
-                data["optim"] = part_optim(device, args.scale, args.budget)
+                data["optim"] = part_optim(device, args.scale, args.budget, args.workloads)
             elif part == "bound" and "optim" in data:
                 data["bound"] = part_bound(device, args.scale, data["optim"])
             elif part == "functions":
-                data["functions"] = part_functions(device, args.scale, args.budget)
+                data["functions"] = part_functions(device, args.scale, args.budget, args.workloads)
         except Exception:  # noqa: BLE001 (the other parts still run)
             data.setdefault("errors", {})[part] = traceback.format_exc()[-2000:]
             traceback.print_exc()

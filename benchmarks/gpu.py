@@ -599,13 +599,19 @@ def _peers(model, loss_func, X, y):
         curvlinops = None
     if curvlinops is not None:
         params = [p for p in model.parameters() if p.requires_grad]
-        for label, ftype in (
-            ("curvlinops KFAC empirical", "empirical"),
-            ("curvlinops KFAC mc-1", "mc"),
-        ):
+        rows = [
+            ("curvlinops KFAC empirical", "KFACLinearOperator", "empirical"),
+            ("curvlinops KFAC mc-1", "KFACLinearOperator", "mc"),
+            ("curvlinops EKFAC mc-1", "EKFACLinearOperator", "mc"),
+        ]
+        for label, cls, ftype in rows:
+            op_cls = getattr(curvlinops, cls, None)
+            if op_cls is None:
+                continue
 
-            def run(ftype=ftype):
-                op = curvlinops.KFACLinearOperator(
+            def run(op_cls=op_cls, ftype=ftype):
+                # the factors (and EKFAC's corrections) are computed on demand: ask for them
+                op = op_cls(
                     model,
                     loss_func,
                     params,
@@ -613,28 +619,12 @@ def _peers(model, loss_func, X, y):
                     check_deterministic=False,
                     fisher_type=ftype,
                 )
-                if hasattr(op, "compute_kronecker_factors"):
-                    op.compute_kronecker_factors()
-                return op
-
-            yield label, run
-        if hasattr(curvlinops, "EKFACLinearOperator"):
-
-            def run_ekfac():
-                op = curvlinops.EKFACLinearOperator(
-                    model,
-                    loss_func,
-                    params,
-                    [(X, y)],
-                    check_deterministic=False,
-                    fisher_type="mc",
-                )
                 for name in ("compute_kronecker_factors", "compute_eigenvalue_correction"):
                     if hasattr(op, name):
                         getattr(op, name)()
                 return op
 
-            yield "curvlinops EKFAC mc-1", run_ekfac
+            yield label, run
     try:
         from backpack import backpack, extend
         from backpack.extensions import DiagGGNExact

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from cases import torch_state
+from test_optim_quadratic_pinn import dense_ggn, flat, pinn_closure
 from torch import nn
 
 import curvature
@@ -61,48 +62,6 @@ def make(net, cls=curvature.KFAC, fisher="type-2", **kw):
     )
     options.update(kw)
     return cls(net, **options)
-
-
-def pinn_closure(opt, net, x_int, x_bnd, g_bnd, f):
-    def closure(backward=True):
-        opt.zero_grad()
-        r = curvature.laplacian(net, x_int, method="forward") + f  # [N]
-        u_b = net(x_bnd).squeeze(-1)  # [M]
-        opt.register_output(HALF * r.unsqueeze(-1), MSE, torch.zeros_like(r).unsqueeze(-1))
-        opt.register_output(HALF * u_b.unsqueeze(-1), MSE, HALF * g_bnd.unsqueeze(-1))
-        loss = 0.5 * r.pow(2).mean() + 0.5 * (u_b - g_bnd).pow(2).mean()
-        if backward:
-            loss.backward()
-        return loss
-
-    return closure
-
-
-def dense_ggn(net, x_int, x_bnd):
-    """``J_r^T J_r / N + J_b^T J_b / M`` by nested autograd of the functional model."""
-    names = [n for n, _ in net.named_parameters()]
-    theta = {n: p.detach() for n, p in net.named_parameters()}
-
-    def interior(params):
-        def u(x):
-            return torch.func.functional_call(net, params, (x.unsqueeze(0),)).squeeze()
-
-        hess = torch.vmap(torch.func.hessian(u))(x_int)  # [N, 2, 2]
-        return hess.diagonal(dim1=-2, dim2=-1).sum(-1)
-
-    def boundary(params):
-        return torch.func.functional_call(net, params, (x_bnd,)).squeeze(-1)
-
-    C = 0
-    for fn, n in ((interior, len(x_int)), (boundary, len(x_bnd))):
-        jac = torch.func.jacrev(fn)(theta)
-        J = torch.cat([jac[k].reshape(n, -1) for k in names], 1)
-        C = C + J.T @ J / n
-    return C
-
-
-def flat(tensors):
-    return torch.cat([t.detach().flatten() for t in tensors])
 
 
 def gradient(net, x_int, x_bnd, g_bnd, f):

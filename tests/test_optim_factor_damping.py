@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from cases import torch_state
-from test_optim_quadratic_pinn import dense_ggn, flat, pinn_closure
+from test_optim_quadratic_pinn import dense_ggn, flat, pinn_closure, problem
 from torch import nn
 
 import curvature
@@ -34,17 +34,6 @@ HALF = 0.5**0.5
 def _seed_one_thread():
     with torch_state():
         yield
-
-
-def problem(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x_int = torch.rand(20, 2, generator=g, dtype=torch.float64)
-    x_bnd = torch.rand(6, 2, generator=g, dtype=torch.float64)
-    g_bnd = torch.randn(6, generator=g, dtype=torch.float64)
-    f = torch.randn(20, generator=g, dtype=torch.float64)
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(2, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
-    return net.double(), x_int, x_bnd, g_bnd, f
 
 
 def make(net, cls=curvature.KFAC, fisher="type-2", **kw):

@@ -85,13 +85,13 @@ def calls_seen(monkeypatch):
     import curvature.layers.conv as conv
 
     seen = []
-    inner = conv.per_sample_weight_grads
+    inner = conv.folded_weight_grads
 
-    def spy(module, x, g, out=None):
+    def spy(module, x, g, K):
         seen.append(x.shape[0])
-        return inner(module, x, g, out)
+        return inner(module, x, g, K)
 
-    monkeypatch.setattr(conv, "per_sample_weight_grads", spy)
+    monkeypatch.setattr(conv, "folded_weight_grads", spy)
     return seen
 
 

@@ -198,8 +198,10 @@ class ConvRule(LinearFamilyRule):
                 n = min(chunk, N - n0)
                 w = None
                 for c in calls:
-                    x, g = c.args[0].narrow(0, n0, n), c.grads[0].narrow(lead, n0, n)
-                    wi = _folded_weight_grads(module, x, g, K)
+                    x, g = c.args[0], c.grads[0]
+                    if n < N:  # (the whole batch: no slices)
+                        x, g = x.narrow(0, n0, n), g.narrow(lead, n0, n)
+                    wi = folded_weight_grads(module, x, g, K)
                     w = wi if w is None else w.add_(wi)
                 # [n, G, K, D_out, C_in / G * prod(k)]: squared in place, summed
                 part = w.view(n, G, K, D_out, -1).pow_(2).sum((0, 2))
@@ -211,7 +213,8 @@ class ConvRule(LinearFamilyRule):
                 g = c.grads[0]
                 bi = g.sum(tuple(range(lead + 2, g.dim())))  # [*K, N, C_out]
                 b = bi if b is None else b + bi
-            parts.append(b.pow(2).reshape(-1, G, D_out).sum(0).unsqueeze(-1))
+            b = (b * b).sum(tuple(range(lead + 1)))  # [C_out]
+            parts.append(b.view(G, D_out, 1))
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
@@ -248,14 +251,14 @@ def per_sample_weight_grads(
 
 def _weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, shape) -> Tensor:
     """The weight gradient ``shape`` of the convolution of ``x [N, C_in, *spatial]`` with
-    ``N * G`` groups for output gradients ``g [N, C, *out]`` (``C = shape[0] / N``).
+    ``N * G`` groups for output gradients ``g [..., *out]`` (``shape[0]`` channels in all:
+    the leading axes in row-major order, sample first).
     """
     x, padding = _conv_input(module, x.to(g.dtype))
-    N = x.shape[0]
-    # only the weight's shape matters for the weight gradient: a zero-stride stand-in
-    w_like = module.weight.new_zeros(1).as_strided(shape, [0] * len(shape))
+    N, sp = x.shape[0], g.shape[-(x.dim() - 2) :]
+    w_like = _stand_in(shape, module.weight)
     return torch.ops.aten.convolution_backward(
-        g.reshape(1, -1, *g.shape[2:]),
+        g.reshape(1, -1, *sp),  # (any leading axes: [K = 1, N] or [N, G, K])
         x.reshape(1, -1, *x.shape[2:]),
         w_like,
         None,
@@ -269,16 +272,32 @@ def _weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, shape) 
     )[1]
 
 
-def _folded_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, K: int) -> Tensor:
+def folded_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, K: int) -> Tensor:
     """Per-sample weight gradients of ``K`` pulled vectors, ``[N * G * K * D_out, C_in / G,
     *k]`` (sample, group, vector, output channel): :func:`per_sample_weight_grads` with the
     vectors folded into each group's output channels (one copy of ``g`` for ``K > 1``).
     """
-    if K == 1:
-        return per_sample_weight_grads(module, x, g.reshape(g.shape[-x.dim() :]))
     G, N = module.groups, x.shape[0]
     sp = g.shape[-(x.dim() - 2) :]
-    # [K, N, G, D_out, *sp] -> [N, G, K, D_out, *sp]: the output channels of group (n, c)
-    g = g.reshape(K, N, G, -1, *sp).movedim(0, 2).reshape(N, -1, *sp)
+    if K > 1:  # [K, N, G, D_out, *sp] -> [N, G, K, D_out, *sp]: group (n, c)'s channels
+        g = g.reshape(K, N, G, -1, *sp).movedim(0, 2)
     W = module.weight
     return _weight_grads(module, x, g, (N * K * W.shape[0], *W.shape[1:]))
+
+
+#: Zero-stride stand-ins of weights (only a weight's shape matters for its gradient), by
+#: shape, dtype and device: one element each, made once.
+_STAND_INS: dict = {}
+
+
+def _stand_in(shape, weight: Tensor) -> Tensor:
+    """A tensor of ``shape`` (all strides 0) in ``weight``'s dtype and on its device."""
+    key = (tuple(shape), weight.dtype, weight.device)
+    w = _STAND_INS.get(key)
+    if w is None:
+        if torch.is_inference_mode_enabled():  # (not kept: inference tensors)
+            return weight.new_zeros(1).as_strided(shape, [0] * len(shape))
+        if len(_STAND_INS) > 256:
+            _STAND_INS.clear()
+        w = _STAND_INS[key] = weight.new_zeros(1).as_strided(shape, [0] * len(shape))
+    return w

@@ -256,7 +256,7 @@ def _weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, shape) 
     """
     x, padding = _conv_input(module, x.to(g.dtype))
     N, sp = x.shape[0], g.shape[-(x.dim() - 2) :]
-    w_like = _stand_in(shape, module.weight)
+    w_like = _stand_in(shape, g)  # (in the gradients' dtype: e.g. bf16 under autocast)
     return torch.ops.aten.convolution_backward(
         g.reshape(1, -1, *sp),  # (any leading axes: [K = 1, N] or [N, G, K])
         x.reshape(1, -1, *x.shape[2:]),
@@ -290,14 +290,14 @@ def folded_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, K
 _STAND_INS: dict = {}
 
 
-def _stand_in(shape, weight: Tensor) -> Tensor:
-    """A tensor of ``shape`` (all strides 0) in ``weight``'s dtype and on its device."""
-    key = (tuple(shape), weight.dtype, weight.device)
+def _stand_in(shape, like: Tensor) -> Tensor:
+    """A tensor of ``shape`` (all strides 0) in ``like``'s dtype and on its device."""
+    key = (tuple(shape), like.dtype, like.device)
     w = _STAND_INS.get(key)
     if w is None:
         if torch.is_inference_mode_enabled():  # (not kept: inference tensors)
-            return weight.new_zeros(1).as_strided(shape, [0] * len(shape))
+            return like.new_zeros(1).as_strided(shape, [0] * len(shape))
         if len(_STAND_INS) > 256:
             _STAND_INS.clear()
-        w = _STAND_INS[key] = weight.new_zeros(1).as_strided(shape, [0] * len(shape))
+        w = _STAND_INS[key] = like.new_zeros(1).as_strided(shape, [0] * len(shape))
     return w

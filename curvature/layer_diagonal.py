@@ -27,6 +27,9 @@ from .layers import Call, LayerRule
 #: layer's own tensors, and small inputs are one chunk (no extra calls).
 DIAGONAL_CHUNK_ELEMENTS = 2**16
 DIAGONAL_CHUNK_SHARE = 1.0
+#: Whether :func:`direct_diagonal` takes a rule's direct path (convolutions: per-sample
+#: weight gradients in one kernel call, no unfolding); ``False``: the unfolded path.
+DIRECT_DIAGONAL = True
 
 
 def expanded_diagonal(a: Tensor, g: Tensor) -> Tensor:
@@ -72,6 +75,25 @@ def diagonal_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) ->
     bound = max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
     chunk = max(1, bound // max(1, per_sample))
     return chunk if chunk < N else None
+
+
+def direct_diagonal(rule: LayerRule, module: nn.Module, calls: Sequence[Call]):
+    """The layer's Fisher diagonal ``{"": [C, D_out, D]}`` from the rule's direct path
+    (a convolution's per-sample weight gradients in one kernel call per chunk of samples,
+    without unfolding), or ``None`` where the rule has none (the general path then).
+
+    The per-sample gradients of a chunk stay within :func:`diagonal_chunk`'s bound
+    (``max(DIAGONAL_CHUNK_ELEMENTS, DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``); they
+    are fewer elements per sample than the unfolded path's temporaries (which hold them as
+    well as the patches), so this path takes no more chunks and no more memory, and one
+    call per chunk instead of an unfold, a bias column and an ``einsum``.
+    """
+    get = getattr(rule, "direct_diagonal", None) if DIRECT_DIAGONAL else None
+    if get is None or not calls or calls[0].grads is None:
+        return None
+    held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
+    d = get(module, calls, max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held)))
+    return None if d is None else {"": d}
 
 
 def _sample_slice(calls: Sequence[Call], start: int, stop: int) -> List[Call]:

@@ -156,6 +156,7 @@ def test_optimizer_step_divides_by_the_chunked_diagonal(monkeypatch):
     d = brute_force(model, X, y)
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3000)
+    monkeypatch.setattr(layer_diagonal, "DIRECT_DIAGONAL", False)  # the unfolded path
     seen = chunks_seen(monkeypatch)
     lr, damping = 0.1, 1e-2
     opt = curvature.DiagonalNaturalGradient(model, lr=lr, damping=damping, loss_func=loss)

@@ -168,6 +168,57 @@ class ConvRule(LinearFamilyRule):
     def gram(self, module, calls):  # noqa: D102
         return LayerRule.gram(self, module, calls)
 
+    def direct_diagonal(self, module, calls, bound: int) -> Optional[Tensor]:
+        """The Fisher diagonal ``[C, D_out, D]`` (laid out like :meth:`expanded_shape`'s
+        operands: the weight's ``C_in / G * prod(k)`` columns, then the bias) from
+        per-sample weight gradients made in one kernel call per chunk of samples
+        (:func:`per_sample_weight_grads`: no unfolded patches, no bias column).
+
+        ``sum_{k,n} psg_kn^2`` for the weight (the gradients of all calls summed per
+        sample before squaring) and ``sum_{k,n} (sum_{calls, s} g_kns)^2`` for the bias.
+        A chunk holds ``bound // (K |W| (1 + [several calls]))`` samples, at least one
+        (its per-sample gradients, and their running sum over several calls).
+        ``None`` for calls inside :func:`shared_slots` (the general path).
+        """
+        if any(c.slots is not None or c.grads is None for c in calls):
+            return None
+        has_w, has_b = self._weight_bias(module)
+        x0, g0 = calls[0].args[0], calls[0].grads[0]
+        lead = g0.dim() - x0.dim()  # the leading [K] axes of batched pulls
+        K, N = g0.shape[:lead].numel(), x0.shape[0]
+        G = module.groups
+        D_out = module.out_channels // G
+        parts = []
+        if has_w:
+            W = module.weight
+            per_sample = K * W.numel() * (1 + (len(calls) > 1))
+            chunk = max(1, bound // max(1, per_sample))
+            d = None
+            for n0 in range(0, N, chunk):
+                n = min(chunk, N - n0)
+                w = None
+                for c in calls:
+                    x, g = c.args[0], c.grads[0]
+                    if n < N:  # (the whole batch: no slices)
+                        x, g = x.narrow(0, n0, n), g.narrow(lead, n0, n)
+                    wi = folded_weight_grads(module, x, g, K)
+                    w = wi if w is None else w.add_(wi)
+                # [n, G, K, D_out, C_in / G * prod(k)]: squared in place, summed
+                part = w.view(n, G, K, D_out, -1).pow_(2).sum((0, 2))
+                d = part if d is None else d.add_(part)
+            parts.append(d)
+        if has_b:
+            b = None
+            for c in calls:
+                g = c.grads[0]
+                bi = g.sum(tuple(range(lead + 2, g.dim())))  # [*K, N, C_out]
+                b = bi if b is None else b + bi
+            b = (b * b).sum(tuple(range(lead + 1)))  # [C_out]
+            parts.append(b.view(G, D_out, 1))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
 
 def _conv_input(module: nn.modules.conv._ConvNd, x: Tensor) -> tuple[Tensor, list]:
     """The input and numeric padding to hand to an unpadded convolution kernel."""
@@ -190,14 +241,24 @@ def per_sample_weight_grads(
     gradient of a convolution with ``N * G`` groups is exactly the stack of the per-sample
     weight gradients (the trick of "expanded weights").
     """
-    x, padding = _conv_input(module, x.to(g.dtype))
-    N = x.shape[0]
     W = module.weight
-    shape = (N * W.shape[0], *W.shape[1:])
-    # only the weight's shape matters for the weight gradient: a zero-stride stand-in
-    w_like = W.new_zeros(1).as_strided(shape, [0] * len(shape))
-    grad = torch.ops.aten.convolution_backward(
-        g.reshape(1, -1, *g.shape[2:]),
+    N = x.shape[0]
+    grad = _weight_grads(module, x, g, (N * W.shape[0], *W.shape[1:])).view(N, *W.shape)
+    if out is None:
+        return grad
+    return out.copy_(grad)
+
+
+def _weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, shape) -> Tensor:
+    """The weight gradient ``shape`` of the convolution of ``x [N, C_in, *spatial]`` with
+    ``N * G`` groups for output gradients ``g [..., *out]`` (``shape[0]`` channels in all:
+    the leading axes in row-major order, sample first).
+    """
+    x, padding = _conv_input(module, x.to(g.dtype))
+    N, sp = x.shape[0], g.shape[-(x.dim() - 2) :]
+    w_like = _stand_in(shape, g)  # (in the gradients' dtype: e.g. bf16 under autocast)
+    return torch.ops.aten.convolution_backward(
+        g.reshape(1, -1, *sp),  # (any leading axes: [K = 1, N] or [N, G, K])
         x.reshape(1, -1, *x.shape[2:]),
         w_like,
         None,
@@ -209,7 +270,34 @@ def per_sample_weight_grads(
         N * module.groups,
         [False, True, False],
     )[1]
-    grad = grad.view(N, *W.shape)
-    if out is None:
-        return grad
-    return out.copy_(grad)
+
+
+def folded_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, K: int) -> Tensor:
+    """Per-sample weight gradients of ``K`` pulled vectors, ``[N * G * K * D_out, C_in / G,
+    *k]`` (sample, group, vector, output channel): :func:`per_sample_weight_grads` with the
+    vectors folded into each group's output channels (one copy of ``g`` for ``K > 1``).
+    """
+    G, N = module.groups, x.shape[0]
+    sp = g.shape[-(x.dim() - 2) :]
+    if K > 1:  # [K, N, G, D_out, *sp] -> [N, G, K, D_out, *sp]: group (n, c)'s channels
+        g = g.reshape(K, N, G, -1, *sp).movedim(0, 2)
+    W = module.weight
+    return _weight_grads(module, x, g, (N * K * W.shape[0], *W.shape[1:]))
+
+
+#: Zero-stride stand-ins of weights (only a weight's shape matters for its gradient), by
+#: shape, dtype and device: one element each, made once.
+_STAND_INS: dict = {}
+
+
+def _stand_in(shape, like: Tensor) -> Tensor:
+    """A tensor of ``shape`` (all strides 0) in ``like``'s dtype and on its device."""
+    key = (tuple(shape), like.dtype, like.device)
+    w = _STAND_INS.get(key)
+    if w is None:
+        if torch.is_inference_mode_enabled():  # (not kept: inference tensors)
+            return like.new_zeros(1).as_strided(shape, [0] * len(shape))
+        if len(_STAND_INS) > 256:
+            _STAND_INS.clear()
+        w = _STAND_INS[key] = like.new_zeros(1).as_strided(shape, [0] * len(shape))
+    return w

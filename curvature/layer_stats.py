@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .edges import check_out_buffer
-from .layer_diagonal import chunked_diagonal, diagonal_chunk, expanded_diagonal
+from .layer_diagonal import chunked_diagonal, diagonal_chunk, direct_diagonal, expanded_diagonal
 from .layers import Call, LayerRule
 from .layers.base import expanded_kfac
 from .layers.plain import (
@@ -291,6 +291,9 @@ def fisher_diagonal(
         order.
 
     """
+    direct = direct_diagonal(rule, module, calls)
+    if direct is not None:  # convolutions: per-sample weight gradients without unfolding
+        return True, direct
     chunk = diagonal_chunk(rule, module, calls)
     if chunk is not None:  # patches of a chunk of samples at a time
         return True, chunked_diagonal(rule, module, calls, chunk)

@@ -23,6 +23,12 @@ import curvature.layer_stats as layer_stats
 
 pytestmark = pytest.mark.usefixtures("float64_seeded")
 
+
+@pytest.fixture(autouse=True)
+def _unfolded_path(monkeypatch):
+    """These tests are about the unfolded path (convolutions' direct path: off)."""
+    monkeypatch.setattr(layer_diagonal, "DIRECT_DIAGONAL", False)
+
 N = 7
 
 

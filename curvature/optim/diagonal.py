@@ -20,7 +20,6 @@ from torch import Tensor, nn
 
 from ..blocks import AllBlocks, DiagonalBlock
 from ..foreach import copy_into
-from ..layer_diagonal import direct_diagonal
 from ..layer_stats import fisher_diagonal, layer_positions
 from ..layers.plain import SquaredInputs
 from ..layout import put, take
@@ -120,10 +119,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 
     def _accumulate(self, name, module, rule, calls, with_g, emit) -> None:
         squares = self._squares.setdefault(name, SquaredInputs())
-        parts = direct_diagonal(rule, module, calls)  # convolutions: without unfolding
-        kron = parts is not None
-        if parts is None:
-            kron, parts = fisher_diagonal(rule, module, calls, squares)
+        kron, parts = fisher_diagonal(rule, module, calls, squares)  # convolutions: direct
         if len(parts) == 1:  # as it is (e.g. [1, D_out, D]): the block keeps that shape
             (d,) = parts.values()
         else:

@@ -181,8 +181,9 @@ def test_diagonal_ng_unfolds_convolution_patches_a_chunk_at_a_time(chunked, monk
     """The CNN workload (two 3x3 convolutions, batch 64): no tensor as large as a
     convolution's unfolded patches of the whole batch (``N S D`` elements, bias column
     included) is allocated in a DiagonalNaturalGradient step; the twin without a bound
-    (the whole batch at once, as before) allocates them."""
+    (the unfolded path, the whole batch at once, as before) allocates them."""
     if not chunked:
+        monkeypatch.setattr(layer_diagonal, "DIRECT_DIAGONAL", False)
         monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 2**40)
     sizes = []
     make = OPTIMIZERS["DiagonalNG"]

@@ -52,6 +52,38 @@ def layer_positions(layout: ParamLayout, name: str, module: nn.Module, rule: Lay
     return layout.module_index(module, name, rule.param_names(module))
 
 
+class BlockIndices:
+    """``(name, suffix, device)`` to a block's index ``[C, D_out, D]``, built on ``device``.
+
+    :func:`curvature.kfac` calls it with the factors' device (no host build and copy per
+    call); each layer's ``kfac_index`` is built once per device and shared by the layer's
+    blocks. A layer without one (an exact block) gets ``[1, P_l, 1]``, its trainable
+    parameters' positions (:func:`layer_positions`).
+
+    Args:
+        layers: Layer name to ``(module, rule)``.
+        layout: The model's :class:`~curvature.layout.ParamLayout`.
+
+    """
+
+    def __init__(self, layers: Dict[str, Tuple[nn.Module, LayerRule]], layout: ParamLayout):
+        self.layers, self.layout = layers, layout
+        self.built: Dict[Tuple[str, torch.device], object] = {}
+
+    def __call__(self, name: str, suffix: str, device: torch.device) -> Tensor:
+        """The index of block ``suffix`` of layer ``name`` on ``device``."""
+        key = (name, device)
+        if key not in self.built:
+            module, rule = self.layers[name]
+            with torch.device(device):
+                self.built[key] = rule.kfac_index(module, self.layout.local_offsets(name))
+                if self.built[key] is None:  # exact block over the trainable parameters
+                    ix = layer_positions(self.layout, name, module, rule)
+                    self.built[key] = ix.view(1, -1, 1)
+        index = self.built[key]
+        return index if isinstance(index, Tensor) else index[suffix]
+
+
 def layer_numel(module: nn.Module, rule: LayerRule) -> int:
     """The number of trainable parameter entries the rule covers in the module."""
     params = dict(module.named_parameters())
@@ -456,12 +488,16 @@ def onesided_factors(
     return out
 
 
-def large_blocks(module, rule, name, layout: ParamLayout, max_size: int) -> Dict[str, Tensor]:
-    """Suffix to index ``[C, D_out, D]`` of the layer's blocks with a factor over ``max_size``."""
-    index = rule.kfac_index(module, layout.local_offsets(name))
-    if index is None:
+def large_blocks(module, rule, max_size: int) -> Dict[str, Tuple[int, int, int]]:
+    """Suffix to ``(C, D_out, D)`` of the layer's blocks with a factor over ``max_size``.
+
+    The shapes of the rule's ``kfac_index`` (:meth:`~curvature.layers.LayerRule.kfac_shapes`),
+    without building the index.
+    """
+    shapes = rule.kfac_shapes(module)
+    if shapes is None:
         return {}
-    return {s: ix for s, ix in index.items() if max(ix.shape[1], ix.shape[2]) > max_size}
+    return {s: shape for s, shape in shapes.items() if max(shape[1], shape[2]) > max_size}
 
 
 def large_statistics(
@@ -473,6 +509,7 @@ def large_statistics(
     ``sum w sum_{k,n} grad_nk^2`` ``[C, D_out, D]`` (``count`` None), forward-only the
     diagonal of ``A`` summed over ``count`` inputs ``[C, 1, D]``.
 
+    ``large``: suffix to ``(C, D_out, D)`` (:func:`large_blocks`).
     ``sided`` (suffix to ``(full_A, full_G)``, with gradients): one-sided statistics
     instead (:func:`onesided_factors`), ``diag_stats[(name, suffix)] = [A_sum, w G_sum,
     count, (full_A, full_G)]``, where the rule gives them.
@@ -497,8 +534,10 @@ def large_statistics(
             return None
         d = fisher_diagonal(rule, module, calls)[1][""]
         pos = layout.module_index(module, name)
-        for suffix, ix in large.items():
-            parts[suffix] = (at_positions(d, pos, ix), None)
+        with torch.device(d.device):  # built there: no host copy
+            index = rule.kfac_index(module, layout.local_offsets(name))
+        for suffix in large:
+            parts[suffix] = (at_positions(d, pos, index[suffix]), None)
     res = {}
     for suffix, (a, g) in (expanded or {}).items():
         if suffix not in large:

@@ -531,3 +531,13 @@ class MultiheadAttentionRule(FunctionalRule):
             if cols:
                 index[s] = torch.cat(cols, 1).unsqueeze(0)
         return index
+
+    def kfac_shapes(self, module):  # noqa: D102
+        if module.bias_k is not None and module.bias_k.requires_grad:
+            return None
+        out = {}
+        for s, (W, b) in _projection_params(module).items():
+            D = (W.shape[1] if W.requires_grad else 0) + (b is not None and b.requires_grad)
+            if D:
+                out[s] = (1, module.embed_dim, D)
+        return out

@@ -12,6 +12,8 @@ layer output), ``N`` (batch), ``S`` (shared positions), ``G`` (groups).
 from __future__ import annotations
 
 import contextvars
+import math
+from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -268,6 +270,17 @@ class LayerRule:
         """
         return None
 
+    def kfac_shapes(self, module: nn.Module) -> Optional[Dict[str, Tuple[int, int, int]]]:
+        """Per block suffix, ``(C, D_out, D)``: the shapes of :meth:`kfac_index`'s tensors.
+
+        Without building them (the factor sizes before the statistics); ``None`` where
+        :meth:`kfac_index` is. This default builds the index on the ``meta`` device (no
+        data) with every offset 0; the built-in rules compute the shapes directly.
+        """
+        with torch.device("meta"):
+            index = self.kfac_index(module, defaultdict(int))
+        return None if index is None else {s: tuple(ix.shape) for s, ix in index.items()}
+
 
 def gram_of(grads: Dict[str, Tensor]) -> Tensor:
     """``sum_p P_p P_p^T`` for per-sample gradients ``P_p [N, *p.shape]`` (no concatenation)."""
@@ -438,18 +451,28 @@ class LinearFamilyRule(LayerRule):
 
     def kfac_index(self, module, offsets):  # noqa: D102
         has_w, has_b = self._weight_bias(module)
+        out, in_eff, C = self._matrix_shape(module)
+        cols = []  # [out, in_eff] weight positions, row-major; [out, 1] bias positions
+        if has_w:
+            start = offsets["weight"]
+            cols.append(torch.arange(start, start + out * in_eff).view(out, in_eff))
+        if has_b:
+            cols.append(torch.arange(offsets["bias"], offsets["bias"] + out).view(out, 1))
+        index = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]  # [out, D]
+        return {"": index.view(C, out // C, index.shape[1])}
+
+    def kfac_shapes(self, module):  # noqa: D102
+        has_w, has_b = self._weight_bias(module)
+        out, in_eff, C = self._matrix_shape(module)
+        return {"": (C, out // C, in_eff * has_w + has_b)}
+
+    @staticmethod
+    def _matrix_shape(module: nn.Module) -> Tuple[int, int, int]:
+        """``(D_out, D_in, C)``: rows and (unfolded) input columns of the weight, groups."""
         ref = module.weight if module.weight is not None else module.bias
         out = ref.shape[0]
-        cols = []
-        if has_w:
-            in_eff = module.weight[0].numel()
-            rows = torch.arange(out).unsqueeze(1) * in_eff
-            cols.append(offsets["weight"] + rows + torch.arange(in_eff))
-        if has_b:
-            cols.append(offsets["bias"] + torch.arange(out).unsqueeze(1))
-        index = torch.cat(cols, dim=1)  # [out, D]
-        C = getattr(module, "groups", 1)
-        return {"": index.view(C, out // C, index.shape[1])}
+        in_eff = math.prod(module.weight.shape[1:]) if module.weight is not None else 0
+        return out, in_eff, getattr(module, "groups", 1)
 
 
 # -- maths on expanded inputs a [N, S, C, D] (bias column included) and g [..., N, S, C, D_out]

@@ -141,3 +141,7 @@ class EmbeddingRule(LayerRule):
         # the layer's matrix is E^T [D, V]: entry (d, v) is E[v, d]
         index = offsets["weight"] + torch.arange(V).unsqueeze(0) * D + torch.arange(D).unsqueeze(1)
         return {"": index.unsqueeze(0)}
+
+    def kfac_shapes(self, module):  # noqa: D102
+        V, D = module.weight.shape
+        return {"": (1, D, V)}

@@ -533,6 +533,8 @@ class MultiheadAttentionRule(FunctionalRule):
         return index
 
     def kfac_shapes(self, module):  # noqa: D102
+        if type(self).kfac_index is not MultiheadAttentionRule.kfac_index:  # a subclass's own
+            return super().kfac_shapes(module)
         if module.bias_k is not None and module.bias_k.requires_grad:
             return None
         out = {}

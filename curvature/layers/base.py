@@ -462,6 +462,8 @@ class LinearFamilyRule(LayerRule):
         return {"": index.view(C, out // C, index.shape[1])}
 
     def kfac_shapes(self, module):  # noqa: D102
+        if type(self).kfac_index is not LinearFamilyRule.kfac_index:  # a subclass's own index
+            return super().kfac_shapes(module)
         has_w, has_b = self._weight_bias(module)
         out, in_eff, C = self._matrix_shape(module)
         return {"": (C, out // C, in_eff * has_w + has_b)}

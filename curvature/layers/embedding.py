@@ -143,5 +143,7 @@ class EmbeddingRule(LayerRule):
         return {"": index.unsqueeze(0)}
 
     def kfac_shapes(self, module):  # noqa: D102
+        if type(self).kfac_index is not EmbeddingRule.kfac_index:  # a subclass's own index
+            return super().kfac_shapes(module)
         V, D = module.weight.shape
         return {"": (1, D, V)}

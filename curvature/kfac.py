@@ -46,6 +46,7 @@ from .dense import Data, batch_weights, batches, empty_batch
 from .layer_stats import (
     MAX_EXACT_BLOCK,
     BlockIndices,
+    block_index,
     block_name,
     eigenvalue_corrections,
     exact_factors,
@@ -585,9 +586,11 @@ def diag_ggn(
                 if sharing.tied(name):
                     continue
                 kron, parts = fisher_diagonal(rule, module, calls)
-                with torch.device(flat.device):  # index built there: no host copy
-                    index = rule.kfac_index(module, layout.local_offsets(name)) if kron else None
-                    for suffix, d in parts.items():
-                        ix = index[suffix] if kron else layer_positions(layout, name, module, rule)
-                        flat.index_add_(0, ix.reshape(-1), w * d.reshape(-1).to(flat))
+                if kron:  # the index built on flat's device: no host copy
+                    index = block_index(rule, module, layout.local_offsets(name), flat.device)
+                else:
+                    with torch.device(flat.device):
+                        index = {"": layer_positions(layout, name, module, rule)}
+                for suffix, d in parts.items():
+                    flat.index_add_(0, index[suffix].reshape(-1), w * d.reshape(-1).to(flat))
     return layout.unflatten_dict(flat)

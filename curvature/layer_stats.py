@@ -21,6 +21,8 @@ no ``[N, D_out, D]`` is formed.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import contextmanager
 from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -52,6 +54,26 @@ def layer_positions(layout: ParamLayout, name: str, module: nn.Module, rule: Lay
     return layout.module_index(module, name, rule.param_names(module))
 
 
+def block_index(
+    rule: LayerRule, module: nn.Module, offsets: Dict[str, int], device: torch.device
+) -> Optional[Dict[str, Tensor]]:
+    """``rule.kfac_index(module, offsets)`` built on ``device`` (no host build and copy).
+
+    With the ``device`` argument where the rule's ``kfac_index`` takes one (the built-in
+    rules: no ``torch.device`` context, whose function mode intercepts every torch call
+    inside), else inside a ``torch.device(device)`` context.
+    """
+    if _index_takes_device(type(rule)):
+        return rule.kfac_index(module, offsets, device=device)
+    with torch.device(device):
+        return rule.kfac_index(module, offsets)
+
+
+@functools.cache
+def _index_takes_device(cls: type) -> bool:
+    return "device" in inspect.signature(cls.kfac_index).parameters
+
+
 class BlockIndices:
     """``(name, suffix, device)`` to a block's index ``[C, D_out, D]``, built on ``device``.
 
@@ -75,11 +97,11 @@ class BlockIndices:
         key = (name, device)
         if key not in self.built:
             module, rule = self.layers[name]
-            with torch.device(device):
-                self.built[key] = rule.kfac_index(module, self.layout.local_offsets(name))
-                if self.built[key] is None:  # exact block over the trainable parameters
+            self.built[key] = block_index(rule, module, self.layout.local_offsets(name), device)
+            if self.built[key] is None:  # exact block over the trainable parameters
+                with torch.device(device):
                     ix = layer_positions(self.layout, name, module, rule)
-                    self.built[key] = ix.view(1, -1, 1)
+                self.built[key] = ix.view(1, -1, 1)
         index = self.built[key]
         return index if isinstance(index, Tensor) else index[suffix]
 
@@ -534,8 +556,7 @@ def large_statistics(
             return None
         d = fisher_diagonal(rule, module, calls)[1][""]
         pos = layout.module_index(module, name)
-        with torch.device(d.device):  # built there: no host copy
-            index = rule.kfac_index(module, layout.local_offsets(name))
+        index = block_index(rule, module, layout.local_offsets(name), d.device)
         for suffix in large:
             parts[suffix] = (at_positions(d, pos, index[suffix]), None)
     res = {}

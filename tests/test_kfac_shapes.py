@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import curvature
+from curvature.layer_stats import block_index
 from curvature.layers import LinearFamilyRule
 from curvature.layers.registry import registered_rule
 from curvature.layout import ParamLayout
@@ -115,3 +116,22 @@ def test_kfac_shapes_decide_the_large_blocks():
     assert kinds == {"0": "OneSidedBlock", "2": "OneSidedBlock"}
     for b in approx.blocks:
         assert tuple(b.index.shape) == {"0": (3, 2, 10), "2": (1, 5, 97)}[b.name]
+
+
+def test_block_index_builds_on_the_device_with_or_without_a_device_argument():
+    """Built-in rules take ``device``; a rule of one's own without it gets a device context."""
+
+    class Old(LinearFamilyRule):  # kfac_index(module, offsets): the signature before
+        def kfac_index(self, module, offsets):
+            return super().kfac_index(module, offsets)
+
+    module = nn.Linear(4, 3)
+    offsets = {"weight": 5, "bias": 17}
+    want = registered_rule(module).kfac_index(module, offsets)[""]
+    for rule in (registered_rule(module), Old()):
+        meta = block_index(rule, module, offsets, torch.device("meta"))[""]
+        assert meta.device.type == "meta" and meta.shape == want.shape
+        cpu = block_index(rule, module, offsets, torch.device("cpu"))[""]
+        assert cpu.device.type == "cpu" and torch.equal(cpu, want)
+    with torch.device("meta"):  # without device: the default device, as before
+        assert registered_rule(module).kfac_index(module, offsets)[""].device.type == "meta"

@@ -262,11 +262,16 @@ class LayerRule:
             return None
         return {k: expanded_kfac(a, g if with_g else None, approx) for k, (a, g) in blocks.items()}
 
-    def kfac_index(self, module: nn.Module, offsets: Dict[str, int]) -> Optional[Dict[str, Tensor]]:
+    def kfac_index(
+        self, module: nn.Module, offsets: Dict[str, int], device=None
+    ) -> Optional[Dict[str, Tensor]]:
         """Per block suffix, ``[C, D_out, D]`` positions of the entries in the flat vector.
 
         Entry ``(c, o, i)`` of the layer's matrix ``[W | b]`` (group ``c``) sits at
         ``index[c, o, i]``, so that the block ``kron(G_c, A_c)`` acts on ``vec_row``.
+        Built on ``device`` (default: the default device). A rule of one's own may leave
+        ``device`` out of its signature: :func:`curvature.layer_stats.block_index` then
+        builds its index inside a ``torch.device`` context.
         """
         return None
 
@@ -449,15 +454,17 @@ class LinearFamilyRule(LayerRule):
         A_sum, G_sum = plain_kfac(ops if with_g else PlainOperands(ops.a, None, ops.positions))
         return {"": (A_sum, G_sum, ops.a.shape[1])}
 
-    def kfac_index(self, module, offsets):  # noqa: D102
+    def kfac_index(self, module, offsets, device=None):  # noqa: D102
         has_w, has_b = self._weight_bias(module)
         out, in_eff, C = self._matrix_shape(module)
         cols = []  # [out, in_eff] weight positions, row-major; [out, 1] bias positions
         if has_w:
             start = offsets["weight"]
-            cols.append(torch.arange(start, start + out * in_eff).view(out, in_eff))
+            w = torch.arange(start, start + out * in_eff, device=device)
+            cols.append(w.view(out, in_eff))
         if has_b:
-            cols.append(torch.arange(offsets["bias"], offsets["bias"] + out).view(out, 1))
+            b = torch.arange(offsets["bias"], offsets["bias"] + out, device=device)
+            cols.append(b.view(out, 1))
         index = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]  # [out, D]
         return {"": index.view(C, out // C, index.shape[1])}
 

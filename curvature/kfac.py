@@ -407,9 +407,9 @@ def _kfac(
                 for suffix, (A_sum, G_sum, count) in res.items():
                     s = stats.setdefault((name, suffix), [0, None, 0])
                     s[0] = s[0] + A_sum
-                    s[1] = (
-                        None if G_sum is None else (w * G_sum if s[1] is None else s[1] + w * G_sum)
-                    )
+                    if G_sum is not None:  # (w = 1, one batch: no product, the same bits)
+                        wG = G_sum if w == 1 else w * G_sum
+                        s[1] = wG if s[1] is None else s[1] + wG
                     s[2] += count
     blocks, indices = [], []
     index_of = BlockIndices(layers, layout)

@@ -45,6 +45,8 @@ from .capture import capture, isolated
 from .dense import Data, batch_weights, batches, empty_batch
 from .layer_stats import (
     MAX_EXACT_BLOCK,
+    BlockIndices,
+    block_index,
     block_name,
     eigenvalue_corrections,
     exact_factors,
@@ -378,8 +380,8 @@ def _kfac(
                 if sharing.tied(name):  # no Kronecker block for a layer with a tied parameter
                     continue
                 layers[name] = (module, rule)
-                if name not in large:
-                    large[name] = large_blocks(module, rule, name, layout, max_factor_size)
+                if name not in large:  # from the shapes: no index built here
+                    large[name] = large_blocks(module, rule, max_factor_size)
                 if large[name]:  # the large factors are never formed
                     args = (name, layout, large[name], kfac_approx.value, not forward_only, w)
                     sided = {
@@ -405,15 +407,14 @@ def _kfac(
                 for suffix, (A_sum, G_sum, count) in res.items():
                     s = stats.setdefault((name, suffix), [0, None, 0])
                     s[0] = s[0] + A_sum
-                    s[1] = (
-                        None if G_sum is None else (w * G_sum if s[1] is None else s[1] + w * G_sum)
-                    )
+                    if G_sum is not None:  # (w = 1, one batch: no product, the same bits)
+                        wG = G_sum if w == 1 else w * G_sum
+                        s[1] = wG if s[1] is None else s[1] + wG
                     s[2] += count
-    blocks, indices = [], []  # built on the factors' device: no host copy per call
+    blocks, indices = [], []
+    index_of = BlockIndices(layers, layout)
     for (name, suffix), (A_sum, G_sum, count) in stats.items():
-        module, rule = layers[name]
-        with torch.device(A_sum.device):
-            index = _block_index(module, rule, name, suffix, layout)
+        index = index_of(name, suffix, A_sum.device)
         indices.append(index.reshape(-1))
         A = A_sum / count
         if G_sum is None:
@@ -423,7 +424,7 @@ def _kfac(
             G = G_sum
         blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
     for (name, suffix), st in diag_stats.items():
-        index = large[name][suffix].to(st[0].device)
+        index = index_of(name, suffix, st[0].device)
         indices.append(index.reshape(-1))
         if len(st) == 4:  # one-sided: [A_sum, G_sum, count, (full_A, full_G)]
             blocks.append(OneSidedBlock(block_name(name, suffix), index, *st[3]))
@@ -433,10 +434,10 @@ def _kfac(
         blocks.append(DiagonalBlock(block_name(name, suffix), index.to(d.device), d))
     if diag_stats:
         sizes = ", ".join(
-            f"'{block_name(*k) or '<model>'}' (A: {ix.shape[2]}, G: {ix.shape[1]})"
-            for k, ix in ((k, large[k[0]][k[1]]) for k in diag_stats)
+            f"'{block_name(*k) or '<model>'}' (A: {shape[2]}, G: {shape[1]})"
+            for k, shape in ((k, large[k[0]][k[1]]) for k in diag_stats)
         )
-        largest = max(max(large[n][s].shape[1:]) for n, s in diag_stats)
+        largest = max(max(large[n][s][1:]) for n, s in diag_stats)
         kinds = {len(st) for st in diag_stats.values()}
         what = "the per-sample Fisher diagonal (DiagonalBlock, see KFACApprox.diagonals)"
         what = "the diagonal of kron(I, A) (DiagonalBlock)" if forward_only else what
@@ -466,13 +467,6 @@ def _kfac(
             raise ValueError(msg)
         warnings.warn(msg, stacklevel=3)
     return KFACApprox(blocks, layout, uncovered)
-
-
-def _block_index(module, rule, name, suffix, layout: ParamLayout) -> Tensor:
-    index = rule.kfac_index(module, layout.local_offsets(name))
-    if index is None:  # exact block over the module's trainable parameters
-        return layer_positions(layout, name, module, rule).view(1, -1, 1)
-    return index[suffix]
 
 
 def ekfac(
@@ -592,9 +586,11 @@ def diag_ggn(
                 if sharing.tied(name):
                     continue
                 kron, parts = fisher_diagonal(rule, module, calls)
-                with torch.device(flat.device):  # index built there: no host copy
-                    index = rule.kfac_index(module, layout.local_offsets(name)) if kron else None
-                    for suffix, d in parts.items():
-                        ix = index[suffix] if kron else layer_positions(layout, name, module, rule)
-                        flat.index_add_(0, ix.reshape(-1), w * d.reshape(-1).to(flat))
+                if kron:  # the index built on flat's device: no host copy
+                    index = block_index(rule, module, layout.local_offsets(name), flat.device)
+                else:
+                    with torch.device(flat.device):
+                        index = {"": layer_positions(layout, name, module, rule)}
+                for suffix, d in parts.items():
+                    flat.index_add_(0, index[suffix].reshape(-1), w * d.reshape(-1).to(flat))
     return layout.unflatten_dict(flat)

@@ -21,6 +21,8 @@ no ``[N, D_out, D]`` is formed.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import contextmanager
 from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -50,6 +52,58 @@ MAX_EXACT_BLOCK = 4096
 def layer_positions(layout: ParamLayout, name: str, module: nn.Module, rule: LayerRule) -> Tensor:
     """``[P_l]`` flat positions of the parameters the rule covers, ``named_parameters`` order."""
     return layout.module_index(module, name, rule.param_names(module))
+
+
+def block_index(
+    rule: LayerRule, module: nn.Module, offsets: Dict[str, int], device: torch.device
+) -> Optional[Dict[str, Tensor]]:
+    """``rule.kfac_index(module, offsets)`` built on ``device`` (no host build and copy).
+
+    With the ``device`` argument where the rule's ``kfac_index`` takes one (the built-in
+    rules: no ``torch.device`` context, whose function mode intercepts every torch call
+    inside), else inside a ``torch.device(device)`` context.
+    """
+    if _index_takes_device(type(rule)):
+        return rule.kfac_index(module, offsets, device=device)
+    with torch.device(device):
+        return rule.kfac_index(module, offsets)
+
+
+@functools.cache
+def _index_takes_device(cls: type) -> bool:
+    return "device" in inspect.signature(cls.kfac_index).parameters
+
+
+class BlockIndices:
+    """``(name, suffix, device)`` to a block's index ``[C, D_out, D]``, built on ``device``.
+
+    :func:`curvature.kfac` calls it with the factors' device (no host build and copy per
+    call); each layer's ``kfac_index`` is built once per device and shared by the layer's
+    blocks. A layer without one (an exact block) gets ``[1, P_l, 1]``, its trainable
+    parameters' positions (:func:`layer_positions`).
+
+    Args:
+        layers: Layer name to ``(module, rule)``.
+        layout: The model's :class:`~curvature.layout.ParamLayout`.
+
+    """
+
+    def __init__(self, layers: Dict[str, Tuple[nn.Module, LayerRule]], layout: ParamLayout):
+        self.layers, self.layout = layers, layout
+        self.built: Dict[Tuple[str, torch.device], object] = {}
+
+    def __call__(self, name: str, suffix: str, device: torch.device) -> Tensor:
+        """The index of block ``suffix`` of layer ``name`` on ``device``."""
+        key = (name, device)
+        if key not in self.built:
+            module, rule = self.layers[name]
+            self.built[key] = block_index(rule, module, self.layout.local_offsets(name), device)
+            if self.built[key] is None:  # exact block over the trainable parameters
+                with torch.device(device):
+                    ix = layer_positions(self.layout, name, module, rule)
+                self.built[key] = ix.view(1, -1, 1)
+        index = self.built[key]
+        return index if isinstance(index, Tensor) else index[suffix]
 
 
 def layer_numel(module: nn.Module, rule: LayerRule) -> int:
@@ -459,12 +513,16 @@ def onesided_factors(
     return out
 
 
-def large_blocks(module, rule, name, layout: ParamLayout, max_size: int) -> Dict[str, Tensor]:
-    """Suffix to index ``[C, D_out, D]`` of the layer's blocks with a factor over ``max_size``."""
-    index = rule.kfac_index(module, layout.local_offsets(name))
-    if index is None:
+def large_blocks(module, rule, max_size: int) -> Dict[str, Tuple[int, int, int]]:
+    """Suffix to ``(C, D_out, D)`` of the layer's blocks with a factor over ``max_size``.
+
+    The shapes of the rule's ``kfac_index`` (:meth:`~curvature.layers.LayerRule.kfac_shapes`),
+    without building the index.
+    """
+    shapes = rule.kfac_shapes(module)
+    if shapes is None:
         return {}
-    return {s: ix for s, ix in index.items() if max(ix.shape[1], ix.shape[2]) > max_size}
+    return {s: shape for s, shape in shapes.items() if max(shape[1], shape[2]) > max_size}
 
 
 def large_statistics(
@@ -476,6 +534,7 @@ def large_statistics(
     ``sum w sum_{k,n} grad_nk^2`` ``[C, D_out, D]`` (``count`` None), forward-only the
     diagonal of ``A`` summed over ``count`` inputs ``[C, 1, D]``.
 
+    ``large``: suffix to ``(C, D_out, D)`` (:func:`large_blocks`).
     ``sided`` (suffix to ``(full_A, full_G)``, with gradients): one-sided statistics
     instead (:func:`onesided_factors`), ``diag_stats[(name, suffix)] = [A_sum, w G_sum,
     count, (full_A, full_G)]``, where the rule gives them.
@@ -500,8 +559,9 @@ def large_statistics(
             return None
         d = fisher_diagonal(rule, module, calls)[1][""]
         pos = layout.module_index(module, name)
-        for suffix, ix in large.items():
-            parts[suffix] = (at_positions(d, pos, ix), None)
+        index = block_index(rule, module, layout.local_offsets(name), d.device)
+        for suffix in large:
+            parts[suffix] = (at_positions(d, pos, index[suffix]), None)
     res = {}
     for suffix, (a, g) in (expanded or {}).items():
         if suffix not in large:

@@ -25,7 +25,7 @@ corrections).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -176,6 +176,7 @@ class OneSidedBlock(RunningFactors):
         self.fresh = None
 
 
-def onesided_sides(index: Tensor, max_factor_size: int) -> Tuple[bool, bool]:
-    """``(full_A, full_G)`` of a block on ``index [C, D_out, D]``: full up to the size."""
-    return index.shape[2] <= max_factor_size, index.shape[1] <= max_factor_size
+def onesided_sides(index: Union[Tensor, Sequence[int]], max_factor_size: int) -> Tuple[bool, bool]:
+    """``(full_A, full_G)`` of a block on ``index [C, D_out, D]`` (or its shape): size <= max."""
+    shape = index.shape if isinstance(index, Tensor) else index
+    return shape[2] <= max_factor_size, shape[1] <= max_factor_size

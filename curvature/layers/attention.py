@@ -505,7 +505,7 @@ class MultiheadAttentionRule(FunctionalRule):
             return None  # forward-only: the replay needs output gradients
         return self._sublayers(module, calls)
 
-    def kfac_index(self, module, offsets):  # noqa: D102
+    def kfac_index(self, module, offsets, device=None):  # noqa: D102
         if module.bias_k is not None and module.bias_k.requires_grad:
             return None
         E = module.embed_dim
@@ -522,12 +522,24 @@ class MultiheadAttentionRule(FunctionalRule):
                     base = offsets["in_proj_weight"] + i * E * D_in
                 else:
                     base = offsets[f"{s}_weight"]
-                cols.append(base + torch.arange(E).unsqueeze(1) * D_in + torch.arange(D_in))
+                cols.append(torch.arange(base, base + E * D_in, device=device).view(E, D_in))
             if b is not None and b.requires_grad:
                 base = (
                     offsets["out_proj.bias"] if s == "out_proj" else offsets["in_proj_bias"] + i * E
                 )
-                cols.append(base + torch.arange(E).unsqueeze(1))
+                cols.append(torch.arange(base, base + E, device=device).view(E, 1))
             if cols:
                 index[s] = torch.cat(cols, 1).unsqueeze(0)
         return index
+
+    def kfac_shapes(self, module):  # noqa: D102
+        if type(self).kfac_index is not MultiheadAttentionRule.kfac_index:  # a subclass's own
+            return super().kfac_shapes(module)
+        if module.bias_k is not None and module.bias_k.requires_grad:
+            return None
+        out = {}
+        for s, (W, b) in _projection_params(module).items():
+            D = (W.shape[1] if W.requires_grad else 0) + (b is not None and b.requires_grad)
+            if D:
+                out[s] = (1, module.embed_dim, D)
+        return out

@@ -12,6 +12,8 @@ layer output), ``N`` (batch), ``S`` (shared positions), ``G`` (groups).
 from __future__ import annotations
 
 import contextvars
+import math
+from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -260,13 +262,29 @@ class LayerRule:
             return None
         return {k: expanded_kfac(a, g if with_g else None, approx) for k, (a, g) in blocks.items()}
 
-    def kfac_index(self, module: nn.Module, offsets: Dict[str, int]) -> Optional[Dict[str, Tensor]]:
+    def kfac_index(
+        self, module: nn.Module, offsets: Dict[str, int], device=None
+    ) -> Optional[Dict[str, Tensor]]:
         """Per block suffix, ``[C, D_out, D]`` positions of the entries in the flat vector.
 
         Entry ``(c, o, i)`` of the layer's matrix ``[W | b]`` (group ``c``) sits at
         ``index[c, o, i]``, so that the block ``kron(G_c, A_c)`` acts on ``vec_row``.
+        Built on ``device`` (default: the default device). A rule of one's own may leave
+        ``device`` out of its signature: :func:`curvature.layer_stats.block_index` then
+        builds its index inside a ``torch.device`` context.
         """
         return None
+
+    def kfac_shapes(self, module: nn.Module) -> Optional[Dict[str, Tuple[int, int, int]]]:
+        """Per block suffix, ``(C, D_out, D)``: the shapes of :meth:`kfac_index`'s tensors.
+
+        Without building them (the factor sizes before the statistics); ``None`` where
+        :meth:`kfac_index` is. This default builds the index on the ``meta`` device (no
+        data) with every offset 0; the built-in rules compute the shapes directly.
+        """
+        with torch.device("meta"):
+            index = self.kfac_index(module, defaultdict(int))
+        return None if index is None else {s: tuple(ix.shape) for s, ix in index.items()}
 
 
 def gram_of(grads: Dict[str, Tensor]) -> Tensor:
@@ -436,20 +454,34 @@ class LinearFamilyRule(LayerRule):
         A_sum, G_sum = plain_kfac(ops if with_g else PlainOperands(ops.a, None, ops.positions))
         return {"": (A_sum, G_sum, ops.a.shape[1])}
 
-    def kfac_index(self, module, offsets):  # noqa: D102
+    def kfac_index(self, module, offsets, device=None):  # noqa: D102
         has_w, has_b = self._weight_bias(module)
+        out, in_eff, C = self._matrix_shape(module)
+        cols = []  # [out, in_eff] weight positions, row-major; [out, 1] bias positions
+        if has_w:
+            start = offsets["weight"]
+            w = torch.arange(start, start + out * in_eff, device=device)
+            cols.append(w.view(out, in_eff))
+        if has_b:
+            b = torch.arange(offsets["bias"], offsets["bias"] + out, device=device)
+            cols.append(b.view(out, 1))
+        index = torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]  # [out, D]
+        return {"": index.view(C, out // C, index.shape[1])}
+
+    def kfac_shapes(self, module):  # noqa: D102
+        if type(self).kfac_index is not LinearFamilyRule.kfac_index:  # a subclass's own index
+            return super().kfac_shapes(module)
+        has_w, has_b = self._weight_bias(module)
+        out, in_eff, C = self._matrix_shape(module)
+        return {"": (C, out // C, in_eff * has_w + has_b)}
+
+    @staticmethod
+    def _matrix_shape(module: nn.Module) -> Tuple[int, int, int]:
+        """``(D_out, D_in, C)``: rows and (unfolded) input columns of the weight, groups."""
         ref = module.weight if module.weight is not None else module.bias
         out = ref.shape[0]
-        cols = []
-        if has_w:
-            in_eff = module.weight[0].numel()
-            rows = torch.arange(out).unsqueeze(1) * in_eff
-            cols.append(offsets["weight"] + rows + torch.arange(in_eff))
-        if has_b:
-            cols.append(offsets["bias"] + torch.arange(out).unsqueeze(1))
-        index = torch.cat(cols, dim=1)  # [out, D]
-        C = getattr(module, "groups", 1)
-        return {"": index.view(C, out // C, index.shape[1])}
+        in_eff = math.prod(module.weight.shape[1:]) if module.weight is not None else 0
+        return out, in_eff, getattr(module, "groups", 1)
 
 
 # -- maths on expanded inputs a [N, S, C, D] (bias column included) and g [..., N, S, C, D_out]

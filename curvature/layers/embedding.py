@@ -136,8 +136,15 @@ class EmbeddingRule(LayerRule):
             G_sum = G_sum.unsqueeze(0)
         return {"": (A_sum.unsqueeze(0), G_sum, count)}
 
-    def kfac_index(self, module, offsets):  # noqa: D102
+    def kfac_index(self, module, offsets, device=None):  # noqa: D102
         V, D = module.weight.shape
         # the layer's matrix is E^T [D, V]: entry (d, v) is E[v, d]
-        index = offsets["weight"] + torch.arange(V).unsqueeze(0) * D + torch.arange(D).unsqueeze(1)
+        E = torch.arange(offsets["weight"], offsets["weight"] + V * D, device=device)
+        index = E.view(V, D).T.contiguous()
         return {"": index.unsqueeze(0)}
+
+    def kfac_shapes(self, module):  # noqa: D102
+        if type(self).kfac_index is not EmbeddingRule.kfac_index:  # a subclass's own index
+            return super().kfac_shapes(module)
+        V, D = module.weight.shape
+        return {"": (1, D, V)}

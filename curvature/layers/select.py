@@ -123,8 +123,8 @@ def refuse_reparametrized(name: str, module: nn.Module) -> None:
         for n, _ in module.named_parameters(recurse=False)
         if n.endswith("_orig") and hasattr(module, n[: -len("_orig")] + "_mask")
     ]
-    trainable = any(p.requires_grad for p in module.parameters())
-    if trainable and (parametrize.is_parametrized(module) or pruned):
+    reparametrized = parametrize.is_parametrized(module) or pruned
+    if reparametrized and any(p.requires_grad for p in module.parameters()):
         how = (
             "pruned (torch.nn.utils.prune)"
             if pruned

@@ -29,6 +29,7 @@ def _unfolded_path(monkeypatch):
     """These tests are about the unfolded path (convolutions' direct path: off)."""
     monkeypatch.setattr(layer_diagonal, "DIRECT_DIAGONAL", False)
 
+
 N = 7
 
 

@@ -63,11 +63,14 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
     first: Dict[int, Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]] = {}
     read = finite_flags(mats, also)
     extra = read[len(mats) :]
+    groups: Dict[Tuple[Any, ...], List[int]] = {}  # equal shapes: one batched call
     for i, (M, ok, name) in enumerate(zip(mats, read, names)):
         if not ok:
             out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
             continue
-        first[i] = _first_eigh(M)
+        groups.setdefault((M.shape, M.dtype, M.device), []).append(i)
+    for idx in groups.values():
+        first.update(_first_eighs([mats[i] for i in idx], idx))
     tried = [i for i, (_, _, res) in first.items() if res is not None]
     flags = finite_flags([t for i in tried for t in first[i][2]]) if tried else []
     for j, i in enumerate(tried):
@@ -78,6 +81,19 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
         if out[i] is None:
             out[i] = _eigh_retries(S, dtype, names[i])
     return out + extra
+
+
+def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
+    """:func:`_first_eigh` of equal-shaped matrices in one batched call (on a GPU,
+    ``torch.linalg.eigh`` reads its error codes on the host once per call); one by one
+    where the batched call raises.
+    """
+    if len(mats) == 1:
+        return {idx[0]: _first_eigh(mats[0])}
+    S, dtype, res = _first_eigh(torch.stack(mats))
+    if res is None:
+        return {i: _first_eigh(M) for i, M in zip(idx, mats)}
+    return {i: (S[j], dtype, (res[0][j], res[1][j])) for j, i in enumerate(idx)}
 
 
 def _first_eigh(M: Tensor) -> Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]:

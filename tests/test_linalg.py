@@ -135,6 +135,22 @@ def test_eighs_equal_eigh_with_two_synchronizations_and_errors_per_matrix(monkey
     assert "non-finite" in str(got[3])
 
 
+def test_eighs_decompose_equal_shapes_in_one_call_with_the_same_results(monkeypatch):
+    """Equal-shaped matrices go through one batched ``torch.linalg.eigh`` (one error-code
+    read on a GPU instead of one per matrix): the same values as one by one (bit for bit on
+    the CPU, where LAPACK decomposes a batch matrix by matrix), order kept."""
+    mats = [_psd(D=4, rank=3), _psd(D=5), _psd(D=4, rank=4), _psd(D=4, rank=2)]
+    shapes = []
+    inner = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda M: shapes.append(tuple(M.shape)) or inner(M))
+    got = eighs(mats, ["a", "b", "c", "d"])
+    monkeypatch.undo()
+    assert sorted(shapes) == [(3, 4, 4), (5, 5)]
+    for (evals, evecs), M in zip(got, mats):
+        ref_evals, ref_evecs = eigh(M)
+        assert torch.equal(evals, ref_evals) and torch.equal(evecs, ref_evecs)
+
+
 def test_foreach_finite_flags_judges_by_the_norm():
     """``curvature.foreach.finite_flags``: NaN and infinities flagged (one flag per group of
     values), finite values kept, including half precision whose sum of magnitudes would

@@ -178,3 +178,38 @@ def chunked_kfac_factors(rule: LayerRule, module: nn.Module, calls, approx: str,
             acc[1] = None if G is None else acc[1].add_(G)
             acc[2] += count
     return {s: tuple(v) for s, v in out.items()}
+
+
+def correction_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Optional[int]:
+    """Samples per chunk of EKFAC's eigenvalue corrections, or ``None`` for the whole batch.
+
+    A sample's temporaries: the patches, their copy with the bias column and their
+    rotation (``3 S C D``), the rotated gradients (``K S C D_out``) and the rotated
+    per-sample gradient (``K C D_out D``); the bound is :func:`diagonal_chunk`'s.
+    """
+    get = getattr(rule, "expanded_shape", None)
+    shape = None if get is None or not calls or calls[0].grads is None else get(module, calls)
+    if shape is None:
+        return None
+    N, S, C, D, D_out = shape
+    x, g = calls[0].args[0], calls[0].grads[0]
+    K = g.shape[: g.dim() - x.dim()].numel()
+    per_sample = 3 * S * C * D + K * S * C * D_out + K * C * D_out * D
+    held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
+    bound = max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
+    chunk = max(1, bound // max(1, per_sample))
+    return chunk if chunk < N else None
+
+
+def summed_over_chunks(fn, calls: Sequence[Call], chunk: Optional[int]) -> Dict[str, Tensor]:
+    """``fn(calls)`` (a dict of tensors that add over samples) summed over chunks of
+    ``chunk`` samples (``None``: the whole batch at once).
+    """
+    if chunk is None:
+        return fn(calls)
+    N = calls[0].args[0].shape[0]
+    out: Dict[str, Tensor] = {}
+    for start in range(0, N, chunk):
+        for k, v in fn(_sample_slice(calls, start, min(N, start + chunk))).items():
+            out[k] = out[k].add_(v) if k in out else v
+    return out

@@ -270,3 +270,61 @@ def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3 * 72 * 19)
     step()
     assert sorted(set(seen)) == [1, 3]  # chunks of 3, 3 and 1 samples
+
+
+class Pooled(nn.Module):
+    """Convolutions (one called twice), a global average pool and a small Linear: every
+    Kronecker factor of full rank with 7 samples (EKFAC's eigenbasis is then unique up to
+    signs, so rounding-level changes of the statistics change the steps at rounding level
+    only; with a rank-deficient factor any basis of its null space is as good)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1, groups=2)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.c2(torch.tanh(self.c2(torch.tanh(self.c1(x))))))
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+def test_ekfac_corrections_in_chunks_equal_the_whole_batch(fisher, monkeypatch):
+    """EKFAC's eigenvalue corrections (``sum_n (QG^T grad_n QA)^2``) of convolutions, a
+    chunk of samples at a time: the same steps as the whole batch at once."""
+    import curvature.optim.kfac as optim_kfac
+
+    chunks = []
+    inner = layer_diagonal.summed_over_chunks
+    monkeypatch.setattr(
+        optim_kfac,
+        "summed_over_chunks",
+        lambda fn, calls, chunk: chunks.append(chunk) or inner(fn, calls, chunk),
+    )
+
+    def params(bound):
+        if bound is not None:
+            monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+            monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+        model = Pooled()
+        opt = curvature.EKFAC(
+            model, lr=0.1, loss_func=nn.CrossEntropyLoss(), fisher=fisher, inverse_every=1
+        )
+        X, y = data()
+        for _ in range(3):  # step 0 decomposes; steps 1, 2 use corrections in that basis
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(X), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    whole = params(None)
+    assert set(chunks) == {None}
+    # one sample per chunk; c2 (two calls, 8428 elements per sample) in chunks of 2, 2,
+    # 2, 1 and c1 (2344 per sample) whole
+    for bound, expected in ((1, {1}), (20000, {2})):
+        chunks.clear()
+        for p, q in zip(whole, params(bound)):
+            torch.testing.assert_close(q, p, rtol=1e-9, atol=1e-12)
+        assert {c for c in chunks if c is not None} == expected

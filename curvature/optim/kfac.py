@@ -46,7 +46,7 @@ from ..blocks import (
     restore_block,
     snapshots,
 )
-from ..layer_diagonal import chunked_kfac_factors
+from ..layer_diagonal import chunked_kfac_factors, correction_chunk, summed_over_chunks
 from ..layer_stats import (
     MAX_EXACT_BLOCK,
     block_name,
@@ -357,8 +357,12 @@ class KFAC(CurvatureOptimizer):
                 basis = block.basis() if isinstance(block, EigenCorrectedBlock) else None
                 if basis is not None:
                     bases[block_name(name, suffix)] = (basis.QA, basis.QG)
-            if bases:
-                lambdas = eigenvalue_corrections(name, module, rule, calls, bases)
+            if bases:  # convolutions: a chunk of samples' patches at a time
+                lambdas = summed_over_chunks(
+                    lambda c: eigenvalue_corrections(name, module, rule, c, bases),
+                    calls,
+                    correction_chunk(rule, module, calls),
+                )
         for suffix, (A_sum, G_sum, count) in res.items():
             dt = stat_dtype(A_sum)
             lam = lambdas.get(block_name(name, suffix))

@@ -63,6 +63,21 @@ def diagonal_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) ->
     (:data:`DIAGONAL_CHUNK_ELEMENTS`) takes, at least one. ``None`` when the whole
     batch fits (or the rule cannot say).
     """
+    return samples_per_chunk(
+        rule,
+        module,
+        calls,
+        lambda S, C, D, D_out, K: S * C * (2 * D + K * D_out) + K * C * D_out * D,
+    )
+
+
+def samples_per_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call], per_sample):
+    """Samples per chunk under the bound ``max(DIAGONAL_CHUNK_ELEMENTS,
+    DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``, ``per_sample(S, C, D, D_out, K)`` the
+    temporaries of one sample (elements) from the rule's
+    :meth:`~curvature.layers.LayerRule.expanded_shape` and the pulled vectors ``K``; at
+    least one; ``None`` when the whole batch fits or the rule cannot say.
+    """
     get = getattr(rule, "expanded_shape", None)
     shape = None if get is None or not calls or calls[0].grads is None else get(module, calls)
     if shape is None:
@@ -70,10 +85,9 @@ def diagonal_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) ->
     N, S, C, D, D_out = shape
     x, g = calls[0].args[0], calls[0].grads[0]
     K = g.shape[: g.dim() - x.dim()].numel()
-    per_sample = S * C * (2 * D + K * D_out) + K * C * D_out * D
     held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
     bound = max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
-    chunk = max(1, bound // max(1, per_sample))
+    chunk = max(1, bound // max(1, per_sample(S, C, D, D_out, K)))
     return chunk if chunk < N else None
 
 
@@ -139,15 +153,7 @@ def kfac_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Opt
     :func:`diagonal_chunk`'s (the statistics at most double the memory of the layer's own
     inputs and output gradients).
     """
-    get = getattr(rule, "expanded_shape", None)
-    shape = None if get is None or not calls or calls[0].grads is None else get(module, calls)
-    if shape is None:
-        return None
-    N, S, C, D, _ = shape
-    held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
-    bound = max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
-    chunk = max(1, bound // max(1, S * C * D))
-    return chunk if chunk < N else None
+    return samples_per_chunk(rule, module, calls, lambda S, C, D, D_out, K: S * C * D)
 
 
 def chunked_kfac_factors(rule: LayerRule, module: nn.Module, calls, approx: str, with_g: bool):
@@ -187,18 +193,12 @@ def correction_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) 
     rotation (``3 S C D``), the rotated gradients (``K S C D_out``) and the rotated
     per-sample gradient (``K C D_out D``); the bound is :func:`diagonal_chunk`'s.
     """
-    get = getattr(rule, "expanded_shape", None)
-    shape = None if get is None or not calls or calls[0].grads is None else get(module, calls)
-    if shape is None:
-        return None
-    N, S, C, D, D_out = shape
-    x, g = calls[0].args[0], calls[0].grads[0]
-    K = g.shape[: g.dim() - x.dim()].numel()
-    per_sample = 3 * S * C * D + K * S * C * D_out + K * C * D_out * D
-    held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
-    bound = max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
-    chunk = max(1, bound // max(1, per_sample))
-    return chunk if chunk < N else None
+    return samples_per_chunk(
+        rule,
+        module,
+        calls,
+        lambda S, C, D, D_out, K: 3 * S * C * D + K * S * C * D_out + K * C * D_out * D,
+    )
 
 
 def summed_over_chunks(fn, calls: Sequence[Call], chunk: Optional[int]) -> Dict[str, Tensor]:

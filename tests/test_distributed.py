@@ -145,7 +145,9 @@ def test_ddp_example_runs_under_torchrun_and_resumes(tmp_path):
     pytest.importorskip("sklearn")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ck = str(tmp_path / "ck.pt")
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script]
+    # --standalone: a rendezvous on a free port (not the default 29500, which another run may hold)
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run.append(script)
 
     def launch(*args):
         done = subprocess.run(

@@ -254,9 +254,8 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chu
     sample is a ``ValueError``. ``chunked`` (type-2, for sums over the vectors): yield
     once per chunk of at most :data:`MAX_SOURCES_NUMEL` entries of vectors.
     """
-    generator = SamplingGenerators(
-        torch.Generator().manual_seed(seed)
-    )  # draws on the output's device
+    # draws on the output's device, from generators seeded with ``seed``
+    generator = SamplingGenerators(torch.Generator().manual_seed(seed))
     bs = [(X, y) for X, y in batches(data) if not empty_batch(X, y)]
     if not bs:
         raise ValueError(

@@ -85,9 +85,7 @@ def samples_per_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call],
     N, S, C, D, D_out = shape
     x, g = calls[0].args[0], calls[0].grads[0]
     K = g.shape[: g.dim() - x.dim()].numel()
-    held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
-    bound = max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
-    chunk = max(1, bound // max(1, per_sample(S, C, D, D_out, K)))
+    chunk = max(1, _bound(calls) // max(1, per_sample(S, C, D, D_out, K)))
     return chunk if chunk < N else None
 
 
@@ -105,9 +103,14 @@ def direct_diagonal(rule: LayerRule, module: nn.Module, calls: Sequence[Call]):
     get = getattr(rule, "direct_diagonal", None) if DIRECT_DIAGONAL else None
     if get is None or not calls or calls[0].grads is None:
         return None
-    held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
-    d = get(module, calls, max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held)))
+    d = get(module, calls, _bound(calls))
     return None if d is None else {"": d}
+
+
+def _bound(calls: Sequence[Call]) -> int:
+    """``max(DIAGONAL_CHUNK_ELEMENTS, DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``."""
+    held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
+    return max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
 
 
 def _sample_slice(calls: Sequence[Call], start: int, stop: int) -> List[Call]:

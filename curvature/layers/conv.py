@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from .base import CHUNK_ELEMENTS, LayerRule, LinearFamilyRule
+from .base import CHUNK_ELEMENTS, LayerRule, LinearFamilyRule, expanded_kfac
 from .registry import register
 
 
@@ -83,22 +83,12 @@ class ConvRule(LinearFamilyRule):
             p, g = self.expand(module, call)  # [N, S, C, D_in], [..., N, S, C, D_out]
             if g is not None and p.dtype != g.dtype:  # e.g. bf16 inputs under autocast
                 p = p.to(torch.promote_types(p.dtype, g.dtype))
-            N, S, C, D_in = p.shape
-            if C == 1:  # one group: a plain GEMM
-                p2 = p.reshape(-1, D_in)
-                pp = (p2.mT @ p2).unsqueeze(0)
-            else:
-                pp = torch.einsum("nsci,nscj->cij", p, p)
+            # the patches' a^T a and g^T g, as for any Linear-family block (no bias column)
+            pp, gg, n = expanded_kfac(p, g if with_g else None, "expand")
             ps = p.sum((0, 1))  # [C, D_in]
             ww, wb = (pp, ps) if ww is None else (ww.add_(pp), wb.add_(ps))
-            count += N * S
-            if with_g and g is not None:
-                if C == 1:
-                    g2 = g.reshape(-1, g.shape[-1])
-                    gg = (g2.mT @ g2).unsqueeze(0)
-                else:  # the pulled vectors' axis into the samples
-                    g2 = g.reshape(-1, *g.shape[-3:])
-                    gg = torch.einsum("nsco,nscp->cop", g2, g2)
+            count += n
+            if gg is not None:
                 G_sum = gg if G_sum is None else G_sum.add_(gg)
         C, D_in = wb.shape
         A_sum = ww.new_empty(C, D_in + 1, D_in + 1)
@@ -285,19 +275,8 @@ def folded_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, K
     return _weight_grads(module, x, g, (N * K * W.shape[0], *W.shape[1:]))
 
 
-#: Zero-stride stand-ins of weights (only a weight's shape matters for its gradient), by
-#: shape, dtype and device: one element each, made once.
-_STAND_INS: dict = {}
-
-
 def _stand_in(shape, like: Tensor) -> Tensor:
-    """A tensor of ``shape`` (all strides 0) in ``like``'s dtype and on its device."""
-    key = (tuple(shape), like.dtype, like.device)
-    w = _STAND_INS.get(key)
-    if w is None:
-        if torch.is_inference_mode_enabled():  # (not kept: inference tensors)
-            return like.new_zeros(1).as_strided(shape, [0] * len(shape))
-        if len(_STAND_INS) > 256:
-            _STAND_INS.clear()
-        w = _STAND_INS[key] = like.new_zeros(1).as_strided(shape, [0] * len(shape))
-    return w
+    """A tensor of ``shape`` (all strides 0, one uninitialized element) in ``like``'s dtype
+    and on its device: only a weight's shape matters for its gradient.
+    """
+    return like.new_empty(()).expand(shape)

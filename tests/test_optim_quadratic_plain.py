@@ -366,29 +366,24 @@ def test_freezing_a_layer_mid_run_keeps_training():
     opt.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known issue: the plain loop measures a step by the sum of the micro-batches' "
-    "loss_func values, while its model is of the union's mean loss (rho twice the one-batch "
-    "run's with 2 micro-batches); weighting each value by the backward's weight fixes this "
-    "but needs the distributed reduction and the AMP scale settled (see the docs)",
-)
-def test_gradient_accumulation_measures_the_union_loss():
-    """Two micro-batches with ``loss / 2`` each should be measured by the loss that the
-    backward differentiates (the mean of the two ``loss_func`` values), not their sum,
-    which makes the reduction ratio twice the one-batch run's and adapts the damping
-    differently. With identical halves the last micro-batch's Gauss-Newton matrix is the
-    union's, so the two loops should take the same steps."""
+@pytest.mark.parametrize("k", [2, 3])
+def test_gradient_accumulation_measures_the_union_loss(k):
+    """``k`` micro-batches with ``loss / k`` each are measured by the loss that the
+    backward differentiates (the mean of the ``loss_func`` values, each weighted by its
+    backward's gradient), not their sum, which made the reduction ratio ``k`` times the
+    one-batch run's and adapted the damping differently (until 2026-11-26). With identical
+    parts the last micro-batch's Gauss-Newton matrix is the union's, so the two loops
+    take the same steps."""
     runs = []
-    for micro in (1, 2):
+    for micro in (1, k):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
         opt = measured_kfac(model)
         ratios = []
         for seed in range(4):
             g = torch.Generator().manual_seed(seed)
-            X = torch.randn(8, 6, generator=g, dtype=torch.float64).repeat(2, 1)
-            y = torch.randint(0, 3, (8,), generator=g).repeat(2)
+            X = torch.randn(8, 6, generator=g, dtype=torch.float64).repeat(6, 1)
+            y = torch.randint(0, 3, (8,), generator=g).repeat(6)
             opt.zero_grad()
             for Xc, yc in zip(X.chunk(micro), y.chunk(micro)):
                 (CE(model(Xc), yc) / micro).backward()

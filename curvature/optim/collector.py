@@ -239,7 +239,7 @@ class StatisticsCollector:
             self.sink["called"].append((values[0], module, values[1]))
         elif self.projections is not None and self.model.training and not self.evaluating:
             if isinstance(output, Tensor) and output.numel() == 1 and output.requires_grad:
-                count_loss(self, output, values[0])  # counted once a backward reaches it
+                count_loss(self, output, values[0], self.forward_scale)  # once a backward comes
 
     def _check_targets(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Empirical Fisher, ``CrossEntropyLoss(reduction="mean")``: no ignored targets.

@@ -58,12 +58,49 @@ def when_reached(tensor: Tensor, ref: Any, action: Callable[[Any], None]) -> Non
     tensor.register_hook(hook)
 
 
-def count_loss(owner: Any, output: Tensor, into: Tensor) -> None:
-    """Append ``(output, into)`` to ``owner.losses`` once a backward reaches the scalar loss
-    ``output`` (the plain-loop quadratic rule's loss; not a validation loss with grad on).
+class LossRecord:
+    """A ``loss_func`` value of the plain-loop quadratic rule and the weight that the
+    backward gave it.
+
+    Attributes:
+        value: The 0-d loss (detached).
+        into: ``loss_func``'s input (its leading size counts the samples).
+        weight: ``d(backward root) / d(value)`` summed over the backwards that reached it,
+            over the AMP loss scale of its forward (0-d, on the device): ``1`` for
+            ``loss.backward()``, ``1 / k`` for ``(loss / k).backward()`` of ``k``
+            micro-batches. The measured loss is ``sum_i weight_i value_i``, the function
+            whose gradient the backward produced.
+
     """
-    record = (output.detach().reshape(()), into)
-    when_reached(output, weakref.ref(owner), lambda collector: collector.losses.append(record))
+
+    __slots__ = ("value", "into", "weight")
+
+    def __init__(self, value: Tensor, into: Tensor) -> None:
+        self.value, self.into = value, into
+        self.weight: Optional[Tensor] = None
+
+
+def count_loss(owner: Any, output: Tensor, into: Tensor, scale: float = 1.0) -> None:
+    """Append a :class:`LossRecord` of the scalar loss ``output`` to ``owner.losses`` once
+    a backward reaches it (the plain-loop quadratic rule's loss; not a validation loss
+    with grad on), with the gradient that backward gives it (over ``scale``, the AMP loss
+    scale of its forward) as its weight; later backwards through it add theirs.
+    """
+    record = LossRecord(output.detach().reshape(()), into)
+    ref = weakref.ref(owner)
+
+    def hook(grad: Tensor) -> None:
+        w = grad.detach().reshape(())
+        w = w if scale == 1.0 else w / scale
+        if record.weight is not None:
+            record.weight = record.weight + w
+            return
+        target = ref()
+        if target is not None:
+            record.weight = w
+            target.losses.append(record)
+
+    output.register_hook(hook)
 
 
 def absorb(stats: StepStatistics, records: Optional[List[Any]], pending: PendingStatistics) -> None:

@@ -357,23 +357,22 @@ class QuadraticRule(GreedyFactorDamping):
 
     # -- plain loop: no closure ----------------------------------------------------------------
     def _observed_loss(self, like: Tensor) -> Tuple[Tensor, int]:
-        """``(h, N)``: the sum of this rank's ``loss_func`` values since the last step and
-        the samples they saw (the leading sizes of their inputs).
+        """``(h, N)``: ``sum_i w_i L_i`` of this rank's ``loss_func`` values since the last
+        step, ``w_i`` from their backward (:class:`~.pending.LossRecord`), and their samples.
         """
         mine = {id(p) for p in self.layout.params}
         seen = self._collector.losses  # (a rebuilt collector keeps the old one's list)
-        kept = [(v, into) for v, into in seen if reaches(into.grad_fn, mine)]
-        losses = [v for v, _ in kept]
+        kept = [r for r in seen if reaches(r.into.grad_fn, mine)]
         seen.clear()
-        if not losses:
+        if not kept:
             raise ValueError(
                 f"{type(self).__name__}(update_rule='quadratic').step() without a closure "
                 "measures each step with the loss of the next forward: call the loss_func "
                 "passed to the optimizer in the training loop (a scalar loss, model in train "
                 "mode, gradients enabled), or pass a closure with a backward keyword."
             )
-        h = torch.stack([v.to(like.device, plain_dtype(like)) for v in losses]).sum()
-        return h, sum(into.shape[0] if into.dim() else 1 for _, into in kept)
+        h = torch.stack([(r.value * r.weight).to(like.device, plain_dtype(like)) for r in kept])
+        return h.sum(), sum(r.into.shape[0] if r.into.dim() else 1 for r in kept)
 
     @staticmethod
     def _moving(slots, previous: List[Tensor]) -> List[Tensor]:

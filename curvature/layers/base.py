@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .plain import PlainOperands, plain_kfac
+from .precision import gram
 
 #: Upper bound (in elements) for temporaries created while computing norms and Gram
 #: matrices; work is chunked over the batch so that no temporary exceeds it.
@@ -582,17 +583,13 @@ def expanded_kfac(
     """
     N, S = a.shape[:2]
     if approx == "expand" and a.shape[2] == 1:  # one group: two plain GEMMs
-        a2 = a.reshape(-1, a.shape[-1])
-        A_sum = (a2.mT @ a2).unsqueeze(0)
+        A_sum = gram(a.reshape(-1, a.shape[-1])).unsqueeze(0)
         g2 = None if g is None else g.reshape(-1, g.shape[-1])
-        return A_sum, None if g2 is None else (g2.mT @ g2).unsqueeze(0), N * S
+        return A_sum, None if g2 is None else gram(g2).unsqueeze(0), N * S
     if approx == "expand":
-        A_sum = torch.einsum("nsci,nscj->cij", a, a)
-        G_sum = None if g is None else torch.einsum("knsco,knscp->cop", g, g)
-        return A_sum, G_sum, N * S
-    ar = a.mean(1)
-    A_sum = torch.einsum("nci,ncj->cij", ar, ar)
+        A_sum = gram(a, "nsci,nscj->cij")
+        return A_sum, None if g is None else gram(g, "knsco,knscp->cop"), N * S
+    A_sum = gram(a.mean(1), "nci,ncj->cij")
     if g is None:
         return A_sum, None, N
-    gr = g.sum(2)
-    return A_sum, torch.einsum("knco,kncp->cop", gr, gr), N
+    return A_sum, gram(g.sum(2), "knco,kncp->cop"), N

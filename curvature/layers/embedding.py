@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import LayerRule
+from .precision import gram
 from .registry import register
 
 
@@ -126,13 +127,13 @@ class EmbeddingRule(LayerRule):
         else:
             abar = torch.zeros(N, V, dtype=weight.dtype, device=idx.device)
             abar.scatter_add_(1, idx, weight / S)
-            A_sum, count = (abar.pow(2).sum(0) if diagonal else abar.T @ abar), N
+            A_sum, count = (abar.pow(2).sum(0) if diagonal else gram(abar)), N
         G_sum = None
         if with_g:
             _, g = self._flat_batched(module, calls)  # [K, N, S, D]
             if approx == "reduce":
                 g = g.sum(-2, keepdim=True)
-            G_sum = torch.einsum("knsd,knse->de", g, g)
+            G_sum = gram(g, "knsd,knse->de")
             G_sum = G_sum.unsqueeze(0)
         return {"": (A_sum.unsqueeze(0), G_sum, count)}
 

@@ -21,6 +21,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .precision import gram
+
 
 class PlainOperands(NamedTuple):
     """A layer's inputs and output gradients as two matrices over its rows.
@@ -43,11 +45,11 @@ def plain_kfac(ops: PlainOperands) -> Tuple[Tensor, Optional[Tensor]]:
     ``A_sum = sum_m a_m a_m^T``, ``G_sum = sum_{k,m} g_km g_km^T``.
     """
     a, g = ops.a, ops.g
-    A_sum = torch.bmm(a.mT, a)
+    A_sum = gram(a)
     if g is None:
         return A_sum, None
     g1 = g if g.shape[0] == 1 else g.reshape(1, -1, g.shape[-1])
-    return A_sum, torch.bmm(g1.mT, g1)
+    return A_sum, gram(g1)
 
 
 def _squares_over_vectors(g: Tensor) -> Tensor:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
 
+from ..layers.precision import STATISTICS_DTYPES
 from ..losses import SUPPORTED_LOSSES, check_loss
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported, choice
 
@@ -78,8 +80,15 @@ def check_kfac_arguments(
     decompose: str,
     precondition: str,
     inverse_method: str,
+    statistics_dtype: Optional[torch.dtype] = None,
 ) -> None:
     """The structure arguments of :class:`~curvature.KFAC` / ``EKFAC`` beyond the config."""
+    if statistics_dtype is not None and statistics_dtype not in STATISTICS_DTYPES:
+        raise ValueError(
+            f"{who}(statistics_dtype={statistics_dtype!r}): None (the model's dtype) or one "
+            f"of {', '.join(str(d) for d in STATISTICS_DTYPES)} (the Kronecker statistics' "
+            "GEMMs in that dtype where it is narrower than the model's)."
+        )
     if not isinstance(max_factor_size, int) or max_factor_size < 1:
         raise ValueError(
             f"{who}(max_factor_size={max_factor_size!r}): a positive int; "

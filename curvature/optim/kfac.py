@@ -56,6 +56,7 @@ from ..layer_stats import (
     layer_numel,
     layer_positions,
 )
+from ..layers.precision import statistics_precision
 from ..layout import put, take
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
@@ -124,6 +125,9 @@ class KFAC(CurvatureOptimizer):
         large_factors (str): Those blocks' structure: ``"diagonal_factor"`` (default;
             :class:`~curvature.blocks.OneSidedBlock`, the small factor full) or
             ``"per_sample_diagonal"`` (the per-sample Fisher diagonal).
+        statistics_dtype (torch.dtype | None): The Kronecker statistics' GEMMs in this
+            narrower dtype (e.g. ``torch.bfloat16``; default None: the model's); numerics:
+            :mod:`curvature.layers.precision`, docs/optimizers.md.
         unsupported (str): For parameters no rule covers: ``"warn"`` (default; plain
             gradient, one warning), ``"error"``, or ``"diagonal"`` (diagonal empirical
             Fisher).
@@ -225,6 +229,7 @@ class KFAC(CurvatureOptimizer):
         precondition: str = "all",
         inverse_method: str = "cholesky",
         large_factors: str = "diagonal_factor",
+        statistics_dtype: Optional[torch.dtype] = None,
     ):
         check_kfac_arguments(
             type(self).__name__,
@@ -233,8 +238,9 @@ class KFAC(CurvatureOptimizer):
             decompose,
             precondition,
             inverse_method,
+            statistics_dtype,
         )
-        self.max_factor_size = max_factor_size
+        self.max_factor_size, self.statistics_dtype = max_factor_size, statistics_dtype
         self.large_factors = check_mode(type(self).__name__, large_factors)
         self.decompose, self.precondition = decompose, precondition
         self.inverse_method = inverse_method
@@ -340,7 +346,8 @@ class KFAC(CurvatureOptimizer):
         approx = self.config.kfac_approx.value
         if with_g and any(k[0] == name for k in self._large):
             return accumulate_large(name, module, rule, calls, approx, self._large, self, emit)
-        res = chunked_kfac_factors(rule, module, calls, approx, with_g)  # patches in chunks
+        with statistics_precision(self.statistics_dtype):  # (patches in chunks)
+            res = chunked_kfac_factors(rule, module, calls, approx, with_g)
         if res is None:
             if (name, "") not in self._index:
                 if self.config.unsupported == Unsupported.DIAGONAL and with_g:

@@ -1,0 +1,72 @@
+"""Lower-precision Kronecker statistics (opt-in): the GEMMs ``sum a a^T`` and ``sum g g^T``.
+
+The layer rules' Kronecker factors are Gram matrices of their inputs and output
+gradients (:func:`gram`). Inside :func:`statistics_precision` (``KFAC(...,
+statistics_dtype=torch.bfloat16)``) their operands are rounded to the narrower ``dtype``
+and the product is taken there, then returned in the operands' own dtype. Numerics (as
+documented in docs/optimizers.md): the inputs lose their bits below ``dtype``'s
+mantissa (bf16: 8 bits, a relative rounding of at most ``2^-9``), the products are
+accumulated in float32 by the BLAS (CPU GEMMs with bf16 units, GPU tensor cores) and
+the result is rounded once more to ``dtype`` before it is widened (torch has no
+bf16-input, float32-output GEMM on the CPU): each entry of the step's ``A_sum``
+carries a relative error of about ``2^-8`` of the entries' magnitudes, the running
+average then smooths it over steps. The finiteness checks see the widened result.
+Outside the context (the default) nothing is rounded: the products are those of the
+operands' dtype, bit for bit as without this module.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+_DTYPE: contextvars.ContextVar[Optional[torch.dtype]] = contextvars.ContextVar(
+    "curvature_statistics_dtype", default=None
+)
+
+#: the dtypes a user may ask for (narrower than the statistics' own dtype to matter)
+STATISTICS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@contextmanager
+def statistics_precision(dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """Take the Kronecker statistics' GEMMs (:func:`gram`) in ``dtype`` inside the block
+    (``None``: in the operands' dtype).
+    """
+    token = _DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _DTYPE.reset(token)
+
+
+def _narrower(x: Tensor, dtype: Optional[torch.dtype]) -> bool:
+    return (
+        dtype is not None
+        and x.is_floating_point()
+        and torch.finfo(dtype).bits < torch.finfo(x.dtype).bits
+    )
+
+
+def gram(x: Tensor, spec: Optional[str] = None) -> Tensor:
+    """``x^T x``: ``[..., M, D] -> [..., D, D]`` (``torch.bmm`` for 3-d, a GEMM for 2-d),
+    or ``torch.einsum(spec, x, x)``; in the dtype of :func:`statistics_precision` when it
+    is narrower than ``x``'s (the result widened back to ``x.dtype``).
+    """
+    dtype = _DTYPE.get()
+    low = _narrower(x, dtype)
+    y = x.to(dtype) if low else x
+    if spec is not None:
+        out = torch.einsum(spec, y, y)
+    elif y.dim() == 3:
+        out = torch.bmm(y.mT, y)
+    else:
+        out = y.mT @ y
+    return out.to(x.dtype) if low else out
+
+
+__all__ = ["STATISTICS_DTYPES", "gram", "statistics_precision"]

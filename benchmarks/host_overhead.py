@@ -14,7 +14,9 @@ per-call milliseconds is printed, with the ratio to the forward+backward.
 ``--peers`` adds the peers' equivalents on the same model and data, timed in the same
 loop (interleaved with ours): ASDL's Kronecker factors (empirical and MC, ``SHAPE_KRON``)
 and empirical diagonal (``SHAPE_DIAG``), and curvlinops' ``KFACLinearOperator``
-(empirical and MC, factors computed). Each of our rows is then also printed as a ratio
+(empirical and MC, factors computed). ``--clock thread`` times this thread's CPU time
+instead of the wall clock: on a machine shared with other jobs, the time the thread
+waits for a core is then not counted. Each of our rows is then also printed as a ratio
 to its peer rows: host time per call, ours / theirs, on this machine, one thread.
 
 ``--size cnn`` is optim_step.py's CNN (two 3x3 convolutions, a 12544->128 Linear);
@@ -158,6 +160,12 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=0, help="calls per timing (0: auto)")
     parser.add_argument("--unfolded", action="store_true", help="no direct conv diagonal")
     parser.add_argument("--peers", action="store_true", help="time ASDL and curvlinops too")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="wall time, or this thread's CPU time (steadier on a loaded machine)",
+    )
     parser.add_argument("--only", default="", help="comma-separated rows to time (and fwd+bwd)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -172,16 +180,18 @@ def main() -> None:
         fn()
         fn()
     times: Dict[str, list] = {k: [] for k in fns}
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     for _ in range(args.repeats):
         for key, fn in fns.items():
-            t = time.perf_counter()
+            t = clock()
             for _ in range(inner):
                 fn()
-            times[key].append(1e3 * (time.perf_counter() - t) / inner)
+            times[key].append(1e3 * (clock() - t) / inner)
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     print(
         f"size={args.size} repeats={args.repeats} inner={inner} unfolded={args.unfolded} "
+        f"clock={args.clock} "
         f"loadavg={' '.join(load)}"
     )
     base = statistics.median(times["forward+backward"])

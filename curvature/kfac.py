@@ -33,6 +33,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from .block_indices import BlockIndices, block_index
 from .blocks import (
     DiagonalBlock,
     EigenCorrectedBlock,
@@ -45,8 +46,6 @@ from .capture import capture, isolated
 from .dense import Data, batch_weights, batches, empty_batch
 from .layer_stats import (
     MAX_EXACT_BLOCK,
-    BlockIndices,
-    block_index,
     block_name,
     eigenvalue_corrections,
     exact_factors,
@@ -63,6 +62,7 @@ from .losses import (
     check_fisher,
     check_loss,
     hessian_sqrt_chunks,
+    per_sample_losses,
     require_tensor_output,
 )
 from .options import (
@@ -250,6 +250,7 @@ MAX_SOURCES_NUMEL = 1 << 26
 def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
 
+    Empirical: one backward from ``sum_n l_n`` seeded with ``sqrt(R)`` (no second one).
     Empty batches (``N = 0``) are skipped: they hold no samples; data without any
     sample is a ``ValueError``. ``chunked`` (type-2, for sums over the vectors): yield
     once per chunk of at most :data:`MAX_SOURCES_NUMEL` entries of vectors.
@@ -272,7 +273,12 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chu
                 cap.pull(out, V, is_grads_batched=True, retain_graph=True)
                 yield w, cap
             continue
-        if fisher != FisherType.FORWARD_ONLY:
+        if fisher == FisherType.EMPIRICAL:  # one backward from the losses: no V formed
+            total = per_sample_losses(loss_func, out, y).sum()
+            R = 1.0 / out.shape[0] if loss_func.reduction == "mean" else 1.0
+            seed_ = total.new_full((1,), R**0.5)  # sqrt(R) grad l_n, as backprop_sources
+            cap.pull(total, seed_, is_grads_batched=True, retain_graph=False)
+        elif fisher != FisherType.FORWARD_ONLY:
             V = backprop_sources(
                 loss_func, out, y, fisher.value, mc_samples=mc_samples, generator=generator
             )
@@ -404,17 +410,16 @@ def _kfac(
                         continue
                     res = exact_factors(rule, module, calls)
                 for suffix, (A_sum, G_sum, count) in res.items():
-                    s = stats.setdefault((name, suffix), [0, None, 0])
-                    s[0] = s[0] + A_sum
+                    s = stats.setdefault((name, suffix), [None, None, 0])
+                    s[0] = A_sum if s[0] is None else s[0] + A_sum  # (no 0 + A_sum copy)
                     if G_sum is not None:  # (w = 1, one batch: no product, the same bits)
                         wG = G_sum if w == 1 else w * G_sum
                         s[1] = wG if s[1] is None else s[1] + wG
                     s[2] += count
-    blocks, indices = [], []
+    blocks = []
     index_of = BlockIndices(layers, layout)
     for (name, suffix), (A_sum, G_sum, count) in stats.items():
         index = index_of(name, suffix, A_sum.device)
-        indices.append(index.reshape(-1))
         A = A_sum / count
         if G_sum is None:
             G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device)
@@ -424,7 +429,6 @@ def _kfac(
         blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
     for (name, suffix), st in diag_stats.items():
         index = index_of(name, suffix, st[0].device)
-        indices.append(index.reshape(-1))
         if len(st) == 4:  # one-sided: [A_sum, G_sum, count, (full_A, full_G)]
             blocks.append(OneSidedBlock(block_name(name, suffix), index, *st[3]))
             blocks[-1].update(st[0] / st[2], st[1])
@@ -450,7 +454,7 @@ def _kfac(
             f"max_factor_size={largest} to keep their factors (memory ~ size^2, "
             "inversion ~ size^3)."
         )
-    covered = set(layout.covered_names(indices))  # one read of the device
+    covered = set(index_of.covered_names())  # a read of the device, if any
     uncovered = [n for n, p in zip(layout.names, layout.params) if n not in covered and p.numel()]
     if skipped or uncovered:
         msg = (

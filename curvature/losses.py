@@ -378,8 +378,8 @@ def _mc_sources(loss_func, out, target, M, generator, check_targets=True):
     scale = (r / M) ** 0.5
     where = _where(generator, out)
 
-    def draw(fn):
-        return torch.stack([fn() for _ in range(M)])
+    def draw(fn):  # (one sample: an unsqueeze, not a stack's copy)
+        return fn().unsqueeze(0) if M == 1 else torch.stack([fn() for _ in range(M)])
 
     if isinstance(loss_func, nn.CrossEntropyLoss):
         ax = _softmax_axis(out)

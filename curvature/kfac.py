@@ -60,9 +60,12 @@ from .layout import ParamLayout, tie_hint
 from .losses import (
     backprop_sources,
     check_fisher,
+    check_ignored,
     check_loss,
     hessian_sqrt_chunks,
+    ignored_targets,
     per_sample_losses,
+    reduction_scale,
     require_tensor_output,
 )
 from .options import (
@@ -77,8 +80,6 @@ from .options import (
 from .positionwise import fold_positions
 from .rng import SamplingGenerators
 from .warn import warn
-
-KFAC_APPROX = tuple(m.value for m in KFACApproxType)
 
 
 class KFACApprox:
@@ -250,13 +251,13 @@ MAX_SOURCES_NUMEL = 1 << 26
 def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
 
-    Empirical: one backward from ``sum_n l_n`` seeded with ``sqrt(R)`` (no second one).
-    Empty batches (``N = 0``) are skipped: they hold no samples; data without any
-    sample is a ``ValueError``. ``chunked`` (type-2, for sums over the vectors): yield
-    once per chunk of at most :data:`MAX_SOURCES_NUMEL` entries of vectors.
+    Empty batches (``N = 0``) are skipped; data without any sample is a ``ValueError``.
+    ``chunked`` (type-2, for sums over the vectors): yield once per chunk of at most
+    :data:`MAX_SOURCES_NUMEL` entries of vectors. Empirical: one backward from ``sum_n
+    l_n`` seeded with ``sqrt(R)``. Ignored targets (mean CE) are read once, at the end.
     """
-    # draws on the output's device, from generators seeded with ``seed``
-    generator = SamplingGenerators(torch.Generator().manual_seed(seed))
+    generator = SamplingGenerators(torch.Generator().manual_seed(seed))  # on out's device
+    ignored, kw = [], dict(check_targets=False)
     bs = [(X, y) for X, y in batches(data) if not empty_batch(X, y)]
     if not bs:
         raise ValueError(
@@ -267,23 +268,24 @@ def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chu
         with capture(model) as cap, isolated(cap):
             out = model(X)
         require_tensor_output(out, caller)
+        ignored.append(ignored_targets(loss_func, y))
         many = out.dim() > 0 and out[0].numel() * out.numel() > MAX_SOURCES_NUMEL
         if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
-            for V in hessian_sqrt_chunks(loss_func, out, y, MAX_SOURCES_NUMEL):
+            for V in hessian_sqrt_chunks(loss_func, out, y, MAX_SOURCES_NUMEL, **kw):
                 cap.pull(out, V, is_grads_batched=True, retain_graph=True)
                 yield w, cap
             continue
         if fisher == FisherType.EMPIRICAL:  # one backward from the losses: no V formed
-            total = per_sample_losses(loss_func, out, y).sum()
-            R = 1.0 / out.shape[0] if loss_func.reduction == "mean" else 1.0
-            seed_ = total.new_full((1,), R**0.5)  # sqrt(R) grad l_n, as backprop_sources
+            total = per_sample_losses(loss_func, out, y, **kw).sum()
+            seed_ = total.new_full((1,), reduction_scale(loss_func, out.shape[0]) ** 0.5)
             cap.pull(total, seed_, is_grads_batched=True, retain_graph=False)
         elif fisher != FisherType.FORWARD_ONLY:
             V = backprop_sources(
-                loss_func, out, y, fisher.value, mc_samples=mc_samples, generator=generator
+                loss_func, out, y, fisher.value, mc_samples=mc_samples, **kw, generator=generator
             )
             cap.pull(out, V, is_grads_batched=True, retain_graph=False)
         yield w, cap
+    check_ignored(loss_func, [] if fisher == FisherType.FORWARD_ONLY else ignored)
 
 
 def kfac(
@@ -575,8 +577,7 @@ def diag_ggn(
     if fisher == FisherType.FORWARD_ONLY:
         raise ValueError("diag_ggn(fisher='forward-only') is undefined: there is no backward.")
     layout = ParamLayout.of(model)
-    ref = layout.params[0]
-    flat = torch.zeros(layout.numel, dtype=ref.dtype, device=ref.device)
+    flat = layout.params[0].new_zeros(layout.numel)
     if fisher == FisherType.TYPE2:  # the same GGN with the positions as samples, C vectors
         data, _ = fold_positions(model, loss_func, batches(data))
     for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):

@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -131,3 +134,59 @@ def test_kfac_on_a_model_with_a_frozen_bias_covers_the_rest():
     K = curvature.kfac(model, nn.CrossEntropyLoss(), (X, y), fisher="mc")
     assert K.uncovered == []
     assert K.factors["2"][0].shape == (4, 4)  # no bias column
+
+
+def test_ignored_targets_are_read_once_at_the_end_of_all_batches():
+    model = nn.Linear(4, 3)
+    X = torch.randn(6, 4)
+    y1, y2 = torch.tensor([0, 1, 2]), torch.tensor([1, -100, 0])
+    data = [(X[:3], y1), (X[3:], y2)]  # only the second batch ignores a target
+    for fisher in ("empirical", "mc", "type-2"):
+        with pytest.raises(ValueError, match="ignore_index"):
+            curvature.kfac(model, nn.CrossEntropyLoss(), data, fisher=fisher)
+        with pytest.raises(ValueError, match="ignore_index"):
+            curvature.diag_ggn(model, nn.CrossEntropyLoss(), data, fisher)
+    # forward-only never looks at the targets
+    curvature.kfac(model, nn.CrossEntropyLoss(), data, fisher="forward-only")
+
+
+def test_check_ignored_and_unchecked_per_sample_losses():
+    CE = nn.CrossEntropyLoss()
+    out, y = torch.randn(3, 4), torch.tensor([0, -100, 2])
+    losses = curvature.losses.per_sample_losses(CE, out, y, check_targets=False)
+    torch.testing.assert_close(losses, nn.CrossEntropyLoss(reduction="none")(out, y))
+    with pytest.raises(ValueError, match="ignore_index"):
+        curvature.losses.per_sample_losses(CE, out, y)
+    flags = [curvature.losses.ignored_targets(CE, t) for t in (y[:1], y)]
+    with pytest.raises(ValueError, match="ignore_index"):
+        curvature.losses.check_ignored(CE, flags)
+    curvature.losses.check_ignored(CE, flags[:1] + [None])  # nothing ignored: no error
+    curvature.losses.check_ignored(CE, [None])
+
+
+def test_per_sample_losses_of_one_element_per_sample_are_the_elements():
+    out, y = torch.randn(5, 3), torch.randint(0, 3, (5,))
+    for reduction in ("mean", "sum"):
+        CE = nn.CrossEntropyLoss(reduction=reduction)
+        losses = curvature.losses.per_sample_losses(CE, out, y)
+        assert torch.equal(losses, nn.CrossEntropyLoss(reduction="none")(out, y))
+        assert torch.equal(
+            losses, torch.stack([CE(out[n : n + 1], y[n : n + 1]) for n in range(5)])
+        )
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])
+def test_kfac_and_diag_ggn_of_builtin_layers_read_the_device_once(fisher):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_counts import HostReads
+
+    model = nn.Sequential(
+        nn.Linear(6, 5), nn.ReLU(), nn.Unflatten(1, (1, 5)), nn.Conv1d(1, 2, 2), nn.Flatten()
+    )
+    model.append(nn.Linear(8, 4))
+    X, y = torch.randn(5, 6), torch.randint(0, 4, (5,))
+    for call in (curvature.kfac, curvature.diag_ggn):
+        kw = {"fisher": fisher} if call is curvature.kfac else {}
+        with HostReads() as reads:
+            call(model, nn.CrossEntropyLoss(), (X, y), **kw)
+        assert reads.count == 1, dict(reads.where)  # the ignored targets, once, at the end

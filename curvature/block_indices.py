@@ -81,6 +81,20 @@ def linear_index(
     return {"": index}
 
 
+def layer_offsets(layout: ParamLayout, name: str, rule: LayerRule) -> Dict[str, int]:
+    """What ``rule.kfac_index`` of layer ``name`` reads of the layout's offsets.
+
+    :meth:`~curvature.layout.ParamLayout.local_offsets` (every parameter under the
+    layer, a scan of all names); for the built-in Linear and convolution rules only
+    their ``weight`` and ``bias`` (two look-ups).
+    """
+    if not _builtin_linear(rule):
+        return layout.local_offsets(name)
+    prefix = f"{name}." if name else ""
+    offsets = layout.offsets
+    return {n: offsets[prefix + n] for n in ("weight", "bias") if prefix + n in offsets}
+
+
 def block_index(
     rule: LayerRule, module: nn.Module, offsets: Dict[str, int], device: torch.device
 ) -> Optional[Dict[str, Tensor]]:
@@ -129,7 +143,8 @@ class BlockIndices:
         key = (name, device)
         if key not in self.built:
             module, rule = self.layers[name]
-            self.built[key] = block_index(rule, module, self.layout.local_offsets(name), device)
+            offsets = layer_offsets(self.layout, name, rule)
+            self.built[key] = block_index(rule, module, offsets, device)
             if self.built[key] is None:  # exact block over the trainable parameters
                 with torch.device(device):
                     ix = layer_positions(self.layout, name, module, rule)

@@ -33,7 +33,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .block_indices import BlockIndices, block_index
+from .block_indices import BlockIndices, block_index, layer_offsets
 from .blocks import (
     DiagonalBlock,
     EigenCorrectedBlock,
@@ -42,8 +42,8 @@ from .blocks import (
     eigendecompositions,
     onesided_sides,
 )
-from .capture import capture, isolated
-from .dense import Data, batch_weights, batches, empty_batch
+from .dense import Data, batches
+from .fisher_passes import MAX_SOURCES_NUMEL, fisher_passes  # noqa: F401 (re-export)
 from .layer_stats import (
     MAX_EXACT_BLOCK,
     block_name,
@@ -57,17 +57,7 @@ from .layer_stats import (
     tied_fisher_diagonal,
 )
 from .layout import ParamLayout, tie_hint
-from .losses import (
-    backprop_sources,
-    check_fisher,
-    check_ignored,
-    check_loss,
-    hessian_sqrt_chunks,
-    ignored_targets,
-    per_sample_losses,
-    reduction_scale,
-    require_tensor_output,
-)
+from .losses import check_fisher, check_loss
 from .options import (
     DampingMode,
     FisherType,
@@ -78,8 +68,9 @@ from .options import (
     renamed,
 )
 from .positionwise import fold_positions
-from .rng import SamplingGenerators
 from .warn import warn
+
+KFAC_APPROX = tuple(m.value for m in KFACApproxType)
 
 
 class KFACApprox:
@@ -243,51 +234,6 @@ def _check_args(
     return fisher, kfac_approx, unsupported
 
 
-#: Entries of the type-2 vectors pulled at once by :func:`diag_ggn` (a sum over them):
-#: per-position losses on ``[N, T, C]`` have ``T C`` vectors of ``N T C`` entries.
-MAX_SOURCES_NUMEL = 1 << 26
-
-
-def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False):
-    """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
-
-    Empty batches (``N = 0``) are skipped; data without any sample is a ``ValueError``.
-    ``chunked`` (type-2, for sums over the vectors): yield once per chunk of at most
-    :data:`MAX_SOURCES_NUMEL` entries of vectors. Empirical: one backward from ``sum_n
-    l_n`` seeded with ``sqrt(R)``. Ignored targets (mean CE) are read once, at the end.
-    """
-    generator = SamplingGenerators(torch.Generator().manual_seed(seed))  # on out's device
-    ignored, kw = [], dict(check_targets=False)
-    bs = [(X, y) for X, y in batches(data) if not empty_batch(X, y)]
-    if not bs:
-        raise ValueError(
-            f"{caller}(data): the batch is empty (N = 0; every batch of data has no "
-            "samples), so there is no curvature to estimate. Pass at least one sample."
-        )
-    for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
-        with capture(model) as cap, isolated(cap):
-            out = model(X)
-        require_tensor_output(out, caller)
-        ignored.append(ignored_targets(loss_func, y))
-        many = out.dim() > 0 and out[0].numel() * out.numel() > MAX_SOURCES_NUMEL
-        if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
-            for V in hessian_sqrt_chunks(loss_func, out, y, MAX_SOURCES_NUMEL, **kw):
-                cap.pull(out, V, is_grads_batched=True, retain_graph=True)
-                yield w, cap
-            continue
-        if fisher == FisherType.EMPIRICAL:  # one backward from the losses: no V formed
-            total = per_sample_losses(loss_func, out, y, **kw).sum()
-            seed_ = total.new_full((1,), reduction_scale(loss_func, out.shape[0]) ** 0.5)
-            cap.pull(total, seed_, is_grads_batched=True, retain_graph=False)
-        elif fisher != FisherType.FORWARD_ONLY:
-            V = backprop_sources(
-                loss_func, out, y, fisher.value, mc_samples=mc_samples, **kw, generator=generator
-            )
-            cap.pull(out, V, is_grads_batched=True, retain_graph=False)
-        yield w, cap
-    check_ignored(loss_func, [] if fisher == FisherType.FORWARD_ONLY else ignored)
-
-
 def kfac(
     model: nn.Module,
     loss_func: nn.Module,
@@ -379,7 +325,7 @@ def _kfac(
     forward_only = fisher == FisherType.FORWARD_ONLY
     tied: Dict[str, str] = {}
     caller = "ekfac" if cls is EigenCorrectedBlock else "kfac"
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, caller):
+    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller):
         sharing = cap.sharing()
         tied.update(sharing.tie_reasons())
         with cap.computing():
@@ -532,7 +478,7 @@ def ekfac(
         b.install(outcomes[b].record)
     bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in kron}
     evals: Dict[str, Tensor] = {}
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "ekfac"):
+    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, "ekfac"):
         sharing = cap.sharing()
         with cap.computing():
             for name, module, rule, calls in cap.active():
@@ -580,7 +526,7 @@ def diag_ggn(
     flat = layout.params[0].new_zeros(layout.numel)
     if fisher == FisherType.TYPE2:  # the same GGN with the positions as samples, C vectors
         data, _ = fold_positions(model, loss_func, batches(data))
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):
+    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):
         sharing = cap.sharing()
         with cap.computing():
             tied = [layer for layer in cap.active() if sharing.tied(layer[0])]
@@ -591,7 +537,8 @@ def diag_ggn(
                     continue
                 kron, parts = fisher_diagonal(rule, module, calls)
                 if kron:  # the index built on flat's device: no host copy
-                    index = block_index(rule, module, layout.local_offsets(name), flat.device)
+                    offsets = layer_offsets(layout, name, rule)
+                    index = block_index(rule, module, offsets, flat.device)
                 else:
                     with torch.device(flat.device):
                         index = {"": layer_positions(layout, name, module, rule)}

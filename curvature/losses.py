@@ -171,6 +171,7 @@ def per_sample_losses(
 
 
 FISHER_TYPES = tuple(m.value for m in FisherType)
+_FISHER_BY_VALUE = {m.value: m for m in FisherType}
 FISHER_HINT = (
     "'type-2' (exact GGN), 'mc' (sampled labels), 'empirical' (true labels), 'rademacher' "
     "(random GGN estimate, one backward) or 'forward-only' (G = I)."
@@ -179,6 +180,10 @@ FISHER_HINT = (
 
 def check_fisher(fisher: Union[str, FisherType], where: str = "fisher") -> FisherType:
     """The Fisher type as a :class:`~curvature.options.FisherType`, or a ``ValueError``."""
+    if type(fisher) is FisherType:  # (the checks of one call run several times: no scan)
+        return fisher
+    if type(fisher) is str and fisher in _FISHER_BY_VALUE:
+        return _FISHER_BY_VALUE[fisher]
     if not any(fisher == m for m in FisherType):
         raise ValueError(
             f"{where}={fisher!r} is not a Fisher type; use one of {FISHER_TYPES}: {FISHER_HINT}"

@@ -58,15 +58,15 @@ def linear_index(
     place). At most :data:`CACHED_INDEX_NUMEL` entries are kept (least recently used
     dropped first), none of an index over :data:`MAX_CACHED_INDEX` entries.
     """
-    has_w, has_b = _trainable(module, "weight"), _trainable(module, "bias")
-    ref = module.weight if module.weight is not None else module.bias
+    weight, bias = module.weight, module.bias
+    ref = weight if weight is not None else bias
     key = (
-        offsets["weight"] if has_w else -1,
-        offsets["bias"] if has_b else -1,
-        tuple(module.weight.shape) if module.weight is not None else (),
+        offsets["weight"] if weight is not None and weight.requires_grad else -1,
+        offsets["bias"] if bias is not None and bias.requires_grad else -1,
+        () if weight is None else tuple(weight.shape),
         ref.shape[0],
         getattr(module, "groups", 1),
-        torch.device(device),
+        device if isinstance(device, torch.device) else torch.device(device),
     )
     index = _LINEAR_CACHE.get(key)
     if index is not None:
@@ -93,6 +93,33 @@ def layer_offsets(layout: ParamLayout, name: str, rule: LayerRule) -> Dict[str, 
     prefix = f"{name}." if name else ""
     offsets = layout.offsets
     return {n: offsets[prefix + n] for n in ("weight", "bias") if prefix + n in offsets}
+
+
+def add_linear_block(
+    flat: Tensor, rule: LayerRule, module: nn.Module, offsets: Dict[str, int], parts
+) -> bool:
+    """``flat[index] += d`` for the built-in Linear-family index, without the index.
+
+    ``parts``: block suffix to values like the index (``{"": d}`` for these rules), ``d
+    [C, D_out / C, D]`` laid out like :meth:`~curvature.layers.LinearFamilyRule.
+    kfac_index` (the weight's ``D_in`` columns, then the bias column): the weight's span
+    of ``flat`` viewed as ``[D_out, D_in]`` gets the first columns, the bias's span the
+    last, as two strided adds (the same sums as ``index_add_``, bit for bit; no scatter
+    over the layer's entries, no index). ``False`` (nothing done) for any other rule.
+    """
+    if not _builtin_linear(rule):
+        return False
+    d, weight, bias = parts[""], module.weight, module.bias
+    rows = (weight if weight is not None else bias).shape[0]
+    if d.numel() == 0:  # no rows or no trainable columns: nothing to add
+        return True
+    d = d.reshape(rows, -1)
+    if weight is not None and weight.requires_grad:
+        start, cols = offsets["weight"], weight.numel() // max(rows, 1)
+        flat[start : start + rows * cols].view(rows, cols).add_(d[:, :cols])
+    if bias is not None and bias.requires_grad:
+        flat[offsets["bias"] : offsets["bias"] + rows].add_(d[:, -1])
+    return True
 
 
 def block_index(

@@ -15,6 +15,8 @@ queue in between).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .capture import capture, isolated
@@ -44,7 +46,8 @@ def fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac
     :data:`MAX_SOURCES_NUMEL` entries of vectors. Empirical: one backward from ``sum_n
     l_n`` seeded with ``sqrt(R)``. Ignored targets (mean CE) are read once, at the end.
     """
-    generator = SamplingGenerators(torch.Generator().manual_seed(seed))  # on out's device
+    draws = fisher in (FisherType.MC, FisherType.RADEMACHER)  # on out's device, seeded
+    generator = SamplingGenerators(torch.Generator().manual_seed(seed)) if draws else None
     ignored, kw = [], dict(check_targets=False)
     bs = [(X, y) for X, y in batches(data) if not empty_batch(X, y)]
     if not bs:
@@ -57,7 +60,7 @@ def fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac
             out = model(X)
         require_tensor_output(out, caller)
         ignored.append(ignored_targets(loss_func, y))
-        many = out.dim() > 0 and out[0].numel() * out.numel() > MAX_SOURCES_NUMEL
+        many = out.dim() > 0 and math.prod(out.shape[1:]) * out.numel() > MAX_SOURCES_NUMEL
         if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
             for V in hessian_sqrt_chunks(loss_func, out, y, MAX_SOURCES_NUMEL, **kw):
                 cap.pull(out, V, is_grads_batched=True, retain_graph=True)

@@ -33,7 +33,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .block_indices import BlockIndices, block_index, layer_offsets
+from .block_indices import BlockIndices, add_linear_block, block_index, layer_offsets
 from .blocks import (
     DiagonalBlock,
     EigenCorrectedBlock,
@@ -536,12 +536,15 @@ def diag_ggn(
                 if sharing.tied(name):
                     continue
                 kron, parts = fisher_diagonal(rule, module, calls)
+                parts = {k: (d if w == 1 else w * d).to(flat) for k, d in parts.items()}
+                offsets = layer_offsets(layout, name, rule) if kron else None
+                if kron and add_linear_block(flat, rule, module, offsets, parts):
+                    continue  # the built-in Linear family: two strided adds, no index
                 if kron:  # the index built on flat's device: no host copy
-                    offsets = layer_offsets(layout, name, rule)
                     index = block_index(rule, module, offsets, flat.device)
                 else:
                     with torch.device(flat.device):
                         index = {"": layer_positions(layout, name, module, rule)}
                 for suffix, d in parts.items():
-                    flat.index_add_(0, index[suffix].reshape(-1), w * d.reshape(-1).to(flat))
+                    flat.index_add_(0, index[suffix].reshape(-1), d.reshape(-1))
     return layout.unflatten_dict(flat)

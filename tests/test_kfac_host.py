@@ -190,3 +190,33 @@ def test_kfac_and_diag_ggn_of_builtin_layers_read_the_device_once(fisher):
         with HostReads() as reads:
             call(model, nn.CrossEntropyLoss(), (X, y), **kw)
         assert reads.count == 1, dict(reads.where)  # the ignored targets, once, at the end
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Linear(4, 3),
+        lambda: nn.Linear(4, 3, bias=False),
+        lambda: nn.Conv2d(4, 6, 3, groups=2),
+        lambda: nn.Conv1d(2, 4, 2),
+        lambda: nn.Linear(0, 3),
+    ],
+    ids=["linear", "linear-no-bias", "conv2d-groups", "conv1d", "no-inputs"],
+)
+@pytest.mark.parametrize("frozen", [None, "weight", "bias"])
+def test_adding_a_linear_block_without_its_index_equals_index_add(make, frozen):
+    module = make()
+    if frozen is not None and getattr(module, frozen) is not None:
+        getattr(module, frozen).requires_grad_(False)
+    if not any(p.requires_grad for p in module.parameters()):
+        return
+    rule = registered_rule(module)
+    offsets = {"weight": 5, "bias": 5 + module.weight.numel() + 2}
+    index = rule.kfac_index(module, offsets)[""]
+    d = torch.randn(index.shape)
+    flat = torch.randn(offsets["bias"] + module.weight.shape[0] + 3)
+    want = flat.clone().index_add_(0, index.reshape(-1), d.reshape(-1))
+    assert block_indices.add_linear_block(flat, rule, module, offsets, {"": d})
+    assert torch.equal(flat, want)
+    other = registered_rule(nn.MultiheadAttention(4, 2))  # several blocks, its own index
+    assert not block_indices.add_linear_block(flat, other, module, {}, {"in": d, "out": d})

@@ -33,6 +33,11 @@ CACHED_INDEX_NUMEL, MAX_CACHED_INDEX = 1 << 22, 1 << 20
 _LINEAR_CACHE: OrderedDict = OrderedDict()  # key -> index [C, D_out, D], least recent first
 
 
+def clear_index_cache() -> None:
+    """Drop every index :func:`linear_index` keeps (their device memory is freed)."""
+    _LINEAR_CACHE.clear()
+
+
 def layer_positions(layout: ParamLayout, name: str, module: nn.Module, rule: LayerRule) -> Tensor:
     """``[P_l]`` flat positions of the parameters the rule covers, ``named_parameters`` order."""
     return layout.module_index(module, name, rule.param_names(module))

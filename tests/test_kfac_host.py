@@ -97,6 +97,15 @@ def test_the_kept_linear_index_equals_the_rules_index(make, frozen):
     assert torch.equal(moved[""], rule.kfac_index(module, {"weight": 8, "bias": 300})[""])
 
 
+def test_the_kept_indices_can_be_dropped():
+    rule, module, cpu = registered_rule(nn.Linear(2, 2)), nn.Linear(3, 2), torch.device("cpu")
+    first = linear_index(rule, module, {"weight": 0, "bias": 6}, cpu)
+    assert linear_index(rule, module, {"weight": 0, "bias": 6}, cpu)[""] is first[""]
+    block_indices.clear_index_cache()
+    again = linear_index(rule, module, {"weight": 0, "bias": 6}, cpu)
+    assert again[""] is not first[""] and torch.equal(again[""], first[""])
+
+
 def test_the_kept_indices_are_bounded(monkeypatch):
     monkeypatch.setattr(block_indices, "CACHED_INDEX_NUMEL", 100)
     monkeypatch.setattr(block_indices, "MAX_CACHED_INDEX", 60)

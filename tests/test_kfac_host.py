@@ -229,3 +229,16 @@ def test_adding_a_linear_block_without_its_index_equals_index_add(make, frozen):
     assert torch.equal(flat, want)
     other = registered_rule(nn.MultiheadAttention(4, 2))  # several blocks, its own index
     assert not block_indices.add_linear_block(flat, other, module, {}, {"in": d, "out": d})
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])
+def test_kfac_and_diag_ggn_with_mse_do_not_read_the_device(fisher):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_counts import HostReads
+
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4))
+    X, y = torch.randn(5, 6), torch.randn(5, 4)
+    for call in (curvature.kfac, curvature.diag_ggn):
+        with HostReads() as reads:
+            call(model, nn.MSELoss(), (X, y), fisher=fisher)
+        assert reads.count == 0, dict(reads.where)

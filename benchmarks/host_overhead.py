@@ -14,10 +14,11 @@ per-call milliseconds is printed, with the ratio to the forward+backward.
 ``--peers`` adds the peers' equivalents on the same model and data, timed in the same
 loop (interleaved with ours): ASDL's Kronecker factors (empirical and MC, ``SHAPE_KRON``)
 and empirical diagonal (``SHAPE_DIAG``), and curvlinops' ``KFACLinearOperator``
-(empirical and MC, factors computed). ``--clock thread`` times this thread's CPU time
-instead of the wall clock: on a machine shared with other jobs, the time the thread
-waits for a core is then not counted. Each of our rows is then also printed as a ratio
+(empirical and MC, factors computed). Each of our rows is then also printed as a ratio
 to its peer rows: host time per call, ours / theirs, on this machine, one thread.
+``--clock thread`` times this thread's CPU time instead of the wall clock: on a machine
+shared with other jobs, the time the thread waits for a core is then not counted.
+``--only a,b`` times those rows (and the forward+backward) only.
 
 ``--size cnn`` is optim_step.py's CNN (two 3x3 convolutions, a 12544->128 Linear);
 ``--unfolded`` switches the convolutions' direct diagonal off

@@ -33,6 +33,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from .block_indices import BlockIndices, add_linear_block, block_index, layer_offsets
 from .blocks import (
     DiagonalBlock,
     EigenCorrectedBlock,
@@ -41,12 +42,10 @@ from .blocks import (
     eigendecompositions,
     onesided_sides,
 )
-from .capture import capture, isolated
-from .dense import Data, batch_weights, batches, empty_batch
+from .dense import Data, batches
+from .fisher_passes import MAX_SOURCES_NUMEL, fisher_passes  # noqa: F401 (re-export)
 from .layer_stats import (
     MAX_EXACT_BLOCK,
-    BlockIndices,
-    block_index,
     block_name,
     eigenvalue_corrections,
     exact_factors,
@@ -58,13 +57,7 @@ from .layer_stats import (
     tied_fisher_diagonal,
 )
 from .layout import ParamLayout, tie_hint
-from .losses import (
-    backprop_sources,
-    check_fisher,
-    check_loss,
-    hessian_sqrt_chunks,
-    require_tensor_output,
-)
+from .losses import check_fisher, check_loss
 from .options import (
     DampingMode,
     FisherType,
@@ -75,7 +68,6 @@ from .options import (
     renamed,
 )
 from .positionwise import fold_positions
-from .rng import SamplingGenerators
 from .warn import warn
 
 KFAC_APPROX = tuple(m.value for m in KFACApproxType)
@@ -242,44 +234,6 @@ def _check_args(
     return fisher, kfac_approx, unsupported
 
 
-#: Entries of the type-2 vectors pulled at once by :func:`diag_ggn` (a sum over them):
-#: per-position losses on ``[N, T, C]`` have ``T C`` vectors of ``N T C`` entries.
-MAX_SOURCES_NUMEL = 1 << 26
-
-
-def _passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False):
-    """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
-
-    Empty batches (``N = 0``) are skipped: they hold no samples; data without any
-    sample is a ``ValueError``. ``chunked`` (type-2, for sums over the vectors): yield
-    once per chunk of at most :data:`MAX_SOURCES_NUMEL` entries of vectors.
-    """
-    # draws on the output's device, from generators seeded with ``seed``
-    generator = SamplingGenerators(torch.Generator().manual_seed(seed))
-    bs = [(X, y) for X, y in batches(data) if not empty_batch(X, y)]
-    if not bs:
-        raise ValueError(
-            f"{caller}(data): the batch is empty (N = 0; every batch of data has no "
-            "samples), so there is no curvature to estimate. Pass at least one sample."
-        )
-    for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
-        with capture(model) as cap, isolated(cap):
-            out = model(X)
-        require_tensor_output(out, caller)
-        many = out.dim() > 0 and out[0].numel() * out.numel() > MAX_SOURCES_NUMEL
-        if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
-            for V in hessian_sqrt_chunks(loss_func, out, y, MAX_SOURCES_NUMEL):
-                cap.pull(out, V, is_grads_batched=True, retain_graph=True)
-                yield w, cap
-            continue
-        if fisher != FisherType.FORWARD_ONLY:
-            V = backprop_sources(
-                loss_func, out, y, fisher.value, mc_samples=mc_samples, generator=generator
-            )
-            cap.pull(out, V, is_grads_batched=True, retain_graph=False)
-        yield w, cap
-
-
 def kfac(
     model: nn.Module,
     loss_func: nn.Module,
@@ -371,7 +325,7 @@ def _kfac(
     forward_only = fisher == FisherType.FORWARD_ONLY
     tied: Dict[str, str] = {}
     caller = "ekfac" if cls is EigenCorrectedBlock else "kfac"
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, caller):
+    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller):
         sharing = cap.sharing()
         tied.update(sharing.tie_reasons())
         with cap.computing():
@@ -404,17 +358,16 @@ def _kfac(
                         continue
                     res = exact_factors(rule, module, calls)
                 for suffix, (A_sum, G_sum, count) in res.items():
-                    s = stats.setdefault((name, suffix), [0, None, 0])
-                    s[0] = s[0] + A_sum
+                    s = stats.setdefault((name, suffix), [None, None, 0])
+                    s[0] = A_sum if s[0] is None else s[0] + A_sum  # (no 0 + A_sum copy)
                     if G_sum is not None:  # (w = 1, one batch: no product, the same bits)
                         wG = G_sum if w == 1 else w * G_sum
                         s[1] = wG if s[1] is None else s[1] + wG
                     s[2] += count
-    blocks, indices = [], []
+    blocks = []
     index_of = BlockIndices(layers, layout)
     for (name, suffix), (A_sum, G_sum, count) in stats.items():
         index = index_of(name, suffix, A_sum.device)
-        indices.append(index.reshape(-1))
         A = A_sum / count
         if G_sum is None:
             G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device)
@@ -424,7 +377,6 @@ def _kfac(
         blocks.append((cls or KroneckerBlock)(block_name(name, suffix), index, A, G))
     for (name, suffix), st in diag_stats.items():
         index = index_of(name, suffix, st[0].device)
-        indices.append(index.reshape(-1))
         if len(st) == 4:  # one-sided: [A_sum, G_sum, count, (full_A, full_G)]
             blocks.append(OneSidedBlock(block_name(name, suffix), index, *st[3]))
             blocks[-1].update(st[0] / st[2], st[1])
@@ -450,7 +402,7 @@ def _kfac(
             f"max_factor_size={largest} to keep their factors (memory ~ size^2, "
             "inversion ~ size^3)."
         )
-    covered = set(layout.covered_names(indices))  # one read of the device
+    covered = set(index_of.covered_names())  # a read of the device, if any
     uncovered = [n for n, p in zip(layout.names, layout.params) if n not in covered and p.numel()]
     if skipped or uncovered:
         msg = (
@@ -526,7 +478,7 @@ def ekfac(
         b.install(outcomes[b].record)
     bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in kron}
     evals: Dict[str, Tensor] = {}
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "ekfac"):
+    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, "ekfac"):
         sharing = cap.sharing()
         with cap.computing():
             for name, module, rule, calls in cap.active():
@@ -571,11 +523,10 @@ def diag_ggn(
     if fisher == FisherType.FORWARD_ONLY:
         raise ValueError("diag_ggn(fisher='forward-only') is undefined: there is no backward.")
     layout = ParamLayout.of(model)
-    ref = layout.params[0]
-    flat = torch.zeros(layout.numel, dtype=ref.dtype, device=ref.device)
+    flat = layout.params[0].new_zeros(layout.numel)
     if fisher == FisherType.TYPE2:  # the same GGN with the positions as samples, C vectors
         data, _ = fold_positions(model, loss_func, batches(data))
-    for w, cap in _passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):
+    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):
         sharing = cap.sharing()
         with cap.computing():
             tied = [layer for layer in cap.active() if sharing.tied(layer[0])]
@@ -585,11 +536,15 @@ def diag_ggn(
                 if sharing.tied(name):
                     continue
                 kron, parts = fisher_diagonal(rule, module, calls)
+                parts = {k: (d if w == 1 else w * d).to(flat) for k, d in parts.items()}
+                offsets = layer_offsets(layout, name, rule) if kron else None
+                if kron and add_linear_block(flat, rule, module, offsets, parts):
+                    continue  # the built-in Linear family: two strided adds, no index
                 if kron:  # the index built on flat's device: no host copy
-                    index = block_index(rule, module, layout.local_offsets(name), flat.device)
+                    index = block_index(rule, module, offsets, flat.device)
                 else:
                     with torch.device(flat.device):
                         index = {"": layer_positions(layout, name, module, rule)}
                 for suffix, d in parts.items():
-                    flat.index_add_(0, index[suffix].reshape(-1), w * d.reshape(-1).to(flat))
+                    flat.index_add_(0, index[suffix].reshape(-1), d.reshape(-1))
     return layout.unflatten_dict(flat)

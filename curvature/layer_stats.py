@@ -21,14 +21,13 @@ no ``[N, D_out, D]`` is formed.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from contextlib import contextmanager
 from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from .block_indices import block_index, layer_positions  # noqa: F401 (layer_positions: re-export)
 from .edges import check_out_buffer
 from .layer_diagonal import chunked_diagonal, diagonal_chunk, direct_diagonal, expanded_diagonal
 from .layers import Call, LayerRule
@@ -40,70 +39,13 @@ from .layers.plain import (
     plain_rotated,
     squares_diagonal,
 )
-from .layout import ParamLayout, ParamSharing
+from .layout import ParamSharing
 
 #: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
 Layer = Tuple[str, nn.Module, LayerRule, List[Call]]
 
 #: Layers without a Kronecker rule get an exact block up to this many parameters.
 MAX_EXACT_BLOCK = 4096
-
-
-def layer_positions(layout: ParamLayout, name: str, module: nn.Module, rule: LayerRule) -> Tensor:
-    """``[P_l]`` flat positions of the parameters the rule covers, ``named_parameters`` order."""
-    return layout.module_index(module, name, rule.param_names(module))
-
-
-def block_index(
-    rule: LayerRule, module: nn.Module, offsets: Dict[str, int], device: torch.device
-) -> Optional[Dict[str, Tensor]]:
-    """``rule.kfac_index(module, offsets)`` built on ``device`` (no host build and copy).
-
-    With the ``device`` argument where the rule's ``kfac_index`` takes one (the built-in
-    rules: no ``torch.device`` context, whose function mode intercepts every torch call
-    inside), else inside a ``torch.device(device)`` context.
-    """
-    if _index_takes_device(type(rule)):
-        return rule.kfac_index(module, offsets, device=device)
-    with torch.device(device):
-        return rule.kfac_index(module, offsets)
-
-
-@functools.cache
-def _index_takes_device(cls: type) -> bool:
-    return "device" in inspect.signature(cls.kfac_index).parameters
-
-
-class BlockIndices:
-    """``(name, suffix, device)`` to a block's index ``[C, D_out, D]``, built on ``device``.
-
-    :func:`curvature.kfac` calls it with the factors' device (no host build and copy per
-    call); each layer's ``kfac_index`` is built once per device and shared by the layer's
-    blocks. A layer without one (an exact block) gets ``[1, P_l, 1]``, its trainable
-    parameters' positions (:func:`layer_positions`).
-
-    Args:
-        layers: Layer name to ``(module, rule)``.
-        layout: The model's :class:`~curvature.layout.ParamLayout`.
-
-    """
-
-    def __init__(self, layers: Dict[str, Tuple[nn.Module, LayerRule]], layout: ParamLayout):
-        self.layers, self.layout = layers, layout
-        self.built: Dict[Tuple[str, torch.device], object] = {}
-
-    def __call__(self, name: str, suffix: str, device: torch.device) -> Tensor:
-        """The index of block ``suffix`` of layer ``name`` on ``device``."""
-        key = (name, device)
-        if key not in self.built:
-            module, rule = self.layers[name]
-            self.built[key] = block_index(rule, module, self.layout.local_offsets(name), device)
-            if self.built[key] is None:  # exact block over the trainable parameters
-                with torch.device(device):
-                    ix = layer_positions(self.layout, name, module, rule)
-                self.built[key] = ix.view(1, -1, 1)
-        index = self.built[key]
-        return index if isinstance(index, Tensor) else index[suffix]
 
 
 def layer_numel(module: nn.Module, rule: LayerRule) -> int:

@@ -9,7 +9,7 @@ is ``L = R * sum_n l_n`` with ``R = 1/N`` for ``reduction="mean"`` and ``R = 1``
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +90,18 @@ def ignored_targets(loss_func: nn.Module, target: Optional[Tensor]) -> Optional[
     return (target == loss_func.ignore_index).any()
 
 
+def check_ignored(loss_func: nn.Module, flags: Sequence[Optional[Tensor]]) -> None:
+    """Raise :func:`ignored_targets_message` if one of :func:`ignored_targets`' ``flags`` is set.
+
+    One host synchronization for all of them (none if all are ``None``): a caller that
+    enqueued its work without checking the targets first (``check_targets=False``) reads
+    them once, at the end, instead of stalling after each forward.
+    """
+    flags = [f for f in flags if f is not None]
+    if flags and bool(torch.stack(flags).any() if len(flags) > 1 else flags[0]):
+        raise ValueError(ignored_targets_message(loss_func))
+
+
 def ignored_targets_message(loss_func: nn.Module) -> str:
     """The error for ignored targets with a mean CrossEntropy (see :func:`ignored_targets`)."""
     return (
@@ -114,13 +126,17 @@ def reduction_scale(loss_func: nn.Module, batch_size: int) -> float:
     return 1.0 / batch_size if loss_func.reduction == "mean" else 1.0
 
 
-def per_sample_losses(loss_func: nn.Module, output: Tensor, target: Tensor) -> Tensor:
+def per_sample_losses(
+    loss_func: nn.Module, output: Tensor, target: Tensor, *, check_targets: bool = True
+) -> Tensor:
     """Per-sample losses ``l_n`` ``[N]`` such that ``loss_func(output, target) = R sum l_n``.
 
     Args:
         loss_func: A supported loss module (see :func:`check_loss`).
         output: Model output ``[N, ...]``.
         target: Targets for ``loss_func``.
+        check_targets: Raise for ignored targets of a mean CrossEntropy (one host
+            synchronization); ``False``: the caller checks them (:func:`check_ignored`).
 
     Returns:
         ``[N]``: the loss of each sample alone, with the module's reduction.
@@ -128,7 +144,8 @@ def per_sample_losses(loss_func: nn.Module, output: Tensor, target: Tensor) -> T
     """
     check_loss(loss_func)
     if isinstance(loss_func, nn.CrossEntropyLoss):
-        _ignored_mask(loss_func, output, target)
+        if check_targets:
+            _ignored_mask(loss_func, output, target)
         elementwise = F.cross_entropy(
             output,
             target,
@@ -146,12 +163,15 @@ def per_sample_losses(loss_func: nn.Module, output: Tensor, target: Tensor) -> T
             pos_weight=loss_func.pos_weight,
             reduction="none",
         )
+    if elementwise.dim() == 1:  # one loss element per sample: itself (x / 1 = x)
+        return elementwise
     # flatten, not reshape(N, -1): the latter is ambiguous for an empty batch (N = 0)
-    flat = elementwise.flatten(1) if elementwise.dim() > 1 else elementwise.unsqueeze(1)
+    flat = elementwise.flatten(1)
     return flat.mean(1) if loss_func.reduction == "mean" else flat.sum(1)
 
 
 FISHER_TYPES = tuple(m.value for m in FisherType)
+_FISHER_BY_VALUE = {m.value: m for m in FisherType}
 FISHER_HINT = (
     "'type-2' (exact GGN), 'mc' (sampled labels), 'empirical' (true labels), 'rademacher' "
     "(random GGN estimate, one backward) or 'forward-only' (G = I)."
@@ -160,6 +180,10 @@ FISHER_HINT = (
 
 def check_fisher(fisher: Union[str, FisherType], where: str = "fisher") -> FisherType:
     """The Fisher type as a :class:`~curvature.options.FisherType`, or a ``ValueError``."""
+    if type(fisher) is FisherType:  # (the checks of one call run several times: no scan)
+        return fisher
+    if type(fisher) is str and fisher in _FISHER_BY_VALUE:
+        return _FISHER_BY_VALUE[fisher]
     if not any(fisher == m for m in FisherType):
         raise ValueError(
             f"{where}={fisher!r} is not a Fisher type; use one of {FISHER_TYPES}: {FISHER_HINT}"
@@ -378,8 +402,8 @@ def _mc_sources(loss_func, out, target, M, generator, check_targets=True):
     scale = (r / M) ** 0.5
     where = _where(generator, out)
 
-    def draw(fn):
-        return torch.stack([fn() for _ in range(M)])
+    def draw(fn):  # (one sample: an unsqueeze, not a stack's copy)
+        return fn().unsqueeze(0) if M == 1 else torch.stack([fn() for _ in range(M)])
 
     if isinstance(loss_func, nn.CrossEntropyLoss):
         ax = _softmax_axis(out)

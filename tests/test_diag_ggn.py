@@ -242,7 +242,7 @@ def test_type2_diagonal_of_per_token_losses_pulls_chunks_of_vectors(loss, monkey
         loss_func = nn.MSELoss() if loss.startswith("mse") else nn.BCEWithLogitsLoss()
     model = model.double()
     whole = curvature.diag_ggn(model, loss_func, (X, y))
-    module = importlib.import_module("curvature.kfac")  # curvature.kfac is the function
+    module = importlib.import_module("curvature.fisher_passes")  # where the chunks are cut
     monkeypatch.setattr(module, "MAX_SOURCES_NUMEL", 2 * N * T * C)
     chunked = curvature.diag_ggn(model, loss_func, (X, y))
     dense = _split(model, curvature.ggn(model, loss_func, (X, y)).diagonal())

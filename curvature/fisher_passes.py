@@ -1,0 +1,79 @@
+"""The backward passes of the curvature functions: a forward per batch, the Fisher's pull.
+
+:func:`curvature.kfac`, :func:`curvature.ekfac` and :func:`curvature.diag_ggn` iterate over
+:func:`fisher_passes`: for each batch one captured forward and one pull of the Fisher
+type's vectors (:func:`curvature.losses.backprop_sources`) through it, after which the
+capture holds each layer's inputs ``a`` and output gradients ``g``.
+
+Host work per batch (issue 17: on a GPU these functions are bound by it): the empirical
+Fisher's vectors ``sqrt(R) grad_f l_n`` are not formed (one backward from ``sum_n l_n``
+seeded with ``sqrt(R)`` gives the same ``g``, equal to rounding, without a second
+backward through the loss), and the ignored targets of a mean CrossEntropy are read
+once, after the last batch, instead of after each forward (no stall of the device's
+queue in between).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .capture import capture, isolated
+from .dense import batch_weights, batches, empty_batch
+from .losses import (
+    backprop_sources,
+    check_ignored,
+    hessian_sqrt_chunks,
+    ignored_targets,
+    per_sample_losses,
+    reduction_scale,
+    require_tensor_output,
+)
+from .options import FisherType
+from .rng import SamplingGenerators
+
+#: Entries of the type-2 vectors pulled at once by :func:`diag_ggn` (a sum over them):
+#: per-position losses on ``[N, T, C]`` have ``T C`` vectors of ``N T C`` entries.
+MAX_SOURCES_NUMEL = 1 << 26
+
+
+def fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False):
+    """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
+
+    Empty batches (``N = 0``) are skipped; data without any sample is a ``ValueError``.
+    ``chunked`` (type-2, for sums over the vectors): yield once per chunk of at most
+    :data:`MAX_SOURCES_NUMEL` entries of vectors. Empirical: one backward from ``sum_n
+    l_n`` seeded with ``sqrt(R)``. Ignored targets (mean CE) are read once, at the end.
+    """
+    draws = fisher in (FisherType.MC, FisherType.RADEMACHER)  # on out's device, seeded
+    generator = SamplingGenerators(torch.Generator().manual_seed(seed)) if draws else None
+    ignored, kw = [], dict(check_targets=False)
+    bs = [(X, y) for X, y in batches(data) if not empty_batch(X, y)]
+    if not bs:
+        raise ValueError(
+            f"{caller}(data): the batch is empty (N = 0; every batch of data has no "
+            "samples), so there is no curvature to estimate. Pass at least one sample."
+        )
+    for w, (X, y) in zip(batch_weights(loss_func, bs), bs):
+        with capture(model) as cap, isolated(cap):
+            out = model(X)
+        require_tensor_output(out, caller)
+        ignored.append(ignored_targets(loss_func, y))
+        many = out.dim() > 0 and math.prod(out.shape[1:]) * out.numel() > MAX_SOURCES_NUMEL
+        if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
+            for V in hessian_sqrt_chunks(loss_func, out, y, MAX_SOURCES_NUMEL, **kw):
+                cap.pull(out, V, is_grads_batched=True, retain_graph=True)
+                yield w, cap
+            continue
+        if fisher == FisherType.EMPIRICAL:  # one backward from the losses: no V formed
+            total = per_sample_losses(loss_func, out, y, **kw).sum()
+            seed_ = total.new_full((1,), reduction_scale(loss_func, out.shape[0]) ** 0.5)
+            cap.pull(total, seed_, is_grads_batched=True, retain_graph=False)
+        elif fisher != FisherType.FORWARD_ONLY:
+            V = backprop_sources(
+                loss_func, out, y, fisher.value, mc_samples=mc_samples, **kw, generator=generator
+            )
+            cap.pull(out, V, is_grads_batched=True, retain_graph=False)
+        yield w, cap
+    check_ignored(loss_func, [] if fisher == FisherType.FORWARD_ONLY else ignored)

@@ -244,6 +244,10 @@ def _quiet(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
+#: KFAC empirical with its statistics GEMMs in bf16 (``statistics_dtype``, opt-in)
+BF16_ROW = "KFAC empirical, bf16 statistics"
+
+
 def optimizers(model: nn.Module, loss_func: nn.Module):
     """``(name, optimizer)`` of each row (built on demand)."""
     kw = dict(lr=LR, damping=DAMPING, inverse_every=PERIOD, loss_func=loss_func)
@@ -251,6 +255,10 @@ def optimizers(model: nn.Module, loss_func: nn.Module):
     yield "AdamW", lambda: torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
     yield "KFAC empirical", lambda: curvature.KFAC(model, fisher="empirical", **kw)
     yield "KFAC mc-1", lambda: curvature.KFAC(model, fisher="mc", **kw)
+    yield (
+        BF16_ROW,
+        lambda: curvature.KFAC(model, fisher="empirical", statistics_dtype=torch.bfloat16, **kw),
+    )
     yield "EKFAC empirical", lambda: curvature.EKFAC(model, fisher="empirical", **kw)
     yield (
         "DiagonalNG empirical",
@@ -462,14 +470,17 @@ class GemmClock:
             self.cache[key] = timed(lambda: op(*operands), self.device, 5, 3)
         return self.cache[key]
 
-    def mm(self, m: int, k: int, n: int) -> float:
-        """``[m, k] @ [k, n]``."""
+    def mm(self, m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
+        """``[m, k] @ [k, n]`` in ``dtype``."""
         if min(m, k, n) == 0:
             return 0.0
         dev = self.device
         return self._time(
-            ("mm", m, k, n),
-            lambda: (torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)),
+            ("mm", m, k, n, dtype),
+            lambda: (
+                torch.randn(m, k, device=dev, dtype=dtype),
+                torch.randn(k, n, device=dev, dtype=dtype),
+            ),
             torch.mm,
         )
 
@@ -494,11 +505,12 @@ class GemmClock:
 
 def lower_bounds(shapes: List[Dict], clock: GemmClock, adamw: float, plain: Dict) -> Dict:
     """Per optimizer name: the lower bound of one step and its terms (seconds)."""
-    stats = precond = chol = eig = ek_stats = squares = ek_precond = 0.0
+    stats = stats_bf16 = precond = chol = eig = ek_stats = squares = ek_precond = 0.0
     for s in shapes:
         R, a, g = s["rows"], s["a"], s["g"]
         out_, in_ = s["weight"]
         stats += clock.mm(a, R, a) + clock.mm(g, R, g)
+        stats_bf16 += clock.mm(a, R, a, torch.bfloat16) + clock.mm(g, R, g, torch.bfloat16)
         precond += clock.mm(g, g, in_) + clock.mm(out_, a, a)
         ek_precond += 2 * (clock.mm(g, g, in_) + clock.mm(out_, a, a))
         chol += clock.cholesky_inverse(a) + clock.cholesky_inverse(g)
@@ -510,6 +522,7 @@ def lower_bounds(shapes: List[Dict], clock: GemmClock, adamw: float, plain: Dict
     terms = {
         "adamw": adamw,
         "stats": stats,
+        "stats_bf16": stats_bf16,
         "precond": precond,
         "cholesky_inverse": chol / PERIOD,
         "eigh": eig / PERIOD,
@@ -521,6 +534,7 @@ def lower_bounds(shapes: List[Dict], clock: GemmClock, adamw: float, plain: Dict
         "terms": terms,
         "KFAC empirical": kfac,
         "KFAC mc-1": kfac + backward,
+        BF16_ROW: kfac - stats + stats_bf16,
         "EKFAC empirical": adamw + stats + ek_stats + ek_precond + eig / PERIOD,
         "DiagonalNG empirical": adamw + squares,
     }
@@ -682,6 +696,7 @@ def part_functions(
 TARGETS = {  # issue 17: step time against AdamW's on the GPU
     "KFAC empirical": {"mlp": 2.0, "cnn": 2.0, "lm": 1.5},
     "KFAC mc-1": {"mlp": 2.0, "cnn": 2.0, "lm": 1.5},
+    BF16_ROW: {"mlp": 2.0, "cnn": 2.0, "lm": 1.5},
     "EKFAC empirical": {"mlp": 3.0, "cnn": 3.0, "lm": 3.0},
     "DiagonalNG empirical": {"mlp": 1.5, "cnn": 1.5, "lm": 1.5},
 }

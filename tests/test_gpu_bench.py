@@ -38,8 +38,8 @@ def test_kronecker_shapes_of_linear_and_conv_layers():
 
 def test_lower_bounds_add_the_timed_terms():
     class Clock:  # every GEMM 1, every Cholesky inverse 10, every eigh 100 (zero sizes: 0)
-        def mm(self, m, k, n):
-            return 0.0 if min(m, k, n) == 0 else 1.0
+        def mm(self, m, k, n, dtype=None):  # bf16 GEMMs: half a float32 one
+            return 0.0 if min(m, k, n) == 0 else (0.5 if dtype is torch.bfloat16 else 1.0)
 
         def cholesky_inverse(self, n):
             return 10.0 * (n > 0)
@@ -54,6 +54,7 @@ def test_lower_bounds_add_the_timed_terms():
     # 2 statistics GEMMs, 2 preconditioning GEMMs, 2 Cholesky inverses over the period 10
     assert b["KFAC empirical"] == pytest.approx(5 + 2 + 2 + 20 / 10)
     assert b["KFAC mc-1"] == pytest.approx(b["KFAC empirical"] + 2.0)  # + the extra backward
+    assert b[gpu.BF16_ROW] == pytest.approx(b["KFAC empirical"] - 2 * 0.5)  # bf16 statistics
     # 2 statistics + 3 eigenbasis statistics + 4 preconditioning GEMMs, 2 eigh over 10
     assert b["EKFAC empirical"] == pytest.approx(5 + 2 + 3 + 4 + 200 / 10)
     assert b["DiagonalNG empirical"] == pytest.approx(5 + 1)

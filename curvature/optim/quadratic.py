@@ -466,11 +466,12 @@ class QuadraticRule(GreedyFactorDamping):
         ``k``-th source) and ``F = scale * sum_{k, n} u_i u_j`` per term. ``None`` when
         nothing was pulled (``"empirical"``, a step off ``factor_every``).
 
-        Under ``torch.distributed`` both become the union batch's in one all-reduce: a
-        mean-reduction loss weighs each rank by its samples (``sum_r N_r h_r / sum_r N_r``),
-        a sum-reduction one adds the ranks. The Gram part runs whenever a pull was due (the
-        same on every rank), also on a rank that pulled nothing (an empty batch: weight 0),
-        so that no rank skips what the others run.
+        Under ``torch.distributed`` both become the union batch's in one all-reduce: ``h``
+        (each rank's ``sum_i w_i L_i``) is averaged over the ranks as the gradients are;
+        the Gram matrix of a mean-reduction loss weighs each rank by its samples, of a sum
+        one adds the ranks. The Gram part runs whenever a pull was due (the same on every
+        rank), also on a rank that pulled nothing (an empty batch: weight 0), so that no
+        rank skips what the others run.
         """
         records = self._collector.projections
         pulled = self.config.fisher.value in ("mc", "type-2", "rademacher")
@@ -487,7 +488,6 @@ class QuadraticRule(GreedyFactorDamping):
         K = V.shape[0]
         payload = V.new_zeros(2 + (K * K + 3 if shared else 0), dtype=torch.float64)
         payload[:2] = torch.stack([h.to(payload.dtype), h.new_ones((), dtype=payload.dtype)])
-        payload[:2] *= float(n) if mean else 1.0
         if shared and local is None:
             payload[3 + K * K] = 1.0
         elif shared:
@@ -497,7 +497,7 @@ class QuadraticRule(GreedyFactorDamping):
         if shared:
             payload[4 + K * K] = float(not empty)
         self._comm.all_reduce([payload], "quadratic model")
-        h = (payload[0] / payload[1] if mean else payload[0]).to(h.dtype)
+        h = (payload[0] / payload[1]).to(h.dtype)
         if local is None or not shared:
             return h, None
         gram = payload[2 : 2 + K * K].view(K, K)

@@ -241,11 +241,12 @@ def batch(workload: str) -> Tuple[Tensor, Tensor]:
 
 def optimizers(inverse_every: int, workload: str = "mlp"):
     """``(name, factory)`` of the compared optimizers (AdamW first)."""
-    kw = dict(lr=1e-3, loss_func=CE, inverse_every=inverse_every, **OPTIONS.get(workload, {}))
+    kw = dict(lr=1e-3, loss_func=CE, inverse_every=inverse_every)
+    kron = dict(kw, **OPTIONS.get(workload, {}))  # (KFAC's and EKFAC's options)
     yield "AdamW (foreach)", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
-    yield "KFAC empirical", lambda m: curvature.KFAC(m, **kw)
-    yield "KFAC mc", lambda m: curvature.KFAC(m, fisher="mc", **kw)
-    yield "EKFAC empirical", lambda m: curvature.EKFAC(m, **kw)
+    yield "KFAC empirical", lambda m: curvature.KFAC(m, **kron)
+    yield "KFAC mc", lambda m: curvature.KFAC(m, fisher="mc", **kron)
+    yield "EKFAC empirical", lambda m: curvature.EKFAC(m, **kron)
     yield "DiagonalNG empirical", lambda m: curvature.DiagonalNaturalGradient(m, **kw)
 
 

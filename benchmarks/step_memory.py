@@ -9,8 +9,10 @@ aten call allocates, with a ``weakref.finalize`` that subtracts its bytes when t
 storage is freed (torch keeps one Python object per storage, so the finalizer runs when
 the memory goes). The mode is on from the model's construction, so everything of the
 workload is counted and nothing else of the process. Workloads: MLP 784-512-256-10 at
-batch 128 and a small CNN (two 3x3 convolutions, 16 and 32 channels, on 3x32x32, batch
-64); a training step is ``zero_grad``, forward,
+batch 128, a small CNN (two 3x3 convolutions, 16 and 32 channels, on 3x32x32, batch
+64) and the GPU benchmark's transformer LM at a CPU size (d=64, 2 layers, T=32,
+vocabulary 1024, batch 8, ``max_factor_size=512`` so that its head is a one-sided block
+as at the GPU size); a training step is ``zero_grad``, forward,
 loss, backward, ``step``, measured after two warm-up steps, without a refresh
 (``inverse_every=1000``) and at a refresh (``inverse_every=1``).
 
@@ -206,19 +208,45 @@ def cnn() -> nn.Module:
     )
 
 
+def lm() -> nn.Module:
+    """benchmarks/gpu.py's transformer LM at a CPU size: d=64, 2 layers, 2 heads, T=32,
+    vocabulary 1024; logits ``[N T, V]``, one row per token."""
+    from gpu import LM  # (gpu.py imports this module)
+
+    return LM(LM_VOCAB, 64, 2, heads=2, context=LM_T)
+
+
+LM_VOCAB, LM_T = 1024, 32
+
+#: name to (model, input shape, batch size); the LM's inputs are tokens ``[N, T]``
 WORKLOADS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...], int]] = {
     "mlp": (mlp, (784,), 128),
     "cnn": (cnn, (3, 32, 32), 64),
+    "lm": (lm, (LM_T,), 8),
 }
 
+#: Optimizer options per workload: the LM's head (``G`` of 1024) over ``max_factor_size``
+#: like the GPU workload's (vocabulary 8192 over the default 4096): a one-sided block.
+OPTIONS: Dict[str, Dict[str, Any]] = {"lm": {"max_factor_size": 512}}
 
-def optimizers(inverse_every: int):
+
+def batch(workload: str) -> Tuple[Tensor, Tensor]:
+    """``(X, y)`` of a workload (after ``torch.manual_seed``): inputs and class labels."""
+    _, shape, N = WORKLOADS[workload]
+    if workload == "lm":
+        tokens = torch.randint(0, LM_VOCAB, (N, shape[0] + 1))
+        return tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    return torch.randn(N, *shape), torch.randint(0, 10, (N,))
+
+
+def optimizers(inverse_every: int, workload: str = "mlp"):
     """``(name, factory)`` of the compared optimizers (AdamW first)."""
     kw = dict(lr=1e-3, loss_func=CE, inverse_every=inverse_every)
+    kron = dict(kw, **OPTIONS.get(workload, {}))  # (KFAC's and EKFAC's options)
     yield "AdamW (foreach)", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
-    yield "KFAC empirical", lambda m: curvature.KFAC(m, **kw)
-    yield "KFAC mc", lambda m: curvature.KFAC(m, fisher="mc", **kw)
-    yield "EKFAC empirical", lambda m: curvature.EKFAC(m, **kw)
+    yield "KFAC empirical", lambda m: curvature.KFAC(m, **kron)
+    yield "KFAC mc", lambda m: curvature.KFAC(m, fisher="mc", **kron)
+    yield "EKFAC empirical", lambda m: curvature.EKFAC(m, **kron)
     yield "DiagonalNG empirical", lambda m: curvature.DiagonalNaturalGradient(m, **kw)
 
 
@@ -239,13 +267,13 @@ def measure(
         ``params`` (the parameters' bytes).
 
     """
-    build, shape, N = WORKLOADS[workload]
+    build = WORKLOADS[workload][0]
     with warnings.catch_warnings(), LiveBytes() as live:
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
         model = build()
         opt = make(model)
-        X, y = torch.randn(N, *shape), torch.randint(0, 10, (N,))
+        X, y = batch(workload)
 
         def step():
             opt.zero_grad()
@@ -275,7 +303,7 @@ def measure_fresh(name: str, workload: str, inverse_every: int) -> Dict[str, int
     """:func:`measure` of optimizer ``name`` in a fresh process (no caches of earlier runs)."""
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); import step_memory as s; "
-        "m = dict(s.optimizers(int(sys.argv[4])))[sys.argv[2]]; "
+        "m = dict(s.optimizers(int(sys.argv[4]), sys.argv[3]))[sys.argv[2]]; "
         "print(json.dumps(s.measure(m, sys.argv[3])))"
     )
     here = os.path.dirname(os.path.abspath(__file__))
@@ -290,7 +318,7 @@ def measure_fresh(name: str, workload: str, inverse_every: int) -> Dict[str, int
 def rows(workload: str, inverse_every: int) -> List[List[str]]:
     """One table row per optimizer on ``workload``, each measured in a fresh process."""
     out, adam = [], None
-    for name, _ in optimizers(inverse_every):
+    for name, _ in optimizers(inverse_every, workload):
         m = measure_fresh(name, workload, inverse_every)
         adam = adam or m["peak"]
         budget = adam + 3 * m["curvature"]
@@ -327,6 +355,9 @@ BEFORE = (
     + common.markdown_table(
         ["optimizer", "mlp", "mlp, refresh", "cnn", "cnn, refresh"], BEFORE_ROWS
     )
+    + "\n\nKFAC mc before its curvature backward kept less (commit 5fa16e5, same command; "
+    "peak MB without / with a refresh): mlp 46.63 / 47.15, cnn 99.25 / 99.25, lm 25.51 / "
+    "25.51 (not within 24.08)."
 )
 
 HEADER = [
@@ -366,7 +397,12 @@ def main(argv=None):
         "that the next step does not need); tests/test_optim_memory.py checks it and the "
         "absence of `[N, *p.shape]` per-sample tensors in the step. A refresh step replaces "
         "the snapshot and inverses (KFAC) or eigenbases (EKFAC) with new tensors: that is "
-        "its `kept`.\n\n" + "\n\n".join(tables) + "\n\n" + BEFORE
+        "its `kept`. Workload `lm`: benchmarks/gpu.py's transformer LM at a CPU size (d=64, "
+        "2 layers, T=32, vocabulary 1024, tokens `[8, 32]`), `max_factor_size=512` for KFAC "
+        "and EKFAC so that its head is a one-sided block as at the GPU size.\n\n"
+        + "\n\n".join(tables)
+        + "\n\n"
+        + BEFORE
     )
     print(body)
     if not args.no_doc:

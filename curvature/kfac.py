@@ -44,10 +44,10 @@ from .blocks import (
 )
 from .dense import Data, batches
 from .fisher_passes import MAX_SOURCES_NUMEL, fisher_passes  # noqa: F401 (re-export)
+from .layer_diagonal import chunked_corrections, chunked_kfac_factors
 from .layer_stats import (
     MAX_EXACT_BLOCK,
     block_name,
-    eigenvalue_corrections,
     exact_factors,
     fisher_diagonal,
     large_blocks,
@@ -346,7 +346,9 @@ def _kfac(
                         skipped[name] = f"factor > max_factor_size={max_factor_size}, forward-only"
                         continue
                 else:
-                    res = rule.kfac_factors(module, calls, kfac_approx.value, not forward_only)
+                    res = chunked_kfac_factors(  # convolutions: a chunk of samples at a time
+                        rule, module, calls, kfac_approx.value, not forward_only
+                    )
                 if res is None:
                     n_params = layer_numel(module, rule)
                     if forward_only or n_params > MAX_EXACT_BLOCK:
@@ -484,7 +486,7 @@ def ekfac(
             for name, module, rule, calls in cap.active():
                 if sharing.tied(name):
                     continue
-                for full, lam in eigenvalue_corrections(name, module, rule, calls, bases).items():
+                for full, lam in chunked_corrections(name, module, rule, calls, bases).items():
                     evals[full] = evals.get(full, 0) + w * lam
     for b in kron:
         b.update_corrections(evals[b.name])

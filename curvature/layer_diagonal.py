@@ -160,7 +160,8 @@ def kfac_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Opt
 
 
 def chunked_kfac_factors(rule: LayerRule, module: nn.Module, calls, approx: str, with_g: bool):
-    """``rule.kfac_factors`` summed over chunks of :func:`kfac_chunk` samples.
+    """``rule.kfac_factors`` summed over chunks of :func:`kfac_chunk` samples (the one site
+    of the optimizers' and :func:`curvature.kfac`'s Kronecker statistics).
 
     The same sums as the whole batch at once (``A_sum``, ``G_sum`` and the counts add
     over samples, for ``"expand"`` and ``"reduce"``), with the unfolded patches of one
@@ -216,3 +217,19 @@ def summed_over_chunks(fn, calls: Sequence[Call], chunk: Optional[int]) -> Dict[
         for k, v in fn(_sample_slice(calls, start, min(N, start + chunk))).items():
             out[k] = out[k].add_(v) if k in out else v
     return out
+
+
+def chunked_corrections(name: str, module: nn.Module, rule: LayerRule, calls, bases):
+    """EKFAC's eigenvalue corrections of a layer (``layer_stats.eigenvalue_corrections``,
+    block name to ``[C, D_out, D]``) summed over chunks of :func:`correction_chunk`
+    samples: for a convolution, the patches of one chunk alive at a time.
+
+    The one site of the optimizers (``EKFAC``) and of :func:`curvature.ekfac`.
+    """
+    from .layer_stats import eigenvalue_corrections  # (layer_stats imports this module)
+
+    return summed_over_chunks(
+        lambda c: eigenvalue_corrections(name, module, rule, c, bases),
+        calls,
+        correction_chunk(rule, module, calls),
+    )

@@ -392,6 +392,40 @@ def _rademacher_sources(loss_func, out, target, M, generator, check_targets=True
     return _rademacher((M, *out.shape), generator, d) * d / M**0.5
 
 
+def _categorical_sources(out: Tensor, M: int, generator, where: torch.device) -> Tensor:
+    """``softmax(f) - onehot(yhat_m)`` ``[M, *out.shape]`` for labels drawn from the softmax.
+
+    Built in the probabilities' own memory (``M = 1``) or in one copy of them per draw,
+    with the drawn entries' ``p - 1`` written in place: at most the probabilities and the
+    drawable copy of them (or the vectors) are alive at once, never a one-hot matrix or
+    a difference next to them (for a language model's ``[N T, V]`` logits each of those
+    is as large as the logits). The values are those of ``p - onehot`` (``p - 0 = p``;
+    ``p - 1`` computed alike), the draws those of one ``multinomial`` call per sample in
+    order. A non-finite output is replaced for the draw only (the vectors stay NaN).
+    """
+    ax = _softmax_axis(out)
+    p = out.softmax(ax)
+    C = out.shape[ax]
+    moved = p if ax == out.dim() - 1 else p.movedim(ax, -1)  # [N, C] or [C]: no call
+    probs = moved if moved.dim() == 2 else moved.reshape(-1, C)
+    if where.type == "cpu":  # the CPU stream of earlier versions: float64 weights
+        probs = probs.double()
+    probs = probs.to(where)
+    # drawable; the vectors stay NaN (in place on a copy of its own: dtype, device, layout)
+    own = probs.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+    probs = probs.nan_to_num_(1.0, 1.0, 1.0) if own else probs.nan_to_num(1.0, 1.0, 1.0)
+    draws = [torch.multinomial(probs, 1, generator=generator) for _ in range(M)]  # [R, 1]
+    del probs
+    V = p.unsqueeze(0) if M == 1 else p.unsqueeze(0).expand(M, *p.shape).contiguous()
+    lead = moved.shape[:-1]
+    for m, idx in enumerate(draws):
+        # the drawn label's entry along the softmax axis, in the layout of out
+        idx = idx.to(out.device).view(*lead, 1).movedim(-1, ax)
+        Vm = V[m]
+        Vm.scatter_(ax, idx, Vm.gather(ax, idx) - 1.0)
+    return V
+
+
 def _mc_sources(loss_func, out, target, M, generator, check_targets=True):
     """``sqrt(r / M) grad_f loss(f, yhat_m)``, the labels drawn on the generator's device.
 
@@ -406,26 +440,9 @@ def _mc_sources(loss_func, out, target, M, generator, check_targets=True):
         return fn().unsqueeze(0) if M == 1 else torch.stack([fn() for _ in range(M)])
 
     if isinstance(loss_func, nn.CrossEntropyLoss):
-        ax = _softmax_axis(out)
-        p = out.softmax(ax)
-        C = out.shape[ax]
-        last = ax == out.dim() - 1  # [N, C] or [C]: no axis to move (no call)
-        moved = p if last else p.movedim(ax, -1)
-        probs = moved if moved.dim() == 2 else moved.reshape(-1, C)
-        if where.type == "cpu":  # the CPU stream of earlier versions: float64 weights
-            probs = probs.double()
-        probs = probs.to(where).nan_to_num(1.0, 1.0, 1.0)  # drawable; the vectors stay NaN
-
-        def one():
-            idx = torch.multinomial(probs, 1, generator=generator).to(out.device)  # [R, 1]
-            # (one_hot would check the drawn labels' range: two host reads on CPU)
-            onehot = out.new_zeros(idx.shape[0], C).scatter_(1, idx, 1.0)
-            diff = moved - (onehot if onehot.shape == moved.shape else onehot.view(moved.shape))
-            return diff if last else diff.movedim(-1, ax)
-
         mask = _ignored_mask(loss_func, out, target, check_targets) if out.dim() > 1 else None
-        V = scale * draw(one)
-        return V if mask is None else V * mask
+        V = _categorical_sources(out, M, generator, where).mul_(scale)
+        return V if mask is None else V.mul_(mask)
     if isinstance(loss_func, nn.MSELoss):
         # yhat = f + eps / sqrt(2): grad_f (f - yhat)^2 = -sqrt(2) eps
         def one():

@@ -294,12 +294,10 @@ class Pooled(nn.Module):
 def test_ekfac_corrections_in_chunks_equal_the_whole_batch(fisher, monkeypatch):
     """EKFAC's eigenvalue corrections (``sum_n (QG^T grad_n QA)^2``) of convolutions, a
     chunk of samples at a time: the same steps as the whole batch at once."""
-    import curvature.optim.kfac as optim_kfac
-
     chunks = []
     inner = layer_diagonal.summed_over_chunks
     monkeypatch.setattr(
-        optim_kfac,
+        layer_diagonal,
         "summed_over_chunks",
         lambda fn, calls, chunk: chunks.append(chunk) or inner(fn, calls, chunk),
     )

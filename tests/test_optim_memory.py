@@ -11,6 +11,11 @@ properties of a training step of the benchmark's MLP (784-512-256-10, batch 128)
 - nothing allocated during ``step()``'s training step stays alive after it besides the
   parameters' ``.grad`` (the statistics buffers are the running ones, the captured layer
   inputs and output gradients are released), up to a few device flags.
+
+And on the CNN and the transformer LM: the MC Fisher's step (its curvature backward at
+the loss call) peaks at most the forward's graph above the empirical step's; the
+curvature functions ``kfac()`` / ``ekfac()`` unfold a convolution's patches a chunk of
+samples at a time, as the optimizers do.
 """
 
 from __future__ import annotations
@@ -26,9 +31,19 @@ from torch import nn
 
 import curvature
 import curvature.layer_diagonal as layer_diagonal
+from curvature.losses import backprop_sources
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from step_memory import CE, LiveBytes, measure, mlp  # noqa: E402
+from step_memory import (  # noqa: E402
+    CE,
+    WORKLOADS,
+    LiveBytes,
+    batch,
+    cnn,
+    measure,
+    measure_fresh,
+    mlp,
+)
 
 #: Bytes a step may leave behind: its small device flags (finiteness, skip counts).
 FLAGS = 256
@@ -202,3 +217,107 @@ def test_diagonal_ng_peak_is_within_adamw_plus_three_times_its_state(workload):
     make = OPTIMIZERS["DiagonalNG"]
     m = measure(lambda model: make(model, inverse_every=1000), workload)
     assert m["peak"] <= adamw["peak"] + 3 * m["curvature"], (m["peak"], adamw["peak"])
+
+
+# -- the MC Fisher's curvature backward (issue 17, item 4) ------------------------------------
+def test_mc_sources_hold_the_probabilities_and_one_drawable_copy():
+    """``fisher="mc"`` with CrossEntropy: ``softmax - onehot(drawn)`` is built in the
+    probabilities' memory; the call's peak is the float32 probabilities plus their float64
+    copy for the draw (the CPU stream). The twin, the direct construction (a one-hot
+    matrix and a difference, as before), goes above that; both give the same bits."""
+    R, C = 64, 1000
+    torch.manual_seed(0)
+    out, y = torch.randn(R, C), torch.randint(0, C, (R,))
+    out[3, 5] = float("nan")  # a non-finite row: drawn from, its vector stays NaN
+    with LiveBytes() as live:
+        V = backprop_sources(CE, out, y, "mc", generator=torch.Generator().manual_seed(1))
+    bound = R * C * (4 + 8) + 4096  # p, the drawable float64 copy, the drawn labels
+    assert live.peak <= bound, (live.peak, bound)
+
+    def direct():
+        p = out.softmax(1)
+        probs = p.double().nan_to_num(1.0, 1.0, 1.0)
+        idx = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(1))
+        onehot = torch.zeros(R, C).scatter_(1, idx, 1.0)
+        return ((1.0 / R) ** 0.5 * (p - onehot)).unsqueeze(0)
+
+    with LiveBytes() as twin:
+        W = direct()
+    assert twin.peak > bound
+    assert torch.equal(V.view(torch.int32), W.view(torch.int32))
+
+
+def forward_bytes(workload: str) -> int:
+    """Bytes one forward and loss of the workload keep alive (its graph), as measured."""
+    with LiveBytes() as live:
+        torch.manual_seed(0)
+        model = WORKLOADS[workload][0]()
+        X, y = batch(workload)
+        base = live.mark()
+        loss = CE(model(X), y)
+        alive = live.current - base
+        del loss
+    return alive
+
+
+@pytest.mark.parametrize("workload", ["cnn", "lm"])
+def test_mc_step_peak_is_the_empirical_one_plus_the_forward_graph(workload):
+    """The MC Fisher's curvature backward runs at the loss call, while the forward's graph
+    is alive (the user's backward comes after): its peak is at most the empirical step's
+    plus that graph (and 64 KiB of small tensors). Each layer's pulled output gradients
+    (and the operands made of them) go once the layer is folded, and the sampled vectors
+    are built in the probabilities' memory. Before: every layer's gradients alive until
+    all were folded, the vectors built next to a one-hot matrix and a difference (CNN
+    99.25 MB against 82.34 + 10.50, LM 25.51 against 19.49 + 3.14; now 92.75, 22.37).
+    """
+
+    # each in a fresh process (constants made once per process count in the first step)
+    mc = measure_fresh("KFAC mc", workload, 1000)["peak"]
+    empirical = measure_fresh("KFAC empirical", workload, 1000)["peak"]
+    graph = forward_bytes(workload)
+    assert mc <= empirical + graph + 2**16, (mc, empirical, graph)
+
+
+# -- the curvature functions' convolution statistics (issue 17, item 5) --------------------
+def pooled_cnn() -> nn.Module:
+    """The CNN workload's convolutions, globally pooled into a 32-10 head."""
+    return nn.Sequential(*cnn()[:-3], nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("fn", ["kfac", "ekfac"])
+def test_curvature_functions_take_convolution_statistics_in_chunks(fn, monkeypatch):
+    """``kfac()`` / ``ekfac()`` (MC Fisher: the bound, relative to the layers' inputs and
+    output gradients, is not loose with ``K = 10`` type-2 vectors) on the CNN workload
+    (batch 64; pooled to a 32-10 head, so that the convolutions make the peak): the
+    convolutions' patches
+    (``N S D`` elements for the whole batch, bias column included) are unfolded a chunk of
+    samples at a time, as in the optimizers (``layer_diagonal``'s bound); the twin without
+    a bound allocates them for the whole batch, with a higher peak; the factors and
+    corrections agree."""
+    f = getattr(curvature, fn)
+
+    # the whole batch's patches of each convolution, without and with the bias column
+    patches = [(64 * 1024 * 27, 64 * 1024 * 28), (64 * 256 * 144, 64 * 256 * 145)]
+
+    def run():
+        seen = []
+
+        def on_alloc(func, t):
+            if any(lo <= t.numel() <= hi for lo, hi in patches):
+                seen.append(tuple(t.shape))
+
+        with LiveBytes(on_alloc) as live:
+            torch.manual_seed(0)
+            model = pooled_cnn().double()
+            X, y = batch("cnn")
+            approx = f(model, CE, (X.double(), y), fisher="mc")
+        return approx, seen, live.peak
+
+    chunked, seen, peak = run()
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 2**40)
+    whole, seen_whole, peak_whole = run()
+    assert not seen and seen_whole, (seen, seen_whole)
+    assert peak < peak_whole, (peak, peak_whole)
+    v = [torch.randn(p.shape, dtype=torch.float64) for p in pooled_cnn().parameters()]
+    for a, b in zip(chunked.matvec(v), whole.matvec(v)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -398,16 +398,10 @@ class StatisticsCollector:
         ignored = ignored_targets(loss_func, target)
         if ignored is not None:  # read at the next refresh (the statistics are skipped)
             stats.require_false(ignored, ignored_targets_message(loss_func))
-        V = backprop_sources(
-            loss_func,
-            output,
-            target,
-            self.fisher.value,
-            mc_samples=self.mc_samples,
-            generator=self.generator,
-            check_targets=False,
-        )
+        kw = dict(mc_samples=self.mc_samples, generator=self.generator, check_targets=False)
+        V = backprop_sources(loss_func, output, target, self.fisher.value, **kw)
         self.capture.pull(output, V, is_grads_batched=True, retain_graph=True, unreached="skip")
+        del V  # alive as long as the calls' g that alias it (each goes once folded)
         N = output.shape[0] if output.dim() else 1
         reduction = getattr(loss_func, "reduction", "mean")
         # G-like sums are kept as raw per-sample sums: the sources carry sqrt(R(N)).
@@ -484,6 +478,8 @@ class StatisticsCollector:
                         stats.add((*key, _term), values, kinds, _ctx, rows)
 
                     self._accumulate()(name, module, rule, cs, with_g, emit)
+                    for c in cs:  # this layer's g (and operands made of them) go now
+                        c.grads = c.plain = None
                 if finish is not None:
                     finish(flush)
             if flush:

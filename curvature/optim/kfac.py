@@ -46,11 +46,10 @@ from ..blocks import (
     restore_block,
     snapshots,
 )
-from ..layer_diagonal import chunked_kfac_factors, correction_chunk, summed_over_chunks
+from ..layer_diagonal import chunked_corrections, chunked_kfac_factors
 from ..layer_stats import (
     MAX_EXACT_BLOCK,
     block_name,
-    eigenvalue_corrections,
     exact_factors,
     fisher_diagonal,
     layer_numel,
@@ -365,11 +364,7 @@ class KFAC(CurvatureOptimizer):
                 if basis is not None:
                     bases[block_name(name, suffix)] = (basis.QA, basis.QG)
             if bases:  # convolutions: a chunk of samples' patches at a time
-                lambdas = summed_over_chunks(
-                    lambda c: eigenvalue_corrections(name, module, rule, c, bases),
-                    calls,
-                    correction_chunk(rule, module, calls),
-                )
+                lambdas = chunked_corrections(name, module, rule, calls, bases)
         for suffix, (A_sum, G_sum, count) in res.items():
             dt = stat_dtype(A_sum)
             lam = lambdas.get(block_name(name, suffix))

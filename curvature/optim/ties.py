@@ -17,6 +17,7 @@ the tied layers no block (see :func:`curvature.layout.tie_hint`);
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -60,9 +61,13 @@ class TiedLayers:
         return self.sharing.tied(layer)
 
     def defer(self, name: str, module, rule, calls: list, emit: Callable[..., Any]) -> None:
-        """Keep a tied layer's calls (with their gradients) until :meth:`finish`."""
+        """Keep a tied layer's calls (with their gradients) until :meth:`finish`.
+
+        Shallow copies: the collector releases the gradients of the calls it handed over
+        as soon as their layer is folded, the group's copies keep theirs.
+        """
         group = self._groups.setdefault(self.sharing.group_name(name), _Group(emit))
-        group.layers.append((name, module, rule, calls))
+        group.layers.append((name, module, rule, [copy.copy(c) for c in calls]))
         group.emit = emit
 
     def finish(self, flush: Optional[bool]) -> None:

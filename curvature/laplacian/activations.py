@@ -24,6 +24,7 @@ __all__ = [
     "ActivationRule",
     "Derivatives",
     "activation_rule",
+    "parameter_free",
     "power_rule",
     "register_activation",
 ]
@@ -91,23 +92,43 @@ def _like(v: Any, z: Tensor) -> Tensor:
     return v.expand_as(z) if v.shape != z.shape else v
 
 
+def _pure(rule: Derivatives) -> Derivatives:
+    """Mark a built-in rule as a function of ``z`` alone (no tensor captured: its constants
+    are Python numbers), so that :func:`parameter_free` lets the forward Laplacian fuse it.
+    """
+    rule.parameter_free = True  # type: ignore[attr-defined]
+    return rule
+
+
+def parameter_free(derivatives: Derivatives) -> bool:
+    """Whether ``derivatives`` depends on ``z`` alone, with no captured tensor (a parameter
+    of the module, a traced exponent) that gradients must reach: the built-in rules. A rule
+    registered with :func:`register_activation` is not (it may read module parameters).
+    """
+    return getattr(derivatives, "parameter_free", False) is True
+
+
+@_pure
 def _tanh(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     t = torch.tanh(z)
     s = 1 - t * t
     return t, s, -2 * t * s
 
 
+@_pure
 def _sigmoid(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     s = torch.sigmoid(z)
     ds = s * (1 - s)
     return s, ds, ds * (1 - 2 * s)
 
 
+@_pure
 def _relu(z: Tensor) -> Tuple[Tensor, Tensor, None]:
     return torch.relu(z), (z > 0).to(z.dtype), None
 
 
 def _leaky_relu(slope: float) -> Derivatives:
+    @_pure
     def rule(z: Tensor) -> Tuple[Tensor, Tensor, None]:
         return F.leaky_relu(z, slope), torch.where(z > 0, 1.0, slope).to(z.dtype), None
 
@@ -115,6 +136,7 @@ def _leaky_relu(slope: float) -> Derivatives:
 
 
 def _elu(alpha: float) -> Derivatives:
+    @_pure
     def rule(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         neg = alpha * torch.exp(torch.clamp(z, max=0))
         pos = z > 0
@@ -136,6 +158,7 @@ def _gelu(approximate: str) -> Derivatives:
     raise ValueError(f"GELU(approximate={approximate!r}) is not 'none' or 'tanh'.")
 
 
+@_pure
 def _gelu_erf(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     # sigma = z Phi(z), sigma' = Phi + z phi, sigma'' = phi (2 - z^2)
     cdf = 0.5 * (1 + torch.erf(z * _SQRT_HALF))
@@ -143,6 +166,7 @@ def _gelu_erf(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return z * cdf, cdf + z * pdf, pdf * (2 - z * z)
 
 
+@_pure
 def _gelu_tanh(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     # sigma = z (1 + tanh u) / 2 with u = c (z + 0.044715 z^3)
     c, a = _SQRT_2_OVER_PI, 0.044715
@@ -157,6 +181,7 @@ def _gelu_tanh(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return value, d1, d2
 
 
+@_pure
 def _silu(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     s = torch.sigmoid(z)
     ds = s * (1 - s)
@@ -165,6 +190,7 @@ def _silu(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
 
 def _softplus(beta: float, threshold: float) -> Derivatives:
     # torch's softplus is linear where beta z > threshold
+    @_pure
     def rule(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         bz = beta * z
         s = torch.sigmoid(bz)
@@ -176,11 +202,13 @@ def _softplus(beta: float, threshold: float) -> Derivatives:
     return rule
 
 
+@_pure
 def _sin(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     s = torch.sin(z)
     return s, torch.cos(z), -s
 
 
+@_pure
 def _cos(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     c = torch.cos(z)
     return c, -torch.sin(z), -c
@@ -201,6 +229,7 @@ def power_rule(p: Any) -> Derivatives:
             )
         p = p.item()
 
+    @_pure  # (p is a Python number here)
     def rule(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         if p == 2:
             return z * z, 2 * z, torch.full_like(z, 2.0)
@@ -209,6 +238,7 @@ def power_rule(p: Any) -> Derivatives:
     return rule
 
 
+@_pure
 def _exp(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     e = torch.exp(z)
     return e, e, e

@@ -8,7 +8,14 @@ import torch
 from torch import nn
 
 from curvature.laplacian import forward_laplacian, laplacian, register_activation
-from curvature.laplacian.activations import ACTIVATIONS, activation_rule, parameter_free
+from curvature.laplacian.activations import (
+    ACTIVATIONS,
+    FUNCTIONAL,
+    activation_rule,
+    parameter_free,
+    power_rule,
+    rule_chain,
+)
 from curvature.laplacian.forward import elementwise, elementwise_reference
 
 DT = torch.float64
@@ -31,12 +38,29 @@ def _state(seed: int, d: int = 3, shape=(4, 6)) -> torch.Tensor:
     return torch.randn(shape[0], d + 2, *shape[1:], dtype=DT, generator=g)
 
 
-@pytest.mark.parametrize("name", sorted(MODULES))
+#: rules of functional activations (a traced forward) and of ``z ** p``
+FUNCTIONS = {
+    "sin": lambda: FUNCTIONAL[torch.sin](),
+    "cos": lambda: FUNCTIONAL[torch.cos](),
+    "exp": lambda: FUNCTIONAL[torch.exp](),
+    "cube": lambda: power_rule(3.0),
+}
+
+
+def _rule(name):
+    if name in FUNCTIONS:
+        return FUNCTIONS[name]()
+    module = MODULES[name]()
+    return activation_rule(module)(module)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES) + sorted(FUNCTIONS))
 @pytest.mark.parametrize("shape", [(4, 6), (3, 2, 5)])
 def test_fused_rule_matches_the_unfused_one(name, shape):
-    module = MODULES[name]()
-    rule = activation_rule(module)(module)
+    rule = _rule(name)
     assert parameter_free(rule)
+    if name in ("tanh", "sigmoid", "sin", "cos", "exp"):  # the backward without autograd
+        assert rule_chain(rule) is not None
     state = _state(0, shape=shape)
     with torch.no_grad():  # the graph-free path writes into one output
         torch.testing.assert_close(elementwise(rule, state), elementwise_reference(rule, state))

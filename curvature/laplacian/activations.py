@@ -27,6 +27,7 @@ __all__ = [
     "parameter_free",
     "power_rule",
     "register_activation",
+    "rule_chain",
 ]
 
 #: ``z -> (sigma(z), sigma'(z), sigma''(z))``; ``sigma''`` may be ``None`` (identically 0).
@@ -92,12 +93,23 @@ def _like(v: Any, z: Tensor) -> Tensor:
     return v.expand_as(z) if v.shape != z.shape else v
 
 
-def _pure(rule: Derivatives) -> Derivatives:
+def _pure(rule: Derivatives, chain: Optional[Callable[..., Tuple[Tensor, ...]]] = None):
     """Mark a built-in rule as a function of ``z`` alone (no tensor captured: its constants
     are Python numbers), so that :func:`parameter_free` lets the forward Laplacian fuse it.
+
+    ``chain``: ``(s, s', s'') -> (s', s'', s''')``, the derivatives of the rule's three
+    outputs from their values (the fused backward then needs no autograd of the rule).
     """
     rule.parameter_free = True  # type: ignore[attr-defined]
+    rule.chain = chain  # type: ignore[attr-defined]
     return rule
+
+
+def rule_chain(derivatives: Derivatives) -> Optional[Callable[..., Tuple[Tensor, ...]]]:
+    """The ``(s, s', s'') -> (s', s'', s''')`` of a built-in rule where it has one, else
+    ``None`` (the fused backward differentiates the rule by autograd).
+    """
+    return getattr(derivatives, "chain", None)
 
 
 def parameter_free(derivatives: Derivatives) -> bool:
@@ -108,18 +120,24 @@ def parameter_free(derivatives: Derivatives) -> bool:
     return getattr(derivatives, "parameter_free", False) is True
 
 
-@_pure
 def _tanh(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     t = torch.tanh(z)
     s = 1 - t * t
     return t, s, -2 * t * s
 
 
-@_pure
+# tanh''' = -2 (s'^2 + t s'')
+_pure(_tanh, lambda t, d1, d2: (d1, d2, -2 * torch.addcmul(d1 * d1, t, d2)))
+
+
 def _sigmoid(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     s = torch.sigmoid(z)
     ds = s * (1 - s)
     return s, ds, ds * (1 - 2 * s)
+
+
+# sigmoid''' = s' (1 - 6 s (1 - s))
+_pure(_sigmoid, lambda s, d1, d2: (d1, d2, d1 * (1 - 6 * s * (1 - s))))
 
 
 @_pure
@@ -202,16 +220,20 @@ def _softplus(beta: float, threshold: float) -> Derivatives:
     return rule
 
 
-@_pure
 def _sin(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     s = torch.sin(z)
     return s, torch.cos(z), -s
 
 
-@_pure
+_pure(_sin, lambda s, c, ms: (c, ms, -c))
+
+
 def _cos(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     c = torch.cos(z)
     return c, -torch.sin(z), -c
+
+
+_pure(_cos, lambda c, ms, mc: (ms, mc, -ms))
 
 
 def power_rule(p: Any) -> Derivatives:
@@ -238,10 +260,12 @@ def power_rule(p: Any) -> Derivatives:
     return rule
 
 
-@_pure
 def _exp(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     e = torch.exp(z)
     return e, e, e
+
+
+_pure(_exp, lambda e, _d1, _d2: (e, e, e))
 
 
 ACTIVATIONS.update(

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
 from ..layers.base import shared_slots
-from .activations import Derivatives, parameter_free
+from .activations import Derivatives, parameter_free, rule_chain
 
 __all__ = [
     "ForwardLaplacian",
@@ -230,13 +230,19 @@ class _FusedElementwise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state, derivatives, c):  # type: ignore[override]
-        z = state[:, 0].detach().requires_grad_(True)
-        with torch.enable_grad():  # the [N, *F] rule's own graph, for the backward
+        z = state[:, 0].detach()
+        chain = rule_chain(derivatives)
+        if chain is None:  # the [N, *F] rule's own graph, for the backward
+            z.requires_grad_(True)
+            with torch.enable_grad():
+                value, d1, d2 = derivatives(z)
+        else:
             value, d1, d2 = derivatives(z)
         with torch.no_grad():
             out, _, q = _fused_forward(lambda _: (value, d1, d2), state, c)
         ctx.save_for_backward(state)
         ctx.rule, ctx.derivatives, ctx.c, ctx.q = (z, value, d1, d2), derivatives, c, q
+        ctx.chain = chain
         return out
 
     @staticmethod
@@ -270,6 +276,12 @@ class _FusedElementwise(torch.autograd.Function):
             out[:, 1:-1].addcmul_(k.unsqueeze(1) if c is None else k, dz)
             cot.append(g_lap * ctx.q)
             outputs.append(d2)
+        if ctx.chain is not None:  # the rule's derivatives from their values
+            g_z = out[:, 0]
+            torch.mul(cot[0], d1, out=g_z)
+            for t, dt in zip(cot[1:], ctx.chain(value, d1, d2)[1:]):
+                g_z.addcmul_(t, dt)
+            return out, None, None
         used = [(o, t) for o, t in zip(outputs, cot) if o.requires_grad]
         if used:
             (g_z,) = torch.autograd.grad(
@@ -284,12 +296,16 @@ class _FusedElementwise(torch.autograd.Function):
 def _slot_dot(u: Tensor, v: Tensor, c: Optional[Tensor]) -> Tensor:
     """``sum_j c_j u_j v_j`` over the derivative slots of ``u, v [N, d, *F]``: ``[N, *F]``.
 
-    Without coefficients one ``vecdot`` (no ``[N, d, *F]`` product: a fresh buffer of the
-    state's size costs its page faults, more than the arithmetic).
+    Without coefficients one product and ``d - 1`` fused multiply-adds of ``[N, *F]``
+    slices: no ``[N, d, *F]`` temporary (a fresh buffer of the state's size costs its page
+    faults, more than the arithmetic).
     """
     if c is not None:
         return _weighted_sum(u * v, c)
-    return torch.linalg.vecdot(u, v, dim=1)
+    total = u[:, 0] * v[:, 0]
+    for j in range(1, u.shape[1]):
+        total.addcmul_(u[:, j], v[:, j])
+    return total
 
 
 def _weighted_sum(t: Tensor, c: Any = ...) -> Tensor:

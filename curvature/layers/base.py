@@ -136,9 +136,7 @@ class Call:
     #: ``(grads, operands)``: a rule's plain operands of this call for the ``grads`` list
     #: they were made from (reused by the statistics of one step; see ``plain_operands``).
     plain: Optional[Tuple[Any, Any]] = field(default=None, repr=False)
-    #: ``(grads, blocks)``: a linear-family rule's ``expanded_blocks`` of this call alone for
-    #: the ``grads`` list they were made from (the quadratic rule's records and the
-    #: Kronecker statistics of one pull share them; see ``expanded_blocks``).
+    #: ``(grads, blocks)``: a rule's ``expanded_blocks`` of this call alone, as ``plain``.
     expanded: Optional[Tuple[Any, Any]] = field(default=None, repr=False)
     out_views: List[Any] = field(default_factory=list, repr=False)
     pushed: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
@@ -440,20 +438,8 @@ class LinearFamilyRule(LayerRule):
         return expanded_gram(*self.expand_calls(module, calls))
 
     # -- Kronecker factors -----------------------------------------------------------
-    def expanded_blocks(self, module, calls):
-        """``{"": expand_calls(...)}``; for one call made once per ``call.grads`` (kept in
-        ``call.expanded``): the quadratic rule's records and the Kronecker statistics of a
-        pull read the same blocks (a forward Laplacian's inputs with the bias column are a
-        copy of the state's size).
-        """
-        if len(calls) != 1:
-            return {"": self.expand_calls(module, calls)}
-        call = calls[0]
-        if call.expanded is not None and call.expanded[0] is call.grads:
-            return call.expanded[1]
-        blocks = {"": self.expand_calls(module, calls)}
-        call.expanded = (call.grads, blocks)
-        return blocks
+    def expanded_blocks(self, module, calls):  # noqa: D102
+        return {"": self.expand_calls(module, calls)}
 
     def plain_operands(self, module: nn.Module, calls: Sequence[Call]) -> Optional[PlainOperands]:
         """One group's inputs and gradients as matrices (:mod:`~curvature.layers.plain`).

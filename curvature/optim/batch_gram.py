@@ -113,7 +113,7 @@ def layer_products(V: Tensor, a: Tensor, g: Tensor, where: Projection) -> Tensor
         u = a.new_empty(K, L, N * S)
         for k in range(K):
             y = torch.mm(g2, Wb[k]).view(L, N * S, D)
-            u[k] = torch.linalg.vecdot(y, rows, dim=-1)
+            u[k] = (y * rows).sum(-1)
         return u.view(K, L, N, S).sum(-1)
     z = a.new_empty(K, N * S, Do)  # through a: z = a [W | b]^T
     for k in range(K):

@@ -166,12 +166,14 @@ def elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:
 
     For a built-in rule (:func:`~curvature.laplacian.activations.parameter_free`) the map
     is one fused step: without a graph the parts are written into one output (no
-    temporaries of the state's size but ``dz^2``); with one, an autograd function whose
-    backward takes three passes over the derivative slots (``G_dz s' + 2 c G_lap s'' dz``
-    and ``sum_j G_dz_j dz_j``) where autograd's chain of products took about eight, and
-    differentiates the ``[N, *F]`` rule itself by autograd (a double backward differentiates
-    :func:`elementwise_reference`, the same formula unfused). The results equal the unfused
-    ones up to rounding. A rule registered by the user (it may read the module's
+    temporary of the state's size); with one, an autograd function whose backward takes
+    three passes over the derivative slots (``G_dz s' + 2 c G_lap s'' dz`` and
+    ``sum_j G_dz_j dz_j``) where autograd's chain of products took about eight, and the
+    rule's own derivatives from its values where it has them
+    (:func:`~curvature.laplacian.activations.rule_chain`: tanh, sigmoid, sin, cos, exp),
+    else by autograd of the ``[N, *F]`` rule. A double backward differentiates
+    :func:`elementwise_reference`, the same formula unfused. The results equal the
+    unfused ones up to rounding. A rule registered by the user (it may read the module's
     parameters), and any call under a ``torch.func`` transform, take the unfused path.
 
     Args:

@@ -39,6 +39,9 @@ TORCH_PRIVATE = frozenset(
         "_input_metadata",  # a node's input shapes / dtypes
         # the C++ functional ops (no public Python binding with the same semantics)
         "_C",  # torch._C
+        # whether a torch.func transform (vmap, grad, jvp) is active: the forward Laplacian's
+        # fused autograd function has no vmap rule, so it steps aside under one
+        "_are_functorch_transforms_active",  # torch._C._are_functorch_transforms_active()
         "_nn",  # torch._C._nn
         # module hook dictionaries (registered hooks have no public listing)
         "_forward_hooks",  # nn.Module._forward_hooks

@@ -69,3 +69,24 @@ def test_plain_operands_are_made_once_per_gradients():
     again = rule.plain_operands(layer, [call])
     assert again is not first and again.g is call.grads[0]
     assert rule.plain_operands(layer, [call, call]) is None  # several calls: general path
+
+
+def test_expanded_blocks_are_made_once_per_gradients():
+    """The quadratic rule's records and the Kronecker statistics of one pull share the
+    expanded blocks of a call; new gradients (the next pull) make new ones."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4).double()
+    x = torch.randn(5, 3, 6, dtype=torch.float64)
+    call = _call(x, torch.randn(1, 5, 3, 4, dtype=torch.float64))
+    rule = LinearRule()
+    first = rule.expanded_blocks(layer, [call])
+    assert rule.expanded_blocks(layer, [call]) is first
+    a, g = rule.expand_calls(layer, [call])
+    torch.testing.assert_close(first[""][0], a)
+    torch.testing.assert_close(first[""][1], g)
+    call.grads = [torch.randn(1, 5, 3, 4, dtype=torch.float64)]
+    again = rule.expanded_blocks(layer, [call])
+    assert again is not first
+    torch.testing.assert_close(again[""][1], rule.expand_calls(layer, [call])[1])
+    two = [call, _call(x, call.grads[0])]  # several calls: not kept
+    assert rule.expanded_blocks(layer, two) is not rule.expanded_blocks(layer, two)

@@ -24,8 +24,10 @@ __all__ = [
     "ActivationRule",
     "Derivatives",
     "activation_rule",
+    "parameter_free",
     "power_rule",
     "register_activation",
+    "rule_chain",
 ]
 
 #: ``z -> (sigma(z), sigma'(z), sigma''(z))``; ``sigma''`` may be ``None`` (identically 0).
@@ -91,10 +93,41 @@ def _like(v: Any, z: Tensor) -> Tensor:
     return v.expand_as(z) if v.shape != z.shape else v
 
 
+def _pure(rule: Derivatives, chain: Optional[Callable[..., Tuple[Tensor, ...]]] = None):
+    """Mark a built-in rule as a function of ``z`` alone (no tensor captured: its constants
+    are Python numbers), so that :func:`parameter_free` lets the forward Laplacian fuse it.
+
+    ``chain``: ``(s, s', s'') -> (s', s'', s''')``, the derivatives of the rule's three
+    outputs from their values (the fused backward then needs no autograd of the rule).
+    """
+    rule.parameter_free = True  # type: ignore[attr-defined]
+    rule.chain = chain  # type: ignore[attr-defined]
+    return rule
+
+
+def rule_chain(derivatives: Derivatives) -> Optional[Callable[..., Tuple[Tensor, ...]]]:
+    """The ``(s, s', s'') -> (s', s'', s''')`` of a built-in rule where it has one, else
+    ``None`` (the fused backward differentiates the rule by autograd).
+    """
+    return getattr(derivatives, "chain", None)
+
+
+def parameter_free(derivatives: Derivatives) -> bool:
+    """Whether ``derivatives`` depends on ``z`` alone, with no captured tensor (a parameter
+    of the module, a traced exponent) that gradients must reach: the built-in rules. A rule
+    registered with :func:`register_activation` is not (it may read module parameters).
+    """
+    return getattr(derivatives, "parameter_free", False) is True
+
+
 def _tanh(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     t = torch.tanh(z)
     s = 1 - t * t
     return t, s, -2 * t * s
+
+
+# tanh''' = -2 (s'^2 + t s'')
+_pure(_tanh, lambda t, d1, d2: (d1, d2, -2 * torch.addcmul(d1 * d1, t, d2)))
 
 
 def _sigmoid(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -103,11 +136,17 @@ def _sigmoid(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return s, ds, ds * (1 - 2 * s)
 
 
+# sigmoid''' = s' (1 - 6 s (1 - s))
+_pure(_sigmoid, lambda s, d1, d2: (d1, d2, d1 * (1 - 6 * s * (1 - s))))
+
+
+@_pure
 def _relu(z: Tensor) -> Tuple[Tensor, Tensor, None]:
     return torch.relu(z), (z > 0).to(z.dtype), None
 
 
 def _leaky_relu(slope: float) -> Derivatives:
+    @_pure
     def rule(z: Tensor) -> Tuple[Tensor, Tensor, None]:
         return F.leaky_relu(z, slope), torch.where(z > 0, 1.0, slope).to(z.dtype), None
 
@@ -115,6 +154,7 @@ def _leaky_relu(slope: float) -> Derivatives:
 
 
 def _elu(alpha: float) -> Derivatives:
+    @_pure
     def rule(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         neg = alpha * torch.exp(torch.clamp(z, max=0))
         pos = z > 0
@@ -136,6 +176,7 @@ def _gelu(approximate: str) -> Derivatives:
     raise ValueError(f"GELU(approximate={approximate!r}) is not 'none' or 'tanh'.")
 
 
+@_pure
 def _gelu_erf(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     # sigma = z Phi(z), sigma' = Phi + z phi, sigma'' = phi (2 - z^2)
     cdf = 0.5 * (1 + torch.erf(z * _SQRT_HALF))
@@ -143,6 +184,7 @@ def _gelu_erf(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return z * cdf, cdf + z * pdf, pdf * (2 - z * z)
 
 
+@_pure
 def _gelu_tanh(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     # sigma = z (1 + tanh u) / 2 with u = c (z + 0.044715 z^3)
     c, a = _SQRT_2_OVER_PI, 0.044715
@@ -157,6 +199,7 @@ def _gelu_tanh(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return value, d1, d2
 
 
+@_pure
 def _silu(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     s = torch.sigmoid(z)
     ds = s * (1 - s)
@@ -165,6 +208,7 @@ def _silu(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
 
 def _softplus(beta: float, threshold: float) -> Derivatives:
     # torch's softplus is linear where beta z > threshold
+    @_pure
     def rule(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         bz = beta * z
         s = torch.sigmoid(bz)
@@ -181,9 +225,15 @@ def _sin(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return s, torch.cos(z), -s
 
 
+_pure(_sin, lambda s, c, ms: (c, ms, -c))
+
+
 def _cos(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     c = torch.cos(z)
     return c, -torch.sin(z), -c
+
+
+_pure(_cos, lambda c, ms, mc: (ms, mc, -ms))
 
 
 def power_rule(p: Any) -> Derivatives:
@@ -201,6 +251,7 @@ def power_rule(p: Any) -> Derivatives:
             )
         p = p.item()
 
+    @_pure  # (p is a Python number here)
     def rule(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         if p == 2:
             return z * z, 2 * z, torch.full_like(z, 2.0)
@@ -212,6 +263,9 @@ def power_rule(p: Any) -> Derivatives:
 def _exp(z: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     e = torch.exp(z)
     return e, e, e
+
+
+_pure(_exp, lambda e, _d1, _d2: (e, e, e))
 
 
 ACTIVATIONS.update(

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
 from ..layers.base import shared_slots
-from .activations import Derivatives
+from .activations import Derivatives, parameter_free, rule_chain
 
 __all__ = [
     "ForwardLaplacian",
@@ -35,6 +35,7 @@ __all__ = [
     "add_constant",
     "broadcast_constant",
     "elementwise",
+    "elementwise_reference",
     "linear",
     "product",
     "propagate",
@@ -163,11 +164,17 @@ def _observed(module: nn.Module) -> bool:
 def elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:
     """``(z, dz, lap) -> (s(z), s'(z) dz, s'(z) lap + s''(z) sum_j c_j dz_j^2)``.
 
-    The state is split into views of its three parts and the result concatenated: the
-    backward of a concatenation is a view per part and that of the split one
-    concatenation, where writing slot 0 and the Laplacian slot in place into a
-    full-size product (and reading slot 0 by indexing) made the backward clone the
-    full-size gradient per write and fill a full-size zero tensor per read.
+    For a built-in rule (:func:`~curvature.laplacian.activations.parameter_free`) the map
+    is one fused step: without a graph the parts are written into one output (no
+    temporary of the state's size); with one, an autograd function whose backward takes
+    three passes over the derivative slots (``G_dz s' + 2 c G_lap s'' dz`` and
+    ``sum_j G_dz_j dz_j``) where autograd's chain of products took about eight, and the
+    rule's own derivatives from its values where it has them
+    (:func:`~curvature.laplacian.activations.rule_chain`: tanh, sigmoid, sin, cos, exp),
+    else by autograd of the ``[N, *F]`` rule. A double backward differentiates
+    :func:`elementwise_reference`, the same formula unfused. The results equal the
+    unfused ones up to rounding. A rule registered by the user (it may read the module's
+    parameters), and any call under a ``torch.func`` transform, take the unfused path.
 
     Args:
         derivatives: ``z -> (s(z), s'(z), s''(z))`` (``s''`` may be ``None``: zero).
@@ -176,6 +183,23 @@ def elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:
     Returns:
         ``[N, d + 2, *F]``.
 
+    """
+    if not parameter_free(derivatives) or torch._C._are_functorch_transforms_active():
+        return elementwise_reference(derivatives, state)
+    c = _COEFFICIENTS.get()
+    if torch.is_grad_enabled() and state.requires_grad:
+        return _FusedElementwise.apply(state, derivatives, c)
+    return _fused_forward(derivatives, state, c)[0]
+
+
+def elementwise_reference(derivatives: Derivatives, state: Tensor) -> Tensor:
+    """:func:`elementwise` unfused, differentiated by autograd op by op.
+
+    The state is split into views of its three parts and the result concatenated: the
+    backward of a concatenation is a view per part and that of the split one
+    concatenation, where writing slot 0 and the Laplacian slot in place into a
+    full-size product (and reading slot 0 by indexing) made the backward clone the
+    full-size gradient per write and fill a full-size zero tensor per read.
     """
     z, dz, lap = state.split([1, state.shape[1] - 2, 1], dim=1)
     value, d1, d2 = derivatives(z.squeeze(1))  # each [N, *F]
@@ -186,9 +210,111 @@ def elementwise(derivatives: Derivatives, state: Tensor) -> Tensor:
     return torch.cat([value.unsqueeze(1).expand_as(lap), d1 * dz, lap], dim=1)
 
 
-def _weighted_sum(t: Tensor) -> Tensor:
-    """``sum_j c_j t_j`` over the derivative slots ``t [N, d, *F]`` (``c = 1`` if unset)."""
-    c = _COEFFICIENTS.get()
+def _fused_forward(derivatives: Derivatives, state: Tensor, c: Optional[Tensor]):
+    """``(out, (value, d1, d2), q)``: the forward of :func:`elementwise` written into one
+    ``[N, d + 2, *F]`` output; ``q = sum_j c_j dz_j^2`` (``None`` where ``s'' = 0``).
+    """
+    z, dz, lap = state[:, 0], state[:, 1:-1], state[:, -1]
+    value, d1, d2 = derivatives(z)  # each [N, *F]
+    out = torch.empty(state.shape, dtype=value.dtype, device=state.device)
+    out[:, 0].copy_(value)
+    torch.mul(dz, d1.unsqueeze(1), out=out[:, 1:-1])
+    torch.mul(d1, lap, out=out[:, -1])
+    q = None
+    if d2 is not None:
+        q = _slot_dot(dz, dz, c)
+        out[:, -1].addcmul_(d2, q)
+    return out, (value, d1, d2), q
+
+
+class _FusedElementwise(torch.autograd.Function):
+    """:func:`elementwise` of a parameter-free rule with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, state, derivatives, c):  # type: ignore[override]
+        z = state[:, 0].detach()
+        chain = rule_chain(derivatives)
+        if chain is None:  # the [N, *F] rule's own graph, for the backward
+            z.requires_grad_(True)
+            with torch.enable_grad():
+                value, d1, d2 = derivatives(z)
+        else:
+            value, d1, d2 = derivatives(z)
+        with torch.no_grad():
+            out, _, q = _fused_forward(lambda _: (value, d1, d2), state, c)
+        ctx.save_for_backward(state)
+        ctx.rule, ctx.derivatives, ctx.c, ctx.q = (z, value, d1, d2), derivatives, c, q
+        ctx.chain = chain
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (state,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: differentiate the unfused formula
+            token = _COEFFICIENTS.set(ctx.c)
+            try:
+                with torch.enable_grad():
+                    s = state if state.requires_grad else state.detach().requires_grad_(True)
+                    out = elementwise_reference(ctx.derivatives, s)
+                    (g,) = torch.autograd.grad(out, s, grad, create_graph=True)
+            finally:
+                _COEFFICIENTS.reset(token)
+            return g, None, None
+        z, value, d1, d2 = ctx.rule
+        dz, lap = state[:, 1:-1], state[:, -1]
+        g_value, g_dz, g_lap = grad[:, 0], grad[:, 1:-1], grad[:, -1]
+        out = torch.empty_like(state)
+        # d(out_j)/d(dz_j) = s' and d(lap_out)/d(dz_j) = 2 c_j s'' dz_j
+        torch.mul(g_dz, d1.unsqueeze(1), out=out[:, 1:-1])
+        torch.mul(g_lap, d1, out=out[:, -1])
+        # the rule's cotangents: value, s' (times dz_j and lap), s'' (times q)
+        cot = [g_value, _slot_dot(g_dz, dz, None).addcmul_(g_lap, lap)]
+        outputs = [value, d1]
+        if d2 is not None:
+            k = 2 * g_lap * d2  # [N, *F]
+            c = ctx.c
+            if c is not None:
+                k = k.unsqueeze(1) * c.view(-1, *([1] * (k.ndim - 1)))
+            out[:, 1:-1].addcmul_(k.unsqueeze(1) if c is None else k, dz)
+            cot.append(g_lap * ctx.q)
+            outputs.append(d2)
+        if ctx.chain is not None:  # the rule's derivatives from their values
+            g_z = out[:, 0]
+            torch.mul(cot[0], d1, out=g_z)
+            for t, dt in zip(cot[1:], ctx.chain(value, d1, d2)[1:]):
+                g_z.addcmul_(t, dt)
+            return out, None, None
+        used = [(o, t) for o, t in zip(outputs, cot) if o.requires_grad]
+        if used:
+            (g_z,) = torch.autograd.grad(
+                [o for o, _ in used], z, [t for _, t in used], retain_graph=True
+            )
+            out[:, 0].copy_(g_z)
+        else:
+            out[:, 0].zero_()
+        return out, None, None
+
+
+def _slot_dot(u: Tensor, v: Tensor, c: Optional[Tensor]) -> Tensor:
+    """``sum_j c_j u_j v_j`` over the derivative slots of ``u, v [N, d, *F]``: ``[N, *F]``.
+
+    Without coefficients one product and ``d - 1`` fused multiply-adds of ``[N, *F]``
+    slices: no ``[N, d, *F]`` temporary (a fresh buffer of the state's size costs its page
+    faults, more than the arithmetic).
+    """
+    if c is not None:
+        return _weighted_sum(u * v, c)
+    total = u[:, 0] * v[:, 0]
+    for j in range(1, u.shape[1]):
+        total.addcmul_(u[:, j], v[:, j])
+    return total
+
+
+def _weighted_sum(t: Tensor, c: Any = ...) -> Tensor:
+    """``sum_j c_j t_j`` over the derivative slots ``t [N, d, *F]`` (``c = 1`` if unset;
+    ``c`` defaults to the run's coefficients).
+    """
+    c = _COEFFICIENTS.get() if c is ... else c
     if c is None:
         return t.sum(1)
     return (t * c.view(-1, *([1] * (t.ndim - 2)))).sum(1)

@@ -137,6 +137,8 @@ class Call:
     #: ``(grads, operands)``: a rule's plain operands of this call for the ``grads`` list
     #: they were made from (reused by the statistics of one step; see ``plain_operands``).
     plain: Optional[Tuple[Any, Any]] = field(default=None, repr=False)
+    #: ``(grads, blocks)``: a rule's ``expanded_blocks`` of this call alone, as ``plain``.
+    expanded: Optional[Tuple[Any, Any]] = field(default=None, repr=False)
     out_views: List[Any] = field(default_factory=list, repr=False)
     pushed: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
     pending: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)

@@ -26,6 +26,20 @@ class LinearRule(LinearFamilyRule):
         g = g.reshape(*g.shape[: g.dim() - x.dim()], N, -1, 1, g.shape[-1])
         return a, g
 
+    def expanded_blocks(self, module, calls):
+        """``{"": (a, g)}`` of :meth:`expand_calls`; for one call made once per ``call.grads``
+        (kept in ``call.expanded``): the quadratic rule's records and the Kronecker
+        statistics of a pull share them (in a forward Laplacian, ``a`` with the bias column
+        is a copy of the state's size).
+        """
+        one = calls[0] if len(calls) == 1 else None
+        if one is not None and one.expanded is not None and one.expanded[0] is one.grads:
+            return one.expanded[1]
+        blocks = super().expanded_blocks(module, calls)
+        if one is not None:
+            one.expanded = (one.grads, blocks)
+        return blocks
+
     def plain_operands(self, module, calls):
         """The :class:`~curvature.layers.plain.PlainOperands` of one call, else ``None``.
 

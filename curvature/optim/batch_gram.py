@@ -73,9 +73,11 @@ def layer_products(V: Tensor, a: Tensor, g: Tensor, where: Projection) -> Tensor
     The layer's part of each direction is read as views (``W [K, C, D_out, D_w]`` and the
     bias column ``b [K, C, D_out]``) where its positions are strided, else gathered through
     the index (``D_w = D``, no separate bias). With one group the product runs on the
-    narrower side: ``z = a_w W^T (+ a_b b)`` (``[N S, D_out]`` per direction) when
-    ``D_out < D``, else ``y = g W`` (``[L N S, D_w]``), then summed against the other
-    operand; a first layer of a few inputs never forms a ``D_out``-wide intermediate.
+    narrower side: ``z = a [W | b]^T`` (``[N S, D_out]`` per direction) when
+    ``D_out < D``, else ``y = g [W | b]`` (``[L N S, D]``), then summed against the other
+    operand; a first layer of a few inputs never forms a ``D_out``-wide intermediate. The
+    bias column enters the matrix product (``[W | b]`` is a copy of the layer's part of
+    the directions, ``[K, D_out, D]``).
 
     Args:
         V: ``[K, P]`` directions over the flat parameters.
@@ -103,20 +105,19 @@ def layer_products(V: Tensor, a: Tensor, g: Tensor, where: Projection) -> Tensor
         if b is not None:
             z.addcmul_(a[None, ..., Dw:], b.view(K, 1, 1, C, Do))
         return torch.einsum("knsco,lnsco->kln", z, g)
+    # [W | b] per direction ([K, D_out, D], a small copy): the bias column of ``a`` enters
+    # the matrix products, no pass of the products' size for it
+    Wb = (W if b is None else torch.cat([W, b.unsqueeze(-1)], dim=-1))[:, 0]
     rows, g2 = a.reshape(N * S, D), g.reshape(L * N * S, Do)
-    if Do >= D:  # through g: y = g W, summed against a_w (and (g . b) a_b)
-        u = a.new_zeros(K, L, N * S)
+    if Do >= D:  # through g: y = g [W | b], summed against a
+        u = a.new_empty(K, L, N * S)
         for k in range(K):
-            y = torch.mm(g2, W[k, 0]).view(L, N * S, Dw)
-            u[k] = (y * rows[:, :Dw]).sum(-1)
-            if b is not None:
-                u[k] += torch.mv(g2, b[k, 0]).view(L, N * S) * rows[:, Dw]
+            y = torch.mm(g2, Wb[k]).view(L, N * S, D)
+            u[k] = (y * rows).sum(-1)
         return u.view(K, L, N, S).sum(-1)
-    z = a.new_empty(K, N * S, Do)  # through a: z = a_w W^T (+ a_b b)
+    z = a.new_empty(K, N * S, Do)  # through a: z = a [W | b]^T
     for k in range(K):
-        torch.mm(rows[:, :Dw], W[k, 0].T, out=z[k])
-    if b is not None:
-        z.addcmul_(rows[None, :, Dw:], b[:, 0, None, :])
+        torch.mm(rows, Wb[k].T, out=z[k])
     # sum over the positions and outputs per sample: [N, K, S D_out] @ [N, S D_out, L]
     z = z.view(K, N, S * Do).transpose(0, 1)
     return torch.bmm(z, g.reshape(L, N, S * Do).permute(1, 2, 0)).permute(1, 2, 0)

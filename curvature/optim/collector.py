@@ -479,7 +479,7 @@ class StatisticsCollector:
 
                     self._accumulate()(name, module, rule, cs, with_g, emit)
                     for c in cs:  # this layer's g (and operands made of them) go now
-                        c.grads = c.plain = None
+                        c.grads = c.plain = c.expanded = None
                 if finish is not None:
                     finish(flush)
             if flush:

@@ -298,3 +298,37 @@ def test_one_term_per_factor_inverse_is_the_dense_inverse(inverse_method):
         expected = torch.linalg.solve(dense, M.reshape(-1)).reshape(M.shape)
         torch.testing.assert_close(_block_vector(model, name, out), expected, rtol=1e-9, atol=0)
     opt.close()
+
+
+def test_pinn_example_plain_loop_measures_the_composite_loss_and_trains():
+    """``--loop plain`` (the 5d default): ``loss.backward(); opt.step()``, measured by the
+    next step's ``loss_func`` calls weighted by their backward (0.5 each: the example's
+    loss itself); it trains, and a plain loop with the line search is refused."""
+    mod = _pinn_example()
+    small = ["--n-int", "100", "--n-bnd", "40", "--n-eval", "500", "--width", "16"]
+    hist = mod.main(
+        ["--optimizers", "kfac", "--steps", "30", "--log-every", "30", "--loop", "plain", *small]
+    )["kfac"]
+    assert hist["l2"][-1] < 0.2 * hist["l2"][0]
+    assert hist["loss"][-1] < 0.05 * hist["loss"][0]
+    with pytest.raises(SystemExit):
+        mod.main(["--optimizers", "kfac", "--loop", "plain", "--update-rule", "line-search"])
+
+
+def test_pinn_example_loop_defaults():
+    """plain on the 5d problem (no loss-only evaluation per step), closure elsewhere."""
+    mod = _pinn_example()
+    seen = {}
+    real = mod.train
+
+    def spy(name, args, problem):
+        seen[args.problem] = args.loop
+        return {"step": [0], "time": [0.0], "l2": [1.0], "loss": [1.0]}
+
+    mod.train = spy
+    try:
+        for problem in ("poisson", "heat", "poisson5d"):
+            mod.main(["--problem", problem, "--optimizers", "kfac", "--steps", "0"])
+    finally:
+        mod.train = real
+    assert seen == {"poisson": "closure", "heat": "closure", "poisson5d": "plain"}

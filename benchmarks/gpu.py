@@ -581,32 +581,7 @@ def _ours(model, loss_func, X, y):
 
 
 def _peers(model, loss_func, X, y):
-    asdl = optim_step.load_asdl()
-    if asdl is not None:
-        from asdl import FisherConfig, get_fisher_maker
-
-        ce = isinstance(loss_func, nn.CrossEntropyLoss)
-        lt, size = (asdl.LOSS_CROSS_ENTROPY, y.shape[0]) if ce else (asdl.LOSS_MSE, y.numel())
-        for label, ftype, shape in (
-            ("ASDL kron empirical", asdl.FISHER_EMP, asdl.SHAPE_KRON),
-            ("ASDL kron mc-1", asdl.FISHER_MC, asdl.SHAPE_KRON),
-            ("ASDL diag empirical", asdl.FISHER_EMP, asdl.SHAPE_DIAG),
-        ):
-            config = FisherConfig(
-                fisher_type=ftype,
-                fisher_shapes=[shape],
-                loss_type=lt,
-                n_mc_samples=1,
-                data_size=size,
-            )
-            maker = get_fisher_maker(model, config)
-
-            def run(maker=maker):
-                out = maker.setup_model_call(model, X)
-                maker.setup_loss_call(loss_func, out, y)
-                maker.forward_and_backward()
-
-            yield label, run
+    yield from optim_step.asdl_fisher_runs(model, loss_func, X, y, "mc-1")
     try:
         import curvlinops
     except ImportError:

@@ -109,32 +109,7 @@ def peer_calls(model: nn.Module, loss_func: nn.Module, X, y) -> Dict[str, Callab
     """
     out: Dict[str, Callable[[], object]] = {}
     theirs = copy.deepcopy(model)
-    asdl = optim_step.load_asdl()
-    if asdl is not None:
-        from asdl import FisherConfig, get_fisher_maker
-
-        ce = isinstance(loss_func, nn.CrossEntropyLoss)
-        lt, size = (asdl.LOSS_CROSS_ENTROPY, y.shape[0]) if ce else (asdl.LOSS_MSE, y.numel())
-        for label, ftype, shape in (
-            ("ASDL kron empirical", asdl.FISHER_EMP, asdl.SHAPE_KRON),
-            ("ASDL kron mc", asdl.FISHER_MC, asdl.SHAPE_KRON),
-            ("ASDL diag empirical", asdl.FISHER_EMP, asdl.SHAPE_DIAG),
-        ):
-            config = FisherConfig(
-                fisher_type=ftype,
-                fisher_shapes=[shape],
-                loss_type=lt,
-                n_mc_samples=1,
-                data_size=size,
-            )
-            maker = get_fisher_maker(theirs, config)
-
-            def run(maker=maker):
-                output = maker.setup_model_call(theirs, X)
-                maker.setup_loss_call(loss_func, output, y)
-                maker.forward_and_backward()
-
-            out[label] = run
+    out.update(optim_step.asdl_fisher_runs(theirs, loss_func, X, y, "mc"))
     try:
         import curvlinops
     except ImportError:

@@ -137,6 +137,40 @@ def load_asdl():
     return asdl
 
 
+def asdl_fisher_runs(model, loss_func, X, y, mc_label: str = "mc-1"):
+    """``(label, run)`` of ASDL's Fisher computations on ``(X, y)``, or nothing without ASDL.
+
+    One ``FisherMaker`` per row (made once, as a user would) for the empirical and the
+    MC (one sample) Kronecker factors and the empirical diagonal; each ``run()`` is a
+    forward, the loss and the backward with ASDL's hooks. ``data_size`` is the loss's
+    normalization (``N`` for cross-entropy, the number of entries for MSE). Labels: "ASDL
+    kron empirical", "ASDL kron {mc_label}", "ASDL diag empirical".
+    """
+    asdl = load_asdl()
+    if asdl is None:
+        return
+    from asdl import FisherConfig, get_fisher_maker
+
+    ce = isinstance(loss_func, nn.CrossEntropyLoss)
+    lt, size = (asdl.LOSS_CROSS_ENTROPY, y.shape[0]) if ce else (asdl.LOSS_MSE, y.numel())
+    for label, ftype, shape in (
+        ("ASDL kron empirical", asdl.FISHER_EMP, asdl.SHAPE_KRON),
+        (f"ASDL kron {mc_label}", asdl.FISHER_MC, asdl.SHAPE_KRON),
+        ("ASDL diag empirical", asdl.FISHER_EMP, asdl.SHAPE_DIAG),
+    ):
+        config = FisherConfig(
+            fisher_type=ftype, fisher_shapes=[shape], loss_type=lt, n_mc_samples=1, data_size=size
+        )
+        maker = get_fisher_maker(model, config)
+
+        def run(maker=maker):
+            output = maker.setup_model_call(model, X)
+            maker.setup_loss_call(loss_func, output, y)
+            maker.forward_and_backward()
+
+        yield label, run
+
+
 def asdl_kfac(
     model,
     X,

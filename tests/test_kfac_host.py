@@ -69,6 +69,13 @@ def test_empirical_with_ignored_targets_of_a_summed_cross_entropy():
         curvature.kfac(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
 
 
+def _with_frozen(module, frozen):
+    """``module`` with its parameter ``frozen`` (if any) frozen; ``None`` if nothing trains."""
+    if frozen is not None and getattr(module, frozen) is not None:
+        getattr(module, frozen).requires_grad_(False)
+    return module if any(p.requires_grad for p in module.parameters()) else None
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -81,10 +88,8 @@ def test_empirical_with_ignored_targets_of_a_summed_cross_entropy():
 )
 @pytest.mark.parametrize("frozen", [None, "weight", "bias"])
 def test_the_kept_linear_index_equals_the_rules_index(make, frozen):
-    module = make()
-    if frozen is not None and getattr(module, frozen) is not None:
-        getattr(module, frozen).requires_grad_(False)
-    if not any(p.requires_grad for p in module.parameters()):
+    module = _with_frozen(make(), frozen)
+    if module is None:
         return
     rule = registered_rule(module)
     offsets = {"weight": 7, "bias": 300}
@@ -214,10 +219,8 @@ def test_kfac_and_diag_ggn_of_builtin_layers_read_the_device_once(fisher):
 )
 @pytest.mark.parametrize("frozen", [None, "weight", "bias"])
 def test_adding_a_linear_block_without_its_index_equals_index_add(make, frozen):
-    module = make()
-    if frozen is not None and getattr(module, frozen) is not None:
-        getattr(module, frozen).requires_grad_(False)
-    if not any(p.requires_grad for p in module.parameters()):
+    module = _with_frozen(make(), frozen)
+    if module is None:
         return
     rule = registered_rule(module)
     offsets = {"weight": 5, "bias": 5 + module.weight.numel() + 2}

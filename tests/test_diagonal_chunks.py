@@ -80,18 +80,31 @@ def brute_force(model, X, y):
     return {k: g.pow(2).sum(0) for k, g in per_sample.items()}
 
 
-def chunks_seen(monkeypatch):
-    """Record the samples of every expanded diagonal (one entry per chunk and layer)."""
+def samples_seen(monkeypatch, owners, name, arg=0):
+    """Record the leading size of argument ``arg`` of every call of ``owner.name`` (for each
+    module of ``owners``, which share one spy); the calls go through."""
     seen = []
-    inner = layer_diagonal.expanded_diagonal
+    inner = getattr(owners[0], name)
 
-    def spy(a, g):
-        seen.append(a.shape[0])
-        return inner(a, g)
+    def spy(*args):
+        seen.append(args[arg].shape[0])
+        return inner(*args)
 
-    monkeypatch.setattr(layer_diagonal, "expanded_diagonal", spy)  # chunks
-    monkeypatch.setattr(layer_stats, "expanded_diagonal", spy)  # the whole batch at once
+    for owner in owners:
+        monkeypatch.setattr(owner, name, spy)
     return seen
+
+
+def chunks_seen(monkeypatch):
+    """Record the samples of every expanded diagonal (one entry per chunk and layer): the
+    chunks' (``layer_diagonal``) and the whole batch's (``layer_stats``)."""
+    return samples_seen(monkeypatch, (layer_diagonal, layer_stats), "expanded_diagonal")
+
+
+def chunk_bound(monkeypatch, bound):
+    """Chunks bounded by ``bound`` elements alone (no share of the free memory)."""
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
 
 
 # bounds in elements (DIAGONAL_CHUNK_SHARE = 0): one sample per chunk, a few per chunk
@@ -104,8 +117,7 @@ def empirical_in_chunks(model: nn.Module, bound: int, monkeypatch):
     (summed cross-entropy) with chunks bounded by ``bound`` elements alone."""
     X, y = data()
     expected = brute_force(model, X, y)
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+    chunk_bound(monkeypatch, bound)
     seen = chunks_seen(monkeypatch)
     loss = nn.CrossEntropyLoss(reduction="sum")
     return X, expected, curvature.diag_ggn(model, loss, (X, y), fisher="empirical"), seen
@@ -131,8 +143,7 @@ def test_the_bounds_cut_the_batch_as_documented(monkeypatch):
     """``small`` and ``medium`` give several chunk counts, ragged last chunks included."""
     counts = {}
     for name in ("small", "medium"):
-        monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
-        monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", BOUNDS[name])
+        chunk_bound(monkeypatch, BOUNDS[name])
         seen = chunks_seen(monkeypatch)
         model, (X, y) = Net(), data()
         curvature.diag_ggn(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
@@ -146,8 +157,7 @@ def test_chunked_equals_whole_batch_for_the_other_fishers(fisher, monkeypatch):
     model, (X, y) = Net(), data()
     loss = nn.CrossEntropyLoss()
     whole = curvature.diag_ggn(copy.deepcopy(model), loss, (X, y), fisher=fisher)
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3000)
+    chunk_bound(monkeypatch, 3000)
     seen = chunks_seen(monkeypatch)
     chunked = curvature.diag_ggn(copy.deepcopy(model), loss, (X, y), fisher=fisher)
     assert len(seen) > 3
@@ -161,8 +171,7 @@ def test_optimizer_step_divides_by_the_chunked_diagonal(monkeypatch):
     model, (X, y) = Net(), data()
     loss = nn.CrossEntropyLoss(reduction="sum")
     d = brute_force(model, X, y)
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3000)
+    chunk_bound(monkeypatch, 3000)
     monkeypatch.setattr(layer_diagonal, "DIRECT_DIAGONAL", False)  # the unfolded path
     seen = chunks_seen(monkeypatch)
     lr, damping = 0.1, 1e-2
@@ -218,8 +227,7 @@ def test_a_convolution_called_twice_in_chunks_equals_the_twin(bound, monkeypatch
 def test_kfac_statistics_in_chunks_equal_the_whole_batch(make, fisher, approx, monkeypatch):
     def factors(bound):
         if bound is not None:
-            monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
-            monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+            chunk_bound(monkeypatch, bound)
         model = make()
         opt = curvature.KFAC(
             model, lr=0.1, loss_func=nn.CrossEntropyLoss(), fisher=fisher, kfac_approx=approx
@@ -246,14 +254,7 @@ def test_kfac_statistics_in_chunks_equal_the_whole_batch(make, fisher, approx, m
 def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
     import curvature.layers.conv as conv
 
-    seen = []
-    inner = conv.unfold_patches
-
-    def spy(module, x):
-        seen.append(x.shape[0])
-        return inner(module, x)
-
-    monkeypatch.setattr(conv, "unfold_patches", spy)
+    seen = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
 
     def step():
         model = Twice()
@@ -265,9 +266,8 @@ def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
     step()
     assert set(seen) == {N}  # small inputs: the whole batch at once
     seen.clear()
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
     # S C D = 72 * 1 * 19 elements per sample (the patches): 3 samples per chunk
-    monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 3 * 72 * 19)
+    chunk_bound(monkeypatch, 3 * 72 * 19)
     step()
     assert sorted(set(seen)) == [1, 3]  # chunks of 3, 3 and 1 samples
 
@@ -304,8 +304,7 @@ def test_ekfac_corrections_in_chunks_equal_the_whole_batch(fisher, monkeypatch):
 
     def params(bound):
         if bound is not None:
-            monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
-            monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+            chunk_bound(monkeypatch, bound)
         model = Pooled()
         opt = curvature.EKFAC(
             model, lr=0.1, loss_func=nn.CrossEntropyLoss(), fisher=fisher, inverse_every=1

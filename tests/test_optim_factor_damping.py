@@ -13,9 +13,15 @@ import math
 
 import pytest
 import torch
-from cases import torch_state
-from test_optim_quadratic_pinn import dense_ggn, flat, pinn_closure, problem
-from torch import nn
+from test_optim_quadratic_pinn import (  # noqa: F401 (its autouse fixture applies here too)
+    HALF,
+    MSE,
+    _seed_one_thread,
+    dense_ggn,
+    flat,
+    pinn_closure,
+    problem,
+)
 
 import curvature
 from curvature.optim.factor_damping import (
@@ -25,15 +31,6 @@ from curvature.optim.factor_damping import (
     nielsen_factor,
 )
 from curvature.optim.quadratic import solve_coefficients
-
-MSE = nn.MSELoss()
-HALF = 0.5**0.5
-
-
-@pytest.fixture(autouse=True)
-def _seed_one_thread():
-    with torch_state():
-        yield
 
 
 def make(net, cls=curvature.KFAC, fisher="type-2", **kw):

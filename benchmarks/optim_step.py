@@ -4,7 +4,9 @@ forward+backward, for KFAC / EKFAC / DiagonalNaturalGradient and SGD / Adam.
     python benchmarks/optim_step.py [--quick] [--json PATH] [--no-doc] [--device cuda]
 
 Workloads: MLP 784-512-256-10 at batch 128; a CNN on 3x32x32 at batch 64 (with a
-12544->128 Linear, as in shared/PERFORMANCE.md); a token MLP 128-256-128 on [32, 64, 128].
+12544->128 Linear, as in shared/PERFORMANCE.md); a token MLP 128-256-128 on [32, 64, 128];
+with ``--workloads resnet18`` (not run by default) benchmarks/training.py's ResNet-18 with
+BatchNorm (width 16, 1x28x28 inputs) at batch 128.
 The ratio includes the amortized decompositions (``inverse_every=10``): each timed call
 is 10 consecutive training steps (one refresh period), against 10 plain steps.
 ``--device cuda`` runs the same workloads on the GPU (each timed call ends with
@@ -58,6 +60,15 @@ def workloads():
         tok,
         torch.randn(32, 64, 128),
         torch.randn(32, 64, 128),
+    )
+    from resnets import ResNet18
+
+    torch.manual_seed(0)
+    yield (
+        "ResNet-18 width 16, 1x28x28, N=128",
+        ResNet18(num_classes=10, in_channels=1, width=16),
+        torch.randn(128, 1, 28, 28),
+        torch.randint(0, 10, (128,)),
     )
 
 
@@ -324,7 +335,8 @@ def main(argv=None):
         "--workloads",
         nargs="+",
         default=["mlp", "cnn", "tokens"],
-        help="subset of mlp, cnn, tokens (cnn decomposes a 12545x12545 factor: minutes)",
+        help="subset of mlp, cnn, tokens, resnet18 (cnn decomposes a 12545x12545 factor: "
+        "minutes; resnet18, training.py's ResNet-18 with BatchNorm, only when named)",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args(argv)
@@ -337,7 +349,7 @@ def main(argv=None):
     rows, data = [], {}
     load_start = _load_average()
     start = time.perf_counter()
-    keys = ["mlp", "cnn", "tokens"]
+    keys = ["mlp", "cnn", "tokens", "resnet18"]
     for key, (title, model, X, y) in zip(keys, workloads()):
         if key not in args.workloads:
             continue

@@ -1007,6 +1007,12 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resnet-width", type=int, default=RESNET_WIDTH, help="ResNet-18 channels (64: full)"
     )
+    p.add_argument(
+        "--kfac-row",
+        default=None,
+        help="image workloads: a JSON dict of KFAC options, run as the only KFAC row (named "
+        "after its options, marked 'tried by hand') instead of the workload's rows",
+    )
 
 
 def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) -> Dict:
@@ -1032,12 +1038,29 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
     assert wl.grids is not None
     grids = {k: v[1:3] for k, v in wl.grids.items()} if args.quick else wl.grids
     grids = split_grids(grids, only, lrs)
+    if args.kfac_row is not None:
+        wl.kfac_rows = dict([kfac_row(args.kfac_row)])
     if only is not None and "kfac" not in only:
         wl.kfac_rows = {}
     print(f"{wl.title}: {wl.target_text}", flush=True)
     res = run_workload(wl, seeds, grids)
     res["target_loss"], res["compare"], res["budget"] = None, wl.compare, budget
     return res
+
+
+def kfac_row(text: str) -> Tuple[str, Dict[str, Any]]:
+    """``--kfac-row``: the row's name and options from a JSON dict of ``curvature.KFAC``
+    keyword arguments (numbers, strings, booleans, ``null``)."""
+    import json
+
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--kfac-row: not JSON ({e}): {text!r}") from None
+    if not isinstance(options, dict) or not options:
+        raise SystemExit(f"--kfac-row: expected a non-empty JSON object, got {text!r}")
+    named = ", ".join(f"{k}={v}" for k, v in options.items())
+    return f"KFAC {named} (tried by hand)", options
 
 
 def split_grids(
@@ -1310,8 +1333,8 @@ def write_report(results: Dict[str, Any], runs: List[Dict[str, Any]], args) -> N
         + f", tuned on seed {seeds[0]} (shortest time to target, else lowest final loss), the "
         "best point rerun on the other seeds. KFAC rows use the settings their names give "
         "(the library's defaults unless named), never searched, except the Fashion-MNIST "
-        "MLP's row marked tuned (see its section). A cell reads `time / steps` to the "
-        "target.\n\n"
+        "MLP's row marked tuned and rows marked tried by hand (see their sections). A cell "
+        "reads `time / steps` to the target.\n\n"
     ) + new_workloads_head(results)
     if args.figure and plot(results, args.figure):
         head += f"Figure: `{common.portable_path(args.figure)}`.\n\n"

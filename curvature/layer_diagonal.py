@@ -27,6 +27,12 @@ from .layers import Call, LayerRule
 #: layer's own tensors, and small inputs are one chunk (no extra calls).
 DIAGONAL_CHUNK_ELEMENTS = 2**16
 DIAGONAL_CHUNK_SHARE = 1.0
+#: The floor of the Kronecker statistics' bound (:func:`kfac_chunk`), in elements: their
+#: temporaries are the patches alone (no per-sample gradients), and a layer whose patches
+#: of the whole batch fit in ``2**20`` elements (4 MiB in float32) takes them at once.
+#: Cutting such a batch saves little memory and costs one full ``D x D`` GEMM output per
+#: chunk (a ResNet-18 layer with 1x1 maps: three ``1152 x 1152`` products instead of one).
+KFAC_CHUNK_ELEMENTS = 2**20
 #: Whether :func:`direct_diagonal` takes a rule's direct path (convolutions: per-sample
 #: weight gradients in one kernel call, no unfolding); ``False``: the unfolded path.
 DIRECT_DIAGONAL = True
@@ -71,12 +77,18 @@ def diagonal_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) ->
     )
 
 
-def samples_per_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call], per_sample):
-    """Samples per chunk under the bound ``max(DIAGONAL_CHUNK_ELEMENTS,
-    DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``, ``per_sample(S, C, D, D_out, K)`` the
-    temporaries of one sample (elements) from the rule's
-    :meth:`~curvature.layers.LayerRule.expanded_shape` and the pulled vectors ``K``; at
-    least one; ``None`` when the whole batch fits or the rule cannot say.
+def samples_per_chunk(
+    rule: LayerRule,
+    module: nn.Module,
+    calls: Sequence[Call],
+    per_sample,
+    floor: Optional[int] = None,
+):
+    """Samples per chunk under the bound ``max(floor, DIAGONAL_CHUNK_SHARE * (numel(x) +
+    numel(g)))`` (``floor`` default :data:`DIAGONAL_CHUNK_ELEMENTS`),
+    ``per_sample(S, C, D, D_out, K)`` the temporaries of one sample (elements) from the
+    rule's :meth:`~curvature.layers.LayerRule.expanded_shape` and the pulled vectors
+    ``K``; at least one; ``None`` when the whole batch fits or the rule cannot say.
     """
     get = getattr(rule, "expanded_shape", None)
     shape = None if get is None or not calls or calls[0].grads is None else get(module, calls)
@@ -85,7 +97,7 @@ def samples_per_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call],
     N, S, C, D, D_out = shape
     x, g = calls[0].args[0], calls[0].grads[0]
     K = g.shape[: g.dim() - x.dim()].numel()
-    chunk = max(1, _bound(calls) // max(1, per_sample(S, C, D, D_out, K)))
+    chunk = max(1, _bound(calls, floor) // max(1, per_sample(S, C, D, D_out, K)))
     return chunk if chunk < N else None
 
 
@@ -107,10 +119,13 @@ def direct_diagonal(rule: LayerRule, module: nn.Module, calls: Sequence[Call]):
     return None if d is None else {"": d}
 
 
-def _bound(calls: Sequence[Call]) -> int:
-    """``max(DIAGONAL_CHUNK_ELEMENTS, DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``."""
+def _bound(calls: Sequence[Call], floor: Optional[int] = None) -> int:
+    """``max(floor, DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``, ``floor`` default
+    :data:`DIAGONAL_CHUNK_ELEMENTS`.
+    """
     held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
-    return max(DIAGONAL_CHUNK_ELEMENTS, int(DIAGONAL_CHUNK_SHARE * held))
+    floor = DIAGONAL_CHUNK_ELEMENTS if floor is None else floor
+    return max(floor, int(DIAGONAL_CHUNK_SHARE * held))
 
 
 def _sample_slice(calls: Sequence[Call], start: int, stop: int) -> List[Call]:
@@ -153,10 +168,14 @@ def kfac_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Opt
     The statistics need no per-sample gradients: a sample's temporaries are its unfolded
     patches, ``S C D`` (a convolution's rule adds the bias column without copying them;
     other rules' copies with the bias column fit within the bound's factor 2); the bound is
-    :func:`diagonal_chunk`'s (the statistics at most double the memory of the layer's own
-    inputs and output gradients).
+    ``max(KFAC_CHUNK_ELEMENTS, DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``: the
+    statistics at most double the memory of the layer's own inputs and output gradients,
+    or take at most :data:`KFAC_CHUNK_ELEMENTS` elements (the patches of a small layer's
+    whole batch, one GEMM).
     """
-    return samples_per_chunk(rule, module, calls, lambda S, C, D, D_out, K: S * C * D)
+    return samples_per_chunk(
+        rule, module, calls, lambda S, C, D, D_out, K: S * C * D, floor=KFAC_CHUNK_ELEMENTS
+    )
 
 
 def chunked_kfac_factors(rule: LayerRule, module: nn.Module, calls, approx: str, with_g: bool):

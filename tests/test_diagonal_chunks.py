@@ -102,9 +102,11 @@ def chunks_seen(monkeypatch):
 
 
 def chunk_bound(monkeypatch, bound):
-    """Chunks bounded by ``bound`` elements alone (no share of the free memory)."""
+    """Chunks bounded by ``bound`` elements alone (no share of the free memory; the
+    Kronecker statistics' floor too)."""
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
+    monkeypatch.setattr(layer_diagonal, "KFAC_CHUNK_ELEMENTS", bound)
 
 
 # bounds in elements (DIAGONAL_CHUNK_SHARE = 0): one sample per chunk, a few per chunk
@@ -270,6 +272,40 @@ def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
     chunk_bound(monkeypatch, 3 * 72 * 19)
     step()
     assert sorted(set(seen)) == [1, 3]  # chunks of 3, 3 and 1 samples
+
+
+def test_kfac_statistics_of_a_small_layer_are_one_chunk_above_the_share_bound(monkeypatch):
+    """A padded 3x3 convolution on 1x1 maps (ResNet-18's last stage on 28x28 inputs), batch
+    128: its patches are 9x its input, above the share bound ``numel(x) + numel(g)`` and
+    the diagonal's floor, but within ``KFAC_CHUNK_ELEMENTS``: the statistics take the
+    whole batch in one unfold (one ``D x D`` GEMM); with the floor lowered to the
+    diagonal's, the same batch is cut, and the factors agree."""
+    import curvature.layers.conv as conv
+
+    seen = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
+    n, c = 128, 64  # patches 128 x 576 = 73,728 elements; x + g = 16,384
+
+    def factors():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.Flatten(), nn.Linear(c, 3))
+        opt = curvature.KFAC(model, lr=0.1)
+        g = torch.Generator().manual_seed(2)
+        X, y = torch.randn(n, c, 1, 1, generator=g), torch.randint(0, 3, (n,), generator=g)
+        nn.CrossEntropyLoss()(model(X), y).backward()
+        opt.step()
+        return opt.factors()["0"]
+
+    assert n * 9 * c > max(layer_diagonal.DIAGONAL_CHUNK_ELEMENTS, 2 * n * c)
+    whole = factors()
+    assert seen == [n]
+    seen.clear()
+    monkeypatch.setattr(
+        layer_diagonal, "KFAC_CHUNK_ELEMENTS", layer_diagonal.DIAGONAL_CHUNK_ELEMENTS
+    )
+    cut = factors()
+    assert len(seen) > 1 and sum(seen) == n
+    for a, b in zip(whole, cut):
+        torch.testing.assert_close(a, b)
 
 
 class Pooled(nn.Module):

@@ -498,3 +498,12 @@ def test_autoencoder_split_options():
     ns = argparse.Namespace(only=None, lrs=None, ae_kfac_budget=300.0)
     assert training.autoencoder_split(wl, grids, ns) == grids
     assert not wl.target_later and wl.kfac_budget == 300.0 and wl.kfac_rows
+
+
+def test_kfac_row_names_its_options_and_refuses_what_is_not_a_json_object():
+    name, options = training.kfac_row('{"factor_every": 10, "momentum": 0.5}')
+    assert options == {"factor_every": 10, "momentum": 0.5}
+    assert name == "KFAC factor_every=10, momentum=0.5 (tried by hand)"
+    for bad in ("factor_every=10", "[1, 2]", "{}"):
+        with pytest.raises(SystemExit, match="--kfac-row"):
+            training.kfac_row(bad)

@@ -5,6 +5,7 @@ parameters. Its parts, one job each:
 
 - :mod:`.config`: the structure arguments, validated once (:class:`CurvatureConfig`);
 - :mod:`.collector`: what is captured from the user's forwards and backwards, and when;
+- :mod:`.groups`: the param groups' checks and the report of uncovered parameters;
 - :mod:`.statistics`: one step's sums and their normalization;
 - :mod:`.distributed`: everything that crosses ranks;
 - :mod:`.updates`: momentum, weight decay, KL clipping, line search, damping adaptation;
@@ -37,17 +38,16 @@ from ..blocks.gather import BlockGather
 from ..blocks.kronecker import batched_ema
 from ..capture import compiled_wrapper, unwrap_model
 from ..foreach import FlatBuffer
-from ..layer_stats import no_block_reasons
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
-from ..options import FisherType, Unsupported
+from ..options import Unsupported
 from ..rng import SamplingGenerators
 from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
-from .config import CurvatureConfig, check_group, check_hyperparameters
-from .coverage import owner, report_batch_statistics, report_uncovered
+from .config import CurvatureConfig, check_hyperparameters
 from .deferred import DeferredReads
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
+from .groups import ParamGroups
 from .quadratic import QuadraticRule
 from .ties import TiedLayers
 from .updates import (
@@ -60,7 +60,7 @@ from .updates import (
 )
 
 
-class CurvatureOptimizer(QuadraticRule, Optimizer):
+class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
     """Base class: the ``torch.optim`` contract, statistics collection, ``step`` skeleton.
 
     Subclasses implement :meth:`_accumulate` (a layer's statistics), :meth:`_update_curvature`
@@ -228,73 +228,6 @@ class CurvatureOptimizer(QuadraticRule, Optimizer):
         self._collector.close()
         self._build()
         self._reset_curvature()
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """Add a group of the model's parameters (``torch.optim``'s ``add_param_group``).
-
-        Also checks the groups given to the constructor. Every parameter must be a
-        parameter of the model the optimizer was built on (one outside it would get a
-        gradient but never be updated): a ``ValueError`` names it otherwise. A frozen
-        parameter (``requires_grad=False``) is accepted with a warning: it is not updated
-        while frozen, and once unfrozen it is (the curvature estimates are then reset).
-        Parameters added later are preconditioned like the others.
-
-        Raises:
-            ValueError: For a parameter outside the model, a negative ``lr``,
-                ``momentum`` or ``weight_decay``, a ``damping <= 0``, or (with
-                ``unsupported="error"``) a parameter no curvature rule covers.
-
-        """
-        group = dict(param_group)
-        params = group.get("params")
-        if isinstance(params, Tensor):
-            group["params"] = [params]
-        elif params is not None and not isinstance(params, set):  # torch refuses a set
-            group["params"] = list(params)
-        if isinstance(group.get("params"), list):
-            self._check_group(group, group["params"])
-        super().add_param_group(group)
-
-    def _check_group(self, group: Dict[str, Any], params: List[Any]) -> None:
-        who = type(self).__name__
-        names = {p: n for n, p in self.model.named_parameters()}
-        where = f"param group {len(self.param_groups)}"
-        check_group(
-            who, {**self.defaults, **group}, params, names, where, type(self.model).__name__
-        )
-        frozen = [names[p] for p in params if isinstance(p, Tensor) and not p.requires_grad]
-        if frozen:
-            warn(
-                f"{who}: {frozen} in {where} are frozen (requires_grad=False): not updated "
-                "while frozen; after requires_grad_(True) they are, and the curvature "
-                "estimates are reset."
-            )
-        if hasattr(self, "_covered"):  # a group added after construction
-            self._report_uncovered([names[p] for p in params if isinstance(p, Tensor)])
-
-    def _check_coverage(self) -> None:
-        self._covered = set(self._covered_names())
-        self.uncovered: List[str] = []
-        names = {p: n for n, p in self.model.named_parameters()}
-        self._report_uncovered([names[p] for g in self.param_groups for p in g["params"]])
-
-    def _report_uncovered(self, own: List[str]) -> None:
-        """Warn about (or refuse) the parameters of ``own`` that no curvature rule covers."""
-        bare = sorted(set(own) & set(self.layout.names) - self._covered)
-        if not bare:
-            return
-        self.uncovered = sorted(set(self.uncovered) | set(bare))
-        batch_norms = set(self._collector.capture.batch_statistics)
-        who, unsupported = type(self).__name__, self.config.unsupported
-        if report_batch_statistics(who, [n for n in bare if owner(n) in batch_norms], unsupported):
-            bare = [n for n in bare if owner(n) not in batch_norms]
-            if not bare:
-                return
-        sharing, forward_only = self._tied.sharing, self.config.fisher == FisherType.FORWARD_ONLY
-        blocked = {n for n, local in sharing.names.items() if set(local.values()) <= self._covered}
-        reasons = no_block_reasons(self._layers, sharing, blocked, forward_only)
-        tied = any(n in sharing.tie_reasons() for n in bare)
-        report_uncovered(who, [reasons.get(n, repr(n)) for n in bare], unsupported, tied)
 
     #: The suffix of the statistics key of a group of tied layers' diagonal.
     diagonal_suffix = ""

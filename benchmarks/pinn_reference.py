@@ -9,7 +9,9 @@ boundary terms solved as a dense ``[D_out D, D_out D]`` system, and the learning
 momentum from the 2x2 quadratic model with the exact Gauss-Newton matrix (Martens & Grosse
 2015, section 7). The exact Gauss-Newton matrix (257 parameters) is formed from the
 per-sample Jacobians, so ``--direction exact`` replaces the Kronecker-factored direction by
-the exact damped Gauss-Newton one (the ceiling of the update rule).
+the exact damped Gauss-Newton one (the ceiling of the update rule); ``blocks``: its
+two per-layer blocks; ``first``: the first layer's exact block (``[192, 192]``), the
+output layer's direction Kronecker-factored.
 
 Two rules:
 
@@ -174,7 +176,13 @@ def main(argv=None) -> float:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--rule", choices=["library", "paper"], default="library")
-    parser.add_argument("--direction", choices=["kfac", "exact"], default="kfac")
+    parser.add_argument(
+        "--direction",
+        choices=["kfac", "exact", "blocks", "first"],
+        default="kfac",
+        help="exact: the damped Gauss-Newton matrix; blocks: its per-layer blocks; first: "
+        "the first layer's exact block, the output layer Kronecker-factored",
+    )
     parser.add_argument("--damping", type=float, default=None)
     parser.add_argument("--factor-decay", type=float, default=None)
     parser.add_argument("--adaptation-decay", type=float, default=0.95, help="library rule")
@@ -216,11 +224,16 @@ def main(argv=None) -> float:
                 for t in new
             }
         J = prob.jacobian(stats)
-        if args.direction == "exact":
-            C = J.T @ J
-            direction = -torch.linalg.solve(C + lam * torch.eye(len(C), dtype=C.dtype), grad)
-        else:
+        if args.direction == "kfac":
             direction = -prob.precondition(F, grad, lam)
+        else:  # exact blocks (+ lambda I): the whole matrix, per layer, or the first layer
+            spans = {"exact": [slice(0, 257)], "blocks": [slice(0, 192), slice(192, 257)]}
+            spans["first"] = spans["blocks"][:1]
+            direction = -prob.precondition(F, grad, lam)
+            for span in spans[args.direction]:
+                C = J[:, span].T @ J[:, span]
+                eye = torch.eye(len(C), dtype=C.dtype)
+                direction[span] = -torch.linalg.solve(C + lam * eye, grad[span])
         if paper and step == 0:
             update, model = 1e-6 * direction, None
         else:

@@ -71,9 +71,10 @@ def test_reference_residual_jacobian_and_factors_match_the_library(ref):
     opt.close()
 
 
-def test_reference_library_rule_reproduces_its_first_steps(ref, capsys):
-    # 5 steps of the library rule: the L2 error falls (a smoke test of the loop)
-    ref.main(["--steps", "5", "--log-every", "5"])
+@pytest.mark.parametrize("direction", ["kfac", "exact", "blocks", "first"])
+def test_reference_library_rule_lowers_the_error(ref, capsys, direction):
+    # 20 steps of the library rule: the loss falls 100x (measured: 400x - 20000x)
+    ref.main(["--steps", "20", "--log-every", "20", "--direction", direction])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
-    l2 = [float(ln.split("L2")[1].split()[0]) for ln in lines]
-    assert len(l2) == 2 and l2[1] < l2[0]
+    loss = [float(ln.split("loss")[1].split()[0]) for ln in lines]
+    assert len(loss) == 2 and loss[1] < loss[0] / 100

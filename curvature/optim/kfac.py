@@ -39,11 +39,9 @@ from ..blocks import (
     OneSidedBlock,
     Outcome,
     RefreshStatus,
-    block_state,
     eigendecompositions,
     inverse_into,
     invert,
-    restore_block,
     snapshots,
 )
 from ..layer_diagonal import chunked_corrections, chunked_kfac_factors
@@ -60,18 +58,17 @@ from ..layout import put, take
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
 from .base import CurvatureOptimizer
-from .checkpoint import check_kronecker_state, warn_dropped_corrections
 from .config import CurvatureConfig, check_kfac_arguments
 from .coverage import no_statistics_message
 from .deferred import has_statistics, read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
+from .exact_layers import check_exact_layer_size, exact_layer_names
+from .kfac_state import KroneckerState
 from .large import (
     accumulate_large,
     check_mode,
     large_message,
     new_block,
-    restore_onesided,
-    split_state,
 )
 from .statistics import stat_dtype
 
@@ -79,7 +76,7 @@ Key = Tuple[str, str]
 KINDS = ("A", "G", "g")  # statistics values of a block: A, G, EKFAC's corrections
 
 
-class KFAC(CurvatureOptimizer):
+class KFAC(KroneckerState, CurvatureOptimizer):
     """Kronecker-factored natural gradient (Martens & Grosse, 2015).
 
     Example:
@@ -127,6 +124,11 @@ class KFAC(CurvatureOptimizer):
         statistics_dtype (torch.dtype | None): The Kronecker statistics' GEMMs in this
             narrower dtype (e.g. ``torch.bfloat16``; default None: the model's); numerics:
             :mod:`curvature.layers.precision`, docs/optimizers.md.
+        exact_layer_size (int): Layers with at most this many trainable parameters keep
+            their exact Fisher block, one dense ``[P_l, P_l]`` matrix ``sum u u^T`` of the
+            per-vector gradients, instead of ``A (x) G`` (default 0: none; at most 4096;
+            KFAC only; :mod:`curvature.optim.exact_layers`). ``factors()`` gives such a
+            layer ``A = [[1]]`` and ``G`` the block.
         unsupported (str): For parameters no rule covers: ``"warn"`` (default; plain
             gradient, one warning), ``"error"``, or ``"diagonal"`` (diagonal empirical
             Fisher).
@@ -229,6 +231,7 @@ class KFAC(CurvatureOptimizer):
         inverse_method: str = "cholesky",
         large_factors: str = "diagonal_factor",
         statistics_dtype: Optional[torch.dtype] = None,
+        exact_layer_size: int = 0,
     ):
         check_kfac_arguments(
             type(self).__name__,
@@ -240,6 +243,8 @@ class KFAC(CurvatureOptimizer):
             statistics_dtype,
         )
         self.max_factor_size, self.statistics_dtype = max_factor_size, statistics_dtype
+        ekfac = issubclass(self.block_type, EigenCorrectedBlock)
+        self.exact_layer_size = check_exact_layer_size(type(self).__name__, exact_layer_size, ekfac)
         self.large_factors = check_mode(type(self).__name__, large_factors)
         self.decompose, self.precondition = decompose, precondition
         self.inverse_method = inverse_method
@@ -297,8 +302,13 @@ class KFAC(CurvatureOptimizer):
     def _block_indices(self) -> Dict[Key, Tensor]:
         index: Dict[Key, Tensor] = {}
         forward_only = self.config.fisher == FisherType.FORWARD_ONLY
+        exact = exact_layer_names(self._layers, self._tied, self.exact_layer_size, forward_only)
+        self._exact_layers = exact
         for name, (module, rule) in self._layers.items():
             if self._tied.tied(name):  # a Kronecker block cannot hold a shared parameter
+                continue
+            if name in exact:  # exact_layer_size: one dense block over the layer's parameters
+                index[(name, "")] = layer_positions(self.layout, name, module, rule).view(1, -1, 1)
                 continue
             local = rule.kfac_index(module, self.layout.local_offsets(name))
             if local is not None:
@@ -345,8 +355,11 @@ class KFAC(CurvatureOptimizer):
         approx = self.config.kfac_approx.value
         if with_g and any(k[0] == name for k in self._large):
             return accumulate_large(name, module, rule, calls, approx, self._large, self, emit)
-        with statistics_precision(self.statistics_dtype):  # (patches in chunks)
-            res = chunked_kfac_factors(rule, module, calls, approx, with_g)
+        if with_g and name in self._exact_layers:  # exact_layer_size: one dense block
+            res = exact_factors(rule, module, calls)
+        else:
+            with statistics_precision(self.statistics_dtype):  # (patches in chunks)
+                res = chunked_kfac_factors(rule, module, calls, approx, with_g)
         if res is None:
             if (name, "") not in self._index:
                 if self.config.unsupported == Unsupported.DIAGONAL and with_g:
@@ -538,49 +551,6 @@ class KFAC(CurvatureOptimizer):
     def _layer_param(self, name: str):
         module, _ = self._layers.get(name) or self._layers[self._tied.first_layer(name)]
         return next(p for p in module.parameters() if p.requires_grad)
-
-    # -- state ------------------------------------------------------------------------------------
-    def _curvature_state(self) -> Dict[str, Any]:
-        return {
-            "blocks": {k: block_state(b) for k, b in self._blocks.items() if has_statistics(b)},
-            "diag": {k: b.state_dict() for k, b in self._diag.items()},
-            "terms": dict(self._term_of),
-            "large_factors": self.large_factors,
-        }
-
-    def _checked_curvature_state(self, state: Any) -> Dict[str, Any]:
-        diagonal = {k: ix.reshape(-1) for k, ix in self._large.items()}
-        groups = self._tied.group_names()  # tied layers: one diagonal per group
-        if self.config.unsupported == Unsupported.DIAGONAL:  # layers without a block
-            blocked = {k[0] for k in (*self._index, *self._large)}
-            free = [n for n in self._layers if n not in blocked and not self._tied.tied(n)]
-            diagonal.update({(n, ""): self._diag_index((n, "")) for n in free + groups})
-        who, layers = type(self).__name__, [*self._layers, *groups]
-        state, onesided = split_state(who, state, self.large_factors, self._large, self._index)
-        return {**check_kronecker_state(who, state, self._index, diagonal, layers), "one": onesided}
-
-    def _load_curvature_state(self, state: Dict[str, Any]) -> None:
-        if not issubclass(self.block_type, EigenCorrectedBlock):
-            warn_dropped_corrections(type(self).__name__, state["blocks"])
-        self._blocks = {
-            tuple(k): restore_block(block_name(*k), self._index[tuple(k)], st, self.block_type)
-            for k, st in state["blocks"].items()
-        }
-        self._term_of = {tuple(k): t for k, t in state["terms"].items()}
-        self._diag = {}
-        for k, st in state["diag"].items():
-            block = DiagonalBlock(block_name(*k), st["index"])
-            block.load_state_dict(st)
-            self._diag[tuple(k)] = block
-        self._diag.update(
-            restore_onesided(type(self).__name__, state["one"], self._large, self.max_factor_size)
-        )
-        if self.precondition == "owner" and self._comm is not None:
-            # the saving rank held only its own blocks' decompositions: every rank
-            # decomposes again at the next step (the same step everywhere)
-            for block in self._blocks.values():
-                block.install(None)
-        self._decomposed = {k for k, b in self._blocks.items() if b.record is not None}
 
 
 class EKFAC(KFAC):

@@ -33,6 +33,12 @@ DIAGONAL_CHUNK_SHARE = 1.0
 #: Cutting such a batch saves little memory and costs one full ``D x D`` GEMM output per
 #: chunk (a ResNet-18 layer with 1x1 maps: three ``1152 x 1152`` products instead of one).
 KFAC_CHUNK_ELEMENTS = 2**20
+#: The floor of EKFAC's eigenvalue corrections' bound (:func:`correction_chunk`), in
+#: elements: a sample's temporaries include its rotated per-sample gradient
+#: ``K C D_out D``, so under the diagonal's floor (``2**16``) a layer with ``D_out D``
+#: above it went one sample at a time (ResNet-18's last stages: 128 chunks per layer and
+#: step). ``2**22`` elements (16 MiB in float32) takes a few dozen such samples at once.
+CORRECTION_CHUNK_ELEMENTS = 2**20
 #: Whether :func:`direct_diagonal` takes a rule's direct path (convolutions: per-sample
 #: weight gradients in one kernel call, no unfolding); ``False``: the unfolded path.
 DIRECT_DIAGONAL = True
@@ -214,13 +220,15 @@ def correction_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) 
 
     A sample's temporaries: the patches, their copy with the bias column and their
     rotation (``3 S C D``), the rotated gradients (``K S C D_out``) and the rotated
-    per-sample gradient (``K C D_out D``); the bound is :func:`diagonal_chunk`'s.
+    per-sample gradient (``K C D_out D``); the bound is ``max(CORRECTION_CHUNK_ELEMENTS,
+    DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``.
     """
     return samples_per_chunk(
         rule,
         module,
         calls,
         lambda S, C, D, D_out, K: 3 * S * C * D + K * S * C * D_out + K * C * D_out * D,
+        floor=CORRECTION_CHUNK_ELEMENTS,
     )
 
 

@@ -103,10 +103,11 @@ def chunks_seen(monkeypatch):
 
 def chunk_bound(monkeypatch, bound):
     """Chunks bounded by ``bound`` elements alone (no share of the free memory; the
-    Kronecker statistics' floor too)."""
+    Kronecker statistics' and EKFAC's corrections' floors too)."""
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
     monkeypatch.setattr(layer_diagonal, "KFAC_CHUNK_ELEMENTS", bound)
+    monkeypatch.setattr(layer_diagonal, "CORRECTION_CHUNK_ELEMENTS", bound)
 
 
 # bounds in elements (DIAGONAL_CHUNK_SHARE = 0): one sample per chunk, a few per chunk
@@ -307,6 +308,38 @@ def test_kfac_statistics_of_a_small_layer_are_one_chunk_above_the_share_bound(mo
     for a, b in zip(whole, cut):
         torch.testing.assert_close(a, b)
 
+
+
+def test_ekfac_corrections_of_a_small_layer_take_many_samples_per_chunk(monkeypatch):
+    """EKFAC's corrections of a padded 3x3 convolution on 1x1 maps, batch 128: a sample's
+    temporaries (its rotated per-sample gradient ``64 x 577`` among them) are above the
+    diagonal's floor, which cut the batch into 128 one-sample chunks; under
+    ``CORRECTION_CHUNK_ELEMENTS`` a chunk holds dozens of samples (here 27)."""
+    import curvature.layers.conv as conv
+
+    n, c = 128, 64
+
+    def chunks(floor):
+        monkeypatch.setattr(layer_diagonal, "CORRECTION_CHUNK_ELEMENTS", floor)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.Flatten(), nn.Linear(c, 3))
+        opt = curvature.EKFAC(model, lr=0.1, inverse_every=1)
+        g = torch.Generator().manual_seed(2)
+        X, y = torch.randn(n, c, 1, 1, generator=g), torch.randint(0, 3, (n,), generator=g)
+        seen = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
+        for _ in range(2):  # the corrections need a basis: the second step has one
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(X), y).backward()
+            opt.step()
+        opt.close()
+        monkeypatch.undo()
+        return [k for k in seen if k < n]  # the corrections' chunks (the factors: n)
+
+    per_sample = 3 * 577 + 64 + 64 * 577
+    assert chunks(layer_diagonal.DIAGONAL_CHUNK_ELEMENTS) == [1] * n
+    default = chunks(layer_diagonal.CORRECTION_CHUNK_ELEMENTS)
+    want = layer_diagonal.CORRECTION_CHUNK_ELEMENTS // per_sample
+    assert default == [want] * (n // want) + [n % want] and want >= 16
 
 class Pooled(nn.Module):
     """Convolutions (one called twice), a global average pool and a small Linear: every

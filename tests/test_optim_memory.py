@@ -316,6 +316,7 @@ def test_curvature_functions_take_convolution_statistics_in_chunks(fn, monkeypat
     chunked, seen, peak = run()
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", 2**40)
     monkeypatch.setattr(layer_diagonal, "KFAC_CHUNK_ELEMENTS", 2**40)
+    monkeypatch.setattr(layer_diagonal, "CORRECTION_CHUNK_ELEMENTS", 2**40)
     whole, seen_whole, peak_whole = run()
     assert not seen and seen_whole, (seen, seen_whole)
     assert peak < peak_whole, (peak, peak_whole)

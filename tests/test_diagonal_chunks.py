@@ -309,7 +309,6 @@ def test_kfac_statistics_of_a_small_layer_are_one_chunk_above_the_share_bound(mo
         torch.testing.assert_close(a, b)
 
 
-
 def test_ekfac_corrections_of_a_small_layer_take_many_samples_per_chunk(monkeypatch):
     """EKFAC's corrections of a padded 3x3 convolution on 1x1 maps, batch 128: a sample's
     temporaries (its rotated per-sample gradient ``64 x 577`` among them) are above the
@@ -340,6 +339,7 @@ def test_ekfac_corrections_of_a_small_layer_take_many_samples_per_chunk(monkeypa
     default = chunks(layer_diagonal.CORRECTION_CHUNK_ELEMENTS)
     want = layer_diagonal.CORRECTION_CHUNK_ELEMENTS // per_sample
     assert default == [want] * (n // want) + [n % want] and want >= 16
+
 
 class Pooled(nn.Module):
     """Convolutions (one called twice), a global average pool and a small Linear: every

@@ -37,7 +37,8 @@ KFAC_CHUNK_ELEMENTS = 2**20
 #: elements: a sample's temporaries include its rotated per-sample gradient
 #: ``K C D_out D``, so under the diagonal's floor (``2**16``) a layer with ``D_out D``
 #: above it went one sample at a time (ResNet-18's last stages: 128 chunks per layer and
-#: step). ``2**22`` elements (16 MiB in float32) takes a few dozen such samples at once.
+#: step). ``2**20`` elements (4 MiB in float32) take a few dozen such samples at once
+#: (``2**22`` was faster still but raised the peak of ``ekfac()`` on a small CNN).
 CORRECTION_CHUNK_ELEMENTS = 2**20
 #: Whether :func:`direct_diagonal` takes a rule's direct path (convolutions: per-sample
 #: weight gradients in one kernel call, no unfolding); ``False``: the unfolded path.

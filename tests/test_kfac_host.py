@@ -69,6 +69,15 @@ def test_empirical_with_ignored_targets_of_a_summed_cross_entropy():
         curvature.kfac(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
 
 
+#: Linear-family modules of the index tests (id -> factory)
+LINEAR_MODULES = {
+    "linear": lambda: nn.Linear(4, 3),
+    "linear-no-bias": lambda: nn.Linear(4, 3, bias=False),
+    "conv2d-groups": lambda: nn.Conv2d(4, 6, 3, groups=2),
+    "conv1d": lambda: nn.Conv1d(2, 4, 2),
+}
+
+
 def _with_frozen(module, frozen):
     """``module`` with its parameter ``frozen`` (if any) frozen; ``None`` if nothing trains."""
     if frozen is not None and getattr(module, frozen) is not None:
@@ -76,16 +85,7 @@ def _with_frozen(module, frozen):
     return module if any(p.requires_grad for p in module.parameters()) else None
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: nn.Linear(4, 3),
-        lambda: nn.Linear(4, 3, bias=False),
-        lambda: nn.Conv2d(4, 6, 3, groups=2),
-        lambda: nn.Conv1d(2, 4, 2, bias=True),
-    ],
-    ids=["linear", "linear-no-bias", "conv2d-groups", "conv1d"],
-)
+@pytest.mark.parametrize("make", LINEAR_MODULES.values(), ids=LINEAR_MODULES.keys())
 @pytest.mark.parametrize("frozen", [None, "weight", "bias"])
 def test_the_kept_linear_index_equals_the_rules_index(make, frozen):
     module = _with_frozen(make(), frozen)
@@ -208,14 +208,8 @@ def test_kfac_and_diag_ggn_of_builtin_layers_read_the_device_once(fisher):
 
 @pytest.mark.parametrize(
     "make",
-    [
-        lambda: nn.Linear(4, 3),
-        lambda: nn.Linear(4, 3, bias=False),
-        lambda: nn.Conv2d(4, 6, 3, groups=2),
-        lambda: nn.Conv1d(2, 4, 2),
-        lambda: nn.Linear(0, 3),
-    ],
-    ids=["linear", "linear-no-bias", "conv2d-groups", "conv1d", "no-inputs"],
+    [*LINEAR_MODULES.values(), lambda: nn.Linear(0, 3)],
+    ids=[*LINEAR_MODULES, "no-inputs"],
 )
 @pytest.mark.parametrize("frozen", [None, "weight", "bias"])
 def test_adding_a_linear_block_without_its_index_equals_index_add(make, frozen):

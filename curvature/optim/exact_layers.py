@@ -6,8 +6,10 @@ block ``F_l = sum_{k,n} u_kn u_kn^T`` over all its parameters instead of ``A (x)
 positions or slots, e.g. the forward Laplacian's, ``u_n = vec(sum_s g_ns a_ns^T)``: the
 correlation between a slot's input and its gradient that the Kronecker factorization
 drops). It is the library's exact block (``A = [[1]]``, ``G = F_l``), so the running
-average, damping (``F_l + lambda I`` in pi and per-factor modes alike: ``A`` is 1x1),
-refresh, terms, checkpoint and distributed reduction are the Kronecker blocks'. Its
+average, damping (``per_factor``: ``(1 + lambda)(F_l + lambda I)``; pi: ``(1 + pi
+sqrt(lambda))(F_l + sqrt(lambda) / pi I)``, ``pi = sqrt(P_l / tr F_l)``; ``exact``:
+``F_l + lambda I``), refresh, terms, checkpoint and distributed reduction are the
+Kronecker blocks'. Its
 statistics cost ``O(K N P^2)`` per step and its inverse ``O(P^3)``, hence a size limit
 (at most :data:`~curvature.layer_stats.MAX_EXACT_BLOCK`).
 """

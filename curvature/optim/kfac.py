@@ -19,7 +19,9 @@ its own ``pi``), the sum inverted exactly (more terms are merged into the second
 eigenvalue correction). Blocks with a factor larger than ``max_factor_size`` are
 :class:`~curvature.blocks.OneSidedBlock` (that factor diagonal, :mod:`.large`); layers
 without a Kronecker rule under ``unsupported="diagonal"`` are
-:class:`~curvature.blocks.DiagonalBlock`.
+:class:`~curvature.blocks.DiagonalBlock`; layers without one, and with
+``exact_layer_size`` the small layers (:mod:`.exact_layers`), are exact blocks (``A =
+[[1]]``, ``G`` the layer's dense Fisher block).
 """
 
 from __future__ import annotations

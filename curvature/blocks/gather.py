@@ -127,6 +127,7 @@ class BlockGather:
         indices: Sequence[Tensor],
         jobs: Sequence[Callable[..., None]],
         extra: Optional[Tensor] = None,
+        out: Optional[Tensor] = None,
     ) -> Tensor:
         """``flat`` with each block's entries replaced by its job's output.
 
@@ -139,21 +140,28 @@ class BlockGather:
             extra: ``[P]`` a second vector gathered alike (e.g. a per-position damping),
                 passed to the jobs as a view shaped like their index; gathered again only
                 when a different tensor is passed (it must not change in place).
+            out: ``[P]`` where to write the result (e.g. a persistent buffer: no
+                allocation); a new tensor without it.
 
         Returns:
-            A new ``[P]`` tensor.
+            ``out``, or a new ``[P]`` tensor.
 
         """
+        if out is not None and (out.dtype != flat.dtype or out.shape != flat.shape):
+            out = None
         if not jobs:
-            return flat.clone()
+            return flat.clone() if out is None else out.copy_(flat)
         plan = self._get(indices, flat)
         # the products in the vector's dtype even where step() runs under autocast (the
         # GEMMs write into ``out=`` buffers of that dtype)
         with torch.autocast(flat.device.type, enabled=False):
             self._run(plan, flat, jobs, extra)
         if plan.back is not None:  # every position is in a block: one gather back
-            return plan.outputs.index_select(0, plan.back)
-        return flat.clone().index_copy_(0, plan.index, plan.outputs)
+            if out is None:
+                return plan.outputs.index_select(0, plan.back)
+            return torch.index_select(plan.outputs, 0, plan.back, out=out)
+        out = flat.clone() if out is None else out.copy_(flat)
+        return out.index_copy_(0, plan.index, plan.outputs)
 
     @staticmethod
     def _run(plan: _Plan, flat: Tensor, jobs: Sequence[Callable[..., None]], extra) -> None:

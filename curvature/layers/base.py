@@ -258,7 +258,9 @@ class LayerRule:
         ``A = A_sum / count``; ``G_sum`` sums ``g g^T`` over the pulled vectors, samples
         (and shared positions for ``"expand"``). ``None`` when the layer has no Kronecker
         structure: its block is then the exact block ``sum vec(grad) vec(grad)^T``.
-        ``with_g=False`` skips ``G`` (forward-only Fisher).
+        ``with_g=False`` skips ``G`` (forward-only Fisher). A rule of one's own may return
+        tensors it keeps (the optimizers then never write them; the built-in rules' sums
+        are new tensors, zeroed in place when a step's statistics are not finite).
         """
         blocks = self.expanded_blocks(module, calls)
         if blocks is None:

@@ -110,7 +110,8 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
         self.last_step_taken = True  # False: the line search kept the parameters
         self._gather = BlockGather()  # preconditioning: persistent gather/scatter buffers
-        self._flat = (FlatBuffer(), FlatBuffer())  # the step's gradients and update, reused
+        # the step's gradients, update and directions, reused
+        self._flat = (FlatBuffer(), FlatBuffer(), FlatBuffer())
         self.generator = torch.Generator().manual_seed(config.seed)
         self._generators = SamplingGenerators(self.generator)  # one per device
         self.steps = 0
@@ -338,7 +339,15 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         )
         before = self.layout.flat_params(torch.float64) if adapt else None
         if grads is not None:
-            directions = self._precondition(grads)
+            plain = cfg.line_search_grid is None and cfg.update_rule != "quadratic"
+            # the plain update's directions in a persistent buffer (no allocation, and
+            # its views shaped like the parameters need no split per step)
+            buf, views = (
+                self._flat[2].get([p.shape for p in self.layout.params], grads.dtype, grads.device)
+                if plain
+                else (None, None)
+            )
+            directions = self._precondition(grads, out=buf)
             if cfg.line_search_grid is not None:
                 self.last_line_search_lr = line_search(
                     self._slots(),
@@ -355,7 +364,14 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
                 slots = [s for s in self._slots() if s.param.grad is not None]
                 who, buffer = type(self).__name__, self._flat[1]
                 self._kl_scale, ok = apply_update(
-                    slots, directions, grads, self.state, cfg.kl_clip, who, buffer
+                    slots,
+                    directions,
+                    grads,
+                    self.state,
+                    cfg.kl_clip,
+                    who,
+                    buffer,
+                    views if directions is buf else None,
                 )
                 self._reads.record_update(tuple(s.name for s in slots), ok, self.steps)
         if adapt:
@@ -509,7 +525,8 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
     def _refresh(self) -> None:
         raise NotImplementedError
 
-    def _precondition(self, grads: Tensor) -> Tensor:
+    def _precondition(self, grads: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        """The preconditioned gradient ``[P]``: ``out`` where given, else a new tensor."""
         raise NotImplementedError
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:

@@ -474,8 +474,8 @@ class StatisticsCollector:
                     if records is not None and isinstance(context, BatchContext):
                         records.append((ctx, term, name, rule.expanded_blocks(module, cs)))
 
-                    def emit(key, values, kinds, rows=0, _ctx=ctx, _term=term):
-                        stats.add((*key, _term), values, kinds, _ctx, rows)
+                    def emit(key, values, kinds, rows=0, owned=False, _ctx=ctx, _term=term):
+                        stats.add((*key, _term), values, kinds, _ctx, rows, owned)
 
                     self._accumulate()(name, module, rule, cs, with_g, emit)
                     for c in cs:  # this layer's g (and operands made of them) go now

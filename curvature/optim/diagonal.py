@@ -149,7 +149,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         read_flags(waiting, read[len(deferred) :])
         self._reads.settle(self._collector.stats, read[: len(deferred)])
 
-    def _precondition(self, grads: Tensor) -> Tensor:
+    def _precondition(self, grads: Tensor, out: Optional[Tensor] = None) -> Tensor:
         have = {n for n, b in self._diagonals.items() if b.d is not None}
         missing = [n for n in self._layers if n not in have]
         if missing and self.steps > 0 and not self._warned_missing:
@@ -160,18 +160,24 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         dampings = {g["damping"] for g in self.param_groups}
         damping = dampings.pop() if len(dampings) == 1 else self._damping_vector(grads)
         if flat is not None and self._order is not None:  # every position in a block
-            return self._divide_in_layout(blocks, flat, grads, damping)
+            return self._divide_in_layout(blocks, flat, grads, damping, out)
         # else (positions in no block, or diagonals in another dtype): gathered and
         # scattered at once, the divisions in three multi-tensor calls
         indices = [self._ix(b.index, grads.device) for b in blocks]
         if not isinstance(damping, Tensor):  # one number: no [P] damping vector to gather
             job = partial(_inverse_all, blocks, damping=damping)
-            return self._gather.apply(grads, indices, [AllBlocks(job)] if blocks else [])
+            jobs = [AllBlocks(job)] if blocks else []
+            return self._gather.apply(grads, indices, jobs, out=out)
         jobs = [AllBlocks(partial(_inverse_all, blocks))] if blocks else []
-        return self._gather.apply(grads, indices, jobs, extra=damping)
+        return self._gather.apply(grads, indices, jobs, extra=damping, out=out)
 
     def _divide_in_layout(
-        self, blocks: List[DiagonalBlock], flat: Tensor, grads: Tensor, damping
+        self,
+        blocks: List[DiagonalBlock],
+        flat: Tensor,
+        grads: Tensor,
+        damping,
+        out: Optional[Tensor] = None,
     ) -> Tensor:
         """``g / (d + lambda)`` over the flat layout where the blocks cover every position.
 
@@ -182,7 +188,9 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         statistics yet (:attr:`DiagonalBlock.fresh`, until a refresh reads the flags)
         keep ``g`` (a select over their positions, made only then).
         """
-        out = torch.index_select(flat, 0, self._order)
+        if out is not None and (out.dtype != flat.dtype or out.device != flat.device):
+            out = None  # (a model moved or cast after the statistics: a new tensor)
+        out = torch.index_select(flat, 0, self._order, out=out)
         out.add_(damping)
         torch.div(grads, out, out=out)
         fresh = [b.fresh for b in blocks]

@@ -357,8 +357,11 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         approx = self.config.kfac_approx.value
         if with_g and any(k[0] == name for k in self._large):
             return accumulate_large(name, module, rule, calls, approx, self._large, self, emit)
+        # the sums are new tensors of this step where the library computed them: a
+        # built-in rule's (or the base class's) kfac_factors, or the exact factors
+        owned = type(rule).kfac_factors.__module__.startswith("curvature.")
         if with_g and name in self._exact_layers:  # exact_layer_size: one dense block
-            res = exact_factors(rule, module, calls)
+            res, owned = exact_factors(rule, module, calls), True
         else:
             with statistics_precision(self.statistics_dtype):  # (patches in chunks)
                 res = chunked_kfac_factors(rule, module, calls, approx, with_g)
@@ -369,7 +372,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
                     d = parts[""]
                     emit((name, ""), [d.to(stat_dtype(d))], ("g",))
                 return
-            res = exact_factors(rule, module, calls)
+            res, owned = exact_factors(rule, module, calls), True
         lambdas: Dict[str, Tensor] = {}
         if with_g and issubclass(self.block_type, EigenCorrectedBlock):
             bases = {}
@@ -388,7 +391,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
                 None if G_sum is None else G_sum.to(dt),
                 None if lam is None else lam.to(dt),
             ]
-            emit((name, suffix), values, KINDS, count)
+            emit((name, suffix), values, KINDS, count, owned)
 
     def _update_curvature(self, stats) -> None:
         beta = self.config.factor_decay
@@ -509,7 +512,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             self._blocks[key].install(outcome.record)
 
     # -- preconditioning ------------------------------------------------------------------------
-    def _precondition(self, grads: Tensor) -> Tensor:
+    def _precondition(self, grads: Tensor, out: Optional[Tensor] = None) -> Tensor:
         missing = [block_name(*k) for k in self._index if self._record(k) is None and self._uses(k)]
         if missing and self.steps > 0 and not self._warned_missing:
             self._warned_missing = True
@@ -526,7 +529,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             indices.append(self._ix(block.index, grads.device))
             damping = self._group_damping(self._layer_param(key[0]))
             jobs.append(partial(inverse_into, block, damping=damping, mode=mode))
-        out = self._gather.apply(grads, indices, jobs)
+        out = self._gather.apply(grads, indices, jobs, out=out)
         if self.precondition == "owner" and self._comm is not None:
             out = out * self._owned_mask(out)
             self._comm.all_reduce([out], "directions")

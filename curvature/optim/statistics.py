@@ -21,6 +21,7 @@ skip a step's update without reading it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -166,6 +167,7 @@ class StepStatistics:
         kinds: Sequence[str],
         context: BatchContext,
         rows: int = 0,
+        owned: bool = False,
     ) -> None:
         """Queue one forward's sums for a block (judged and folded by :meth:`flush`).
 
@@ -175,6 +177,10 @@ class StepStatistics:
             kinds: One of :data:`STAT_KINDS` per value.
             context: The forward's :class:`BatchContext`.
             rows: The rows of the ``"A"`` sums.
+            owned: The values are new tensors that nothing else refers to (e.g. the
+                products of a built-in layer rule): :meth:`flush` may zero them in
+                place, instead of selecting into a new tensor (a pass and an
+                allocation of each factor's size fewer).
 
         """
         slot = self.slots.get(key)
@@ -191,7 +197,7 @@ class StepStatistics:
             for i, (v, k) in enumerate(zip(values, kinds)):
                 if v is not None and k != "A":
                     self._scaled.append((values, i, context.g_scale))
-        self._queue.append((slot, values, rows, context.samples))
+        self._queue.append((slot, values, rows, context.samples, owned))
 
     def flush(self) -> None:
         """Fold the queued contributions into their slots, skipping non-finite ones.
@@ -213,7 +219,7 @@ class StepStatistics:
         checks, self._checks = self._checks, []
         if not queue and not checks:
             return
-        present = [v for _, values, _, _ in queue for v in values if v is not None]
+        present = [v for _, values, *_ in queue for v in values if v is not None]
         flags: Dict[torch.device, Tensor] = {}  # a device's values: finite or not
         by_device: Dict[torch.device, List[int]] = {}
         for i, v in enumerate(present):
@@ -236,19 +242,32 @@ class StepStatistics:
         # the devices whose contributions all have the same number of values have one
         # flag per contribution (else one per value)
         slot_flags = {dev: iter(flags[dev].unbind(0)) for dev in uniform}
-        for slot, values, rows, N in queue:
+        # owned values are zeroed in place (masked_fill_ on the negated flags) where they
+        # appear once; the others are selected into new tensors
+        seen: Dict[int, int] = {}
+        for v in present:
+            seen[id(v)] = seen.get(id(v), 0) + 1
+        in_place = set(uniform) if any(entry[-1] for entry in queue) else set()
+        slot_bad = {dev: iter(flags[dev].logical_not().unbind(0)) for dev in in_place}
+        for slot, values, rows, N, owned in queue:
             n = sum(v is not None for v in values)
             if n == 0:
                 continue
             dev, j = where[i]
             i += n
+            bad = None
             if dev in slot_flags:  # judged per contribution at once
                 ok = next(slot_flags[dev])
+                bad = next(slot_bad[dev]) if dev in slot_bad else None
             else:
                 ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
                 skipped.setdefault(dev, []).append(ok)
             kept = [
-                None if v is None else torch.where(ok, v, scalar(0.0, v.dtype, v.device))
+                None
+                if v is None
+                else v.masked_fill_(bad, 0.0)
+                if owned and bad is not None and seen[id(v)] == 1 and v._base is None
+                else torch.where(ok, v, scalar(0.0, v.dtype, v.device))
                 for v in values
             ]
             slot.values = [
@@ -325,7 +344,7 @@ def _uniform_counts(queue: list, where: dict) -> Dict[torch.device, int]:
     """
     counts: Dict[torch.device, set] = {}
     i = 0
-    for _, values, _, _ in queue:
+    for _, values, *_ in queue:
         n = sum(v is not None for v in values)
         if n:
             counts.setdefault(where[i][0], set()).add(n)
@@ -350,8 +369,9 @@ def normalize(
 
     """
     out = {}
-    divide: Tuple[list, list, list] = ([], [], [])  # (value, rows, (key, position)): one call
-    scale: Tuple[list, list, list] = ([], [], [])  # likewise for the G-like values
+    # (value, factor, (key, position)): ``A`` values times ``1 / rows`` (a product: a
+    # division costs twice as much on a CPU), the G-like ones times ``g_norm``: one call
+    scale: Tuple[list, list, list] = ([], [], [])
     fixes = []
     for key in sorted(stats, key=repr) if ordered else list(stats):
         st = stats[key]
@@ -370,21 +390,20 @@ def normalize(
         values: List[Optional[Tensor]] = [None] * len(st.values)
         for i, (v, k) in enumerate(zip(st.values, st.kinds)):
             if v is not None:
-                todo = divide if k == "A" else scale
-                for pending, x in zip(todo, (v, st.rows if k == "A" else g_norm, (key, i))):
+                factor = (1.0 / st.rows if st.rows else math.inf) if k == "A" else g_norm
+                for pending, x in zip(scale, (v, factor, (key, i))):
                     pending.append(x)
                 fix = row_fix if k == "A" else sample_fix
                 if fix is not None:
                     fixes.append((key, i, fix))
         out[key] = Normalized(values, st.valid())
-    # v / rows and v * g_norm for all values at once (the same values as one call each),
-    # in place: the sums are this step's own (flush made them), so no second copy of every
-    # factor is alive at once
-    for op, (vs, numbers, where) in ((torch._foreach_div_, divide), (torch._foreach_mul_, scale)):
-        if vs:
-            op(vs, numbers)
-        for (key, i), v in zip(where, vs):
-            out[key].values[i] = v
+    # v / rows and v * g_norm for all values at once, in place: the sums are this step's
+    # own (flush made them), so no second copy of every factor is alive at once
+    vs, numbers, where = scale
+    if vs:
+        torch._foreach_mul_(vs, numbers)
+    for (key, i), v in zip(where, vs):
+        out[key].values[i] = v
     for key, i, fix in fixes:
         v = out[key].values[i]
         out[key].values[i] = v.mul_(fix.to(v.dtype))

@@ -63,6 +63,7 @@ def apply_update(
     kl_clip: Optional[float],
     who: str,
     buffer: Optional[FlatBuffer] = None,
+    direction_views: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[Union[float, Tensor], Tensor]:
     """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay.
 
@@ -81,6 +82,8 @@ def apply_update(
         buffer: Where the selected directions are written when the slots tile the
             flat vector (its views shaped like the parameters: no split or view per
             step); a new tensor without it.
+        direction_views: Views of ``directions`` shaped like the parameters of all
+            ``slots`` (when ``directions`` is a persistent buffer: no split per step).
 
     Returns:
         ``nu`` (``1.0`` without ``kl_clip``, else a 0-d tensor) and ``ok [len(slots)]``
@@ -95,7 +98,8 @@ def apply_update(
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
     if tiled:  # one split, the flags of all parameters, one select over the flat vector
         seg = _segments(sizes, directions.device)
-        ok = finite_flags(directions.split(sizes))
+        fits = direction_views is not None and len(direction_views) == len(slots)
+        ok = finite_flags(direction_views if fits else directions.split(sizes))
         zero = scalar(0.0, directions.dtype, directions.device)
         if buffer is not None:  # into the persistent buffer, whose views fit the parameters
             shapes = [s.param.shape for s in slots]

@@ -1,0 +1,119 @@
+"""A step's statistics are judged and zeroed in place where the library made them.
+
+The optimizers skip a non-finite contribution without a host read: its values are zeroed
+(in place where they are new tensors of a built-in rule, by a select into new tensors
+otherwise) and the running factors keep their values. These tests check that skipping
+leaves the factors exactly as they were, that the next finite step continues as if the
+skipped one had not happened, and that the tensors a rule of one's own returns (which
+it may keep) are never written.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+from curvature.layers import register, registered_rule
+
+CE = nn.CrossEntropyLoss()
+
+
+class CachedLinear(nn.Linear):
+    """An ``nn.Linear`` whose rule (below) returns the same ``A`` tensor every call."""
+
+
+@register(CachedLinear)
+class CachedARule(type(registered_rule(nn.Linear(1, 1)))):
+    """A rule of one's own (``nn.Linear``'s, but it keeps its first ``A`` sum and returns
+    that tensor every time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = {}
+
+    def kfac_factors(self, module, calls, approx, with_g=True):
+        out = super().kfac_factors(module, calls, approx, with_g)
+        A, G, count = out[""]
+        A = self.kept.setdefault(id(module), A)  # the same tensor from now on
+        return {"": (A, G, count)}
+
+
+def _data(seed: int, nan: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    X, y = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
+    if nan:
+        X[3, 1] = float("nan")
+    return X, y
+
+
+def _step(model, opt, X, y):
+    opt.zero_grad()
+    CE(model(X), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the non-finite update's warning
+        opt.step()
+
+
+def _factors(opt):
+    return {k: (A.clone(), G.clone()) for k, (A, G) in opt.factors().items()}
+
+
+@pytest.mark.parametrize("cls", [curvature.KFAC, curvature.EKFAC])
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+def test_a_non_finite_step_leaves_the_factors_as_they_were(cls, fisher):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    opt = cls(model, lr=1e-2, damping=1e-2, loss_func=CE, fisher=fisher, inverse_every=2)
+    for seed in range(3):
+        _step(model, opt, *_data(seed))
+    before = _factors(opt)
+    skipped = opt.skipped_statistics
+    _step(model, opt, *_data(10, nan=True))
+    assert opt.skipped_statistics == skipped + 2  # one contribution per layer
+    after = _factors(opt)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k][0], after[k][0]) and torch.equal(before[k][1], after[k][1])
+    _step(model, opt, *_data(11))  # finite again: the factors move, and stay finite
+    moved = _factors(opt)
+    assert all(torch.isfinite(A).all() and torch.isfinite(G).all() for A, G in moved.values())
+    assert any(not torch.equal(before[k][0], moved[k][0]) for k in before)
+
+
+def test_the_factors_equal_a_run_without_the_skipped_step():
+    """Skipping changes nothing but the step counter: the EMA continues from the same state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    twin = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    twin.load_state_dict(model.state_dict())
+    kw = dict(lr=0.0, damping=1e-2, inverse_every=1000)  # lr 0: the same parameters
+    a, b = curvature.KFAC(model, **kw), curvature.KFAC(twin, **kw)
+    for seed in range(3):
+        _step(model, a, *_data(seed))
+        _step(twin, b, *_data(seed))
+    _step(model, a, *_data(10, nan=True))
+    _step(model, a, *_data(4))
+    _step(twin, b, *_data(4))
+    fa, fb = _factors(a), _factors(b)
+    for k in fa:
+        assert torch.equal(fa[k][0], fb[k][0]) and torch.equal(fa[k][1], fb[k][1])
+
+
+def test_a_rules_own_tensors_are_not_written_by_a_skipped_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(CachedLinear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    opt = curvature.KFAC(model, lr=1e-2, damping=1e-2, inverse_every=1)
+    _step(model, opt, *_data(0))
+    rule = registered_rule(model[0])
+    kept = rule.kept[id(model[0])]
+    copy = kept.clone()
+    _step(model, opt, *_data(10, nan=True))  # G is not finite: the contribution is skipped
+    assert torch.equal(kept, copy)  # the rule's tensor is as it was
+    _step(model, opt, *_data(1))
+    assert torch.equal(kept, copy)
+    A, _ = opt.factors()["0"]
+    assert torch.isfinite(A).all() and torch.allclose(A, copy / 16)

@@ -8,14 +8,24 @@ one group) and a view of a persistent output buffer that the block writes into
 (``out=`` of its GEMMs), and scatters the output with one ``index_copy_``: the per-step
 aten calls (kernel launches on a GPU) are the blocks' own products plus three.
 The buffers are built once per set of blocks, device and dtype.
+
+On a CPU an ``index_select`` over every parameter costs several times a copy (one index
+read per entry, scattered reads). Where every block's positions are a few affine pieces
+of the flat vector (a Linear or convolution block ``[W | b]``: the weight's rows and the
+bias column), the gather and the scatter are instead one ``torch._foreach_copy_`` each,
+between strided views of the vector and of the buffers (:func:`affine_pieces`): the same
+entries, the same number of aten calls. On a GPU the single ``index_select`` stays (a
+strided multi-tensor copy there is a kernel per piece).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from ..foreach import copy_into
 
 
 class AllBlocks:
@@ -61,6 +71,74 @@ def inverse_into(block: Any, views: BlockViews, damping: Any, mode: str) -> None
         views.out.copy_(block.inverse_matvec(views.M, damping, mode))
 
 
+#: At most this many affine pieces per block for the strided copies (else ``index_select``).
+MAX_PIECES = 4
+
+
+class Piece(NamedTuple):
+    """Columns ``[start, stop)`` of a block index ``[C, D_out, D]`` that are affine:
+    ``index[c, o, start + j] = offset + c strides[0] + o strides[1] + j strides[2]``.
+    """
+
+    start: int
+    stop: int
+    offset: int
+    strides: Tuple[int, int, int]
+
+
+def affine_pieces(index: Tensor, limit: int = MAX_PIECES) -> Optional[List[Piece]]:
+    """The block index ``[C, D_out, D]`` as at most ``limit`` affine column pieces.
+
+    Columns are taken left to right, each piece as wide as its entries stay affine in
+    ``(c, o, j)`` with non-negative strides (the form of an ``as_strided`` view). Host
+    reads: made once per plan, never in a step.
+
+    Returns:
+        The pieces, or ``None`` when the index needs more (or is not 3-D).
+    """
+    if index.dim() != 3 or index.numel() == 0:
+        return None
+    ix = index.detach().to("cpu", torch.int64)
+    C, O, D = ix.shape
+    pieces: List[Piece] = []
+    start = 0
+    while start < D:
+        if len(pieces) == limit:
+            return None
+        base = int(ix[0, 0, start])
+        sc = int(ix[1, 0, start]) - base if C > 1 else 0
+        so = int(ix[0, 1, start]) - base if O > 1 else 0
+        sj = int(ix[0, 0, start + 1]) - base if start + 1 < D else 1
+        if min(sc, so, sj) < 0:
+            return None
+        grid = (
+            base
+            + sc * torch.arange(C).view(C, 1, 1)
+            + so * torch.arange(O).view(1, O, 1)
+            + sj * torch.arange(D - start).view(1, 1, -1)
+        )
+        same = (ix[:, :, start:] == grid).all(0).all(0)  # [D - start]: columns that fit
+        width = int(same.long().cumprod(0).sum())
+        if width == 0:
+            return None
+        if width == 1:
+            sj = 1  # (a one-column piece: any stride along j)
+        pieces.append(Piece(start, start + width, base, (sc, so, sj)))
+        start += width
+    return pieces
+
+
+def _views_of(flat: Tensor, pieces: Sequence[Sequence[Piece]], shapes) -> List[Tensor]:
+    """``as_strided`` views of ``flat`` for every piece of every block."""
+    out = []
+    for block, shape in zip(pieces, shapes):
+        C, O = shape[0], shape[1]
+        for p in block:
+            size = (C, O, p.stop - p.start)
+            out.append(flat.as_strided(size, p.strides, flat.storage_offset() + p.offset))
+    return out
+
+
 class _Plan:
     """The buffers and views of one set of blocks on one device, in one dtype."""
 
@@ -82,6 +160,14 @@ class _Plan:
         self.views: List[BlockViews] = []
         self.extra_views: List[Tensor] = []
         self.shapes = [ix.shape for ix in indices]
+        #: the blocks' affine pieces where a CPU plan can copy instead of index (see the
+        #: module docstring); the strided views of the last vector and output are cached
+        pieces = [affine_pieces(ix) for ix in indices] if like.device.type == "cpu" else []
+        self.pieces = pieces if pieces and all(p is not None for p in pieces) else None
+        self._source: Tuple[Optional[Tensor], List[Tensor]] = (None, [])
+        self._target: Tuple[Optional[Tensor], List[Tensor]] = (None, [])
+        self.piece_inputs: List[Tensor] = []
+        self.piece_outputs: List[Tensor] = []
         start = 0
         for ix in indices:
             stop = start + ix.numel()
@@ -90,6 +176,22 @@ class _Plan:
             one = M.dim() == 3 and M.shape[0] == 1
             self.views.append(BlockViews(M, out, M[0] if one else None, out[0] if one else None))
             start = stop
+        if self.pieces is not None:
+            for v, block in zip(self.views, self.pieces):
+                self.piece_inputs += [v.M[:, :, p.start : p.stop] for p in block]
+                self.piece_outputs += [v.out[:, :, p.start : p.stop] for p in block]
+
+    def source_views(self, flat: Tensor) -> List[Tensor]:
+        """The pieces' views of ``flat`` (made again only for another tensor)."""
+        if self._source[0] is not flat:
+            self._source = (flat, _views_of(flat, self.pieces, self.shapes))
+        return self._source[1]
+
+    def target_views(self, out: Tensor) -> List[Tensor]:
+        """The pieces' views of the result ``out`` (made again only for another tensor)."""
+        if self._target[0] is not out:
+            self._target = (out, _views_of(out, self.pieces, self.shapes))
+        return self._target[1]
 
     def fits(self, indices: Sequence[Tensor], like: Tensor) -> bool:
         return (
@@ -156,6 +258,13 @@ class BlockGather:
         # GEMMs write into ``out=`` buffers of that dtype)
         with torch.autocast(flat.device.type, enabled=False):
             self._run(plan, flat, jobs, extra)
+        if plan.pieces is not None:  # strided copies back (CPU)
+            if out is None:
+                out = torch.empty_like(flat) if plan.back is not None else flat.clone()
+            elif plan.back is None:
+                out.copy_(flat)
+            copy_into(plan.target_views(out), plan.piece_outputs)
+            return out
         if plan.back is not None:  # every position is in a block: one gather back
             if out is None:
                 return plan.outputs.index_select(0, plan.back)
@@ -165,7 +274,10 @@ class BlockGather:
 
     @staticmethod
     def _run(plan: _Plan, flat: Tensor, jobs: Sequence[Callable[..., None]], extra) -> None:
-        torch.index_select(flat, 0, plan.index, out=plan.inputs)
+        if plan.pieces is not None:
+            copy_into(plan.piece_inputs, plan.source_views(flat))
+        else:
+            torch.index_select(flat, 0, plan.index, out=plan.inputs)
         if extra is not None:
             if plan.extra is None:
                 plan.extra = flat.new_empty(plan.index.numel())

@@ -95,11 +95,12 @@ def affine_pieces(index: Tensor, limit: int = MAX_PIECES) -> Optional[List[Piece
 
     Returns:
         The pieces, or ``None`` when the index needs more (or is not 3-D).
+
     """
     if index.dim() != 3 or index.numel() == 0:
         return None
     ix = index.detach().to("cpu", torch.int64)
-    C, O, D = ix.shape
+    C, D_out, D = ix.shape
     pieces: List[Piece] = []
     start = 0
     while start < D:
@@ -107,14 +108,14 @@ def affine_pieces(index: Tensor, limit: int = MAX_PIECES) -> Optional[List[Piece
             return None
         base = int(ix[0, 0, start])
         sc = int(ix[1, 0, start]) - base if C > 1 else 0
-        so = int(ix[0, 1, start]) - base if O > 1 else 0
+        so = int(ix[0, 1, start]) - base if D_out > 1 else 0
         sj = int(ix[0, 0, start + 1]) - base if start + 1 < D else 1
         if min(sc, so, sj) < 0:
             return None
         grid = (
             base
             + sc * torch.arange(C).view(C, 1, 1)
-            + so * torch.arange(O).view(1, O, 1)
+            + so * torch.arange(D_out).view(1, D_out, 1)
             + sj * torch.arange(D - start).view(1, 1, -1)
         )
         same = (ix[:, :, start:] == grid).all(0).all(0)  # [D - start]: columns that fit
@@ -132,9 +133,8 @@ def _views_of(flat: Tensor, pieces: Sequence[Sequence[Piece]], shapes) -> List[T
     """``as_strided`` views of ``flat`` for every piece of every block."""
     out = []
     for block, shape in zip(pieces, shapes):
-        C, O = shape[0], shape[1]
         for p in block:
-            size = (C, O, p.stop - p.start)
+            size = (shape[0], shape[1], p.stop - p.start)
             out.append(flat.as_strided(size, p.strides, flat.storage_offset() + p.offset))
     return out
 

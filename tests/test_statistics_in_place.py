@@ -117,3 +117,24 @@ def test_a_rules_own_tensors_are_not_written_by_a_skipped_step():
     assert torch.equal(kept, copy)
     A, _ = opt.factors()["0"]
     assert torch.isfinite(A).all() and torch.allclose(A, copy / 16)
+
+
+@pytest.mark.parametrize("skipped", [1, 2])
+def test_ekfac_corrections_equal_a_run_without_the_skipped_step(skipped):
+    """The first corrections (step 1) or later ones skipped: as if the step had not been."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    twin = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    twin.load_state_dict(model.state_dict())
+    kw = dict(lr=0.0, damping=1e-2, inverse_every=1000)  # one eigenbasis, from step 0
+    a, b = curvature.EKFAC(model, **kw), curvature.EKFAC(twin, **kw)
+    for i in range(5):
+        _step(model, a, *_data(i, nan=i == skipped))
+        if i != skipped:
+            _step(twin, b, *_data(i))
+    blocks_a = a.state_dict()["curvature"]["blocks"]
+    blocks_b = b.state_dict()["curvature"]["blocks"]
+    assert blocks_a.keys() == blocks_b.keys() and blocks_a
+    for k in blocks_a:
+        ca, cb = blocks_a[k]["corrections"], blocks_b[k]["corrections"]
+        assert ca is not None and torch.equal(ca, cb)

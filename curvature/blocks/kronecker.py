@@ -385,6 +385,38 @@ class KroneckerBlock(RunningFactors):
         self.install(None if rec is None else Record.from_state(rec))
 
 
+class _WeightTurns:
+    """EKFAC's corrections weight ``u`` and the update weight ``w``, in one call per update.
+
+    While ``Lambda`` may have had no finite statistics, an update with the device flag
+    ``valid`` takes ``w = valid ? u : 0`` and leaves ``u' = valid ? rate : u``. Two
+    persistent buffers laid out as ``[0, w, u, rate]`` take turns: an update reads
+    ``[u, rate]`` (entries 2 and 3) and ``[0, u]`` (entries 0 and 2, a stride-2 view) of
+    one and writes ``[w', u']`` into entries 1 and 2 of the other, with one
+    ``torch.where`` (two selects before). All views are made once; ``w`` and ``u`` are
+    0-d views, valid until the update after next.
+    """
+
+    def __init__(self, u: Tensor, rate: Tensor):
+        zero = torch.zeros((), dtype=u.dtype, device=u.device)
+        self.rate = rate
+        self.bufs = [torch.stack([zero, zero, u, rate]), torch.stack([zero, zero, zero, rate])]
+        self.take = [b[2:4] for b in self.bufs]  # [u, rate]
+        self.keep = [b.as_strided((2,), (2,), b.storage_offset()) for b in self.bufs]  # [0, u]
+        self.into = [b[1:3] for b in self.bufs]  # [w, u]
+        self.w = [b[1] for b in self.bufs]
+        self.us = [b[2] for b in self.bufs]
+        self.turn = 0
+        self.u = self.us[0]
+
+    def update(self, valid: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(w, u')`` for an update whose statistics are ``valid`` (0-d device bool)."""
+        a, b = self.turn, 1 - self.turn
+        torch.where(valid, self.take[a], self.keep[a], out=self.into[b])
+        self.turn, self.u = b, self.us[b]
+        return self.w[b], self.u
+
+
 class EigenCorrectedBlock(KroneckerBlock):
     """EKFAC: KFAC's eigenbasis with corrected eigenvalues ``Lambda [C, D_out, D]``.
 
@@ -407,6 +439,8 @@ class EigenCorrectedBlock(KroneckerBlock):
         #: 0-d device bool tracked per update only where ``1 - decay`` rounds to ``1``
         #: (else read off :attr:`corrections_weight`).
         self._fresh: Optional[Tensor] = None
+        #: the buffers that :attr:`corrections_weight` is a view of, between updates
+        self._weights: Optional[_WeightTurns] = None
 
     @property
     def corrections_fresh(self) -> Optional[Tensor]:
@@ -433,7 +467,8 @@ class EigenCorrectedBlock(KroneckerBlock):
             if valid is not None:  # not valid: KFAC's eigenvalues in its place
                 one, rate, _ = _constants(decay, dtype, valid.device)
                 self.corrections = torch.where(valid, corrections, self._kfac_eigenvalues(dtype))
-                self.corrections_weight = torch.where(valid, rate, one)
+                self._weights = _WeightTurns(torch.where(valid, rate, one), rate)
+                self.corrections_weight = self._weights.u
                 self._fresh = ~valid if _rounds_to_one(1 - decay, dtype) else None
             return
         u = self.corrections_weight
@@ -442,9 +477,11 @@ class EigenCorrectedBlock(KroneckerBlock):
         elif valid is None:  # valid, known on the host: the weight is u, then 1 - decay
             w, self.corrections_weight, self._fresh = u, None, None
         else:
-            one, rate, zero = _constants(decay, dtype, valid.device)
-            w = torch.where(valid, u, zero)
-            self.corrections_weight = torch.where(valid, rate, u)
+            _, rate, _ = _constants(decay, dtype, valid.device)
+            turns = self._weights
+            if turns is None or turns.u is not u or turns.rate is not rate:  # (after a load)
+                turns = self._weights = _WeightTurns(u, rate)
+            w, self.corrections_weight = turns.update(valid)
             if self._fresh is not None:
                 self._fresh = self._fresh > valid
         # (weight 1 gives the new moments exactly; weight 0 keeps the KFAC eigenvalues)
@@ -543,7 +580,7 @@ class EigenCorrectedBlock(KroneckerBlock):
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # noqa: D102
-        self.corrections = self.corrections_weight = self._fresh = None
+        self.corrections = self.corrections_weight = self._fresh = self._weights = None
         super().load_state_dict(state)
         c = state.get("corrections")
         self.corrections = None if c is None else c.clone()

@@ -63,9 +63,11 @@ def _ignored_mask(
         or target.is_floating_point()
     ):
         return None
+    if not check and loss_func.reduction == "mean":  # (the caller checks the targets)
+        return None
     ignored = target == loss_func.ignore_index
     if not check:
-        return None if loss_func.reduction == "mean" else (~ignored).unsqueeze(1).to(output.dtype)
+        return (~ignored).unsqueeze(1).to(output.dtype)
     if not bool(ignored.any()):
         return None
     if loss_func.reduction == "mean":

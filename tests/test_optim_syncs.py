@@ -141,8 +141,8 @@ def aten_calls_per_step(make, steps=2):
 
 
 #: aten calls per training step against ``AdamW(foreach=True)`` (75 with torch 2.13): issue
-#: 17's targets (KFAC empirical 110 calls, 1.47x; mc 131, 1.75x; EKFAC 150, 2x;
-#: DiagonalNaturalGradient 96, 1.28x), so that a regression fails
+#: 17's targets (KFAC empirical 112 calls, 1.49x; mc 135, 1.80x; EKFAC 149, 1.99x;
+#: DiagonalNaturalGradient 97, 1.29x), so that a regression fails
 #: (benchmarks/step_counts.py, docs/benchmarks.md).
 ATEN_RATIO = {
     "KFAC-empirical": (lambda m: curvature.KFAC(m, loss_func=CE, inverse_every=1000), 1.5),

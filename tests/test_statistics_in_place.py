@@ -138,3 +138,24 @@ def test_ekfac_corrections_equal_a_run_without_the_skipped_step(skipped):
     for k in blocks_a:
         ca, cb = blocks_a[k]["corrections"], blocks_b[k]["corrections"]
         assert ca is not None and torch.equal(ca, cb)
+
+
+def test_a_non_finite_step_leaves_the_fisher_diagonals_as_they_were():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    opt = curvature.DiagonalNaturalGradient(model, lr=1e-2, damping=1e-2, inverse_every=2)
+    for seed in range(3):
+        _step(model, opt, *_data(seed))
+
+    def diagonals():
+        return {k: v["d"].clone() for k, v in opt.state_dict()["curvature"]["diagonals"].items()}
+
+    before = diagonals()
+    _step(model, opt, *_data(10, nan=True))
+    after = diagonals()
+    assert before.keys() == after.keys() and before
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    _step(model, opt, *_data(11))
+    moved = diagonals()
+    assert all(torch.isfinite(d).all() for d in moved.values())
+    assert any(not torch.equal(before[k], moved[k]) for k in before)

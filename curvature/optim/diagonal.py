@@ -131,7 +131,11 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
             else:  # named_parameters order, the rule's parameters
                 ix = layer_positions(self.layout, name, module, rule)
             self._diagonals[name] = DiagonalBlock(name, ix)
-        emit((name, self.diagonal_suffix), [d.to(stat_dtype(d))], ("g",))
+        # new tensors of this step (zeroed in place if not finite), unless a rule of
+        # one's own returned its direct diagonal as it is
+        direct = getattr(type(rule), "direct_diagonal", None)
+        owned = direct is None or direct.__module__.startswith("curvature.")
+        emit((name, self.diagonal_suffix), [d.to(stat_dtype(d))], ("g",), 0, owned)
 
     def _update_curvature(self, stats) -> None:
         for (name, _, _), (values, valid) in stats.items():

@@ -74,3 +74,7 @@ def test_a_new_vector_is_gathered_from_its_own_entries():
     assert torch.equal(gather.apply(b, indices, jobs), b)
     offset = torch.randn(P + 5)[3 : 3 + P]  # a view with a storage offset
     assert torch.equal(gather.apply(offset, indices, jobs), offset)
+    strided = torch.randn(2 * P)[::2]  # not contiguous
+    assert torch.equal(gather.apply(strided, indices, jobs), strided)
+    out = torch.empty(2 * P)[::2]
+    assert torch.equal(gather.apply(a, indices, jobs, out=out), a)

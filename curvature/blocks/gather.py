@@ -249,8 +249,11 @@ class BlockGather:
             ``out``, or a new ``[P]`` tensor.
 
         """
-        if out is not None and (out.dtype != flat.dtype or out.shape != flat.shape):
+        if out is not None and (
+            out.dtype != flat.dtype or out.shape != flat.shape or not out.is_contiguous()
+        ):
             out = None
+        flat = flat if flat.is_contiguous() else flat.contiguous()  # (the strided views)
         if not jobs:
             return flat.clone() if out is None else out.copy_(flat)
         plan = self._get(indices, flat)

@@ -409,7 +409,8 @@ def normalize(
                     fixes.append((key, i, fix))
         out[key] = Normalized(values, st.valid())
     # v / rows and v * g_norm for all values at once, in place: the sums are this step's
-    # own (flush made them), so no second copy of every factor is alive at once
+    # own (flush made them, or they are the library's new tensors of this step, judged
+    # in place), so no second copy of every factor is alive at once
     vs, numbers, where = scale
     if vs:
         torch._foreach_mul_(vs, numbers)

@@ -129,7 +129,7 @@ def affine_pieces(index: Tensor, limit: int = MAX_PIECES) -> Optional[List[Piece
     return pieces
 
 
-def _views_of(flat: Tensor, pieces: Sequence[Sequence[Piece]], shapes) -> List[Tensor]:
+def piece_views(flat: Tensor, pieces: Sequence[Sequence[Piece]], shapes) -> List[Tensor]:
     """``as_strided`` views of ``flat`` for every piece of every block."""
     out = []
     for block, shape in zip(pieces, shapes):
@@ -184,13 +184,13 @@ class _Plan:
     def source_views(self, flat: Tensor) -> List[Tensor]:
         """The pieces' views of ``flat`` (made again only for another tensor)."""
         if self._source[0] is not flat:
-            self._source = (flat, _views_of(flat, self.pieces, self.shapes))
+            self._source = (flat, piece_views(flat, self.pieces, self.shapes))
         return self._source[1]
 
     def target_views(self, out: Tensor) -> List[Tensor]:
         """The pieces' views of the result ``out`` (made again only for another tensor)."""
         if self._target[0] is not out:
-            self._target = (out, _views_of(out, self.pieces, self.shapes))
+            self._target = (out, piece_views(out, self.pieces, self.shapes))
         return self._target[1]
 
     def fits(self, indices: Sequence[Tensor], like: Tensor) -> bool:
@@ -303,4 +303,12 @@ class BlockGather:
                 job(views)
 
 
-__all__: List[str] = ["AllBlocks", "BlockGather", "BlockViews", "inverse_into"]
+__all__: List[str] = [
+    "AllBlocks",
+    "BlockGather",
+    "BlockViews",
+    "Piece",
+    "affine_pieces",
+    "inverse_into",
+    "piece_views",
+]

@@ -12,6 +12,7 @@ layers without weight sharing); each layer is one :class:`~curvature.blocks.Diag
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..blocks import AllBlocks, DiagonalBlock
+from ..blocks.gather import affine_pieces, piece_views
 from ..foreach import copy_into
 from ..layer_stats import fisher_diagonal, layer_positions
 from ..layers.plain import SquaredInputs
@@ -88,6 +90,10 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         #: where every position is in a block: ``flat_d[order]`` is the diagonal in the
         #: parameters' flat layout (``[P]`` positions, int32 below 2**31 entries)
         self._order: Optional[Tensor] = None
+        #: (CPU) the same order as strided copies: per block its affine pieces, shapes
+        #: and source views of the flat diagonals; the target views of the last output
+        self._pieces: Optional[tuple] = None
+        self._target: tuple = (None, [])
         self._warned_missing = False
         config = CurvatureConfig.from_arguments(type(self).__name__, locals())
         super().__init__(model, lr, damping, momentum, weight_decay, config, param_groups)
@@ -127,7 +133,9 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         if name not in self._diagonals:
             if kron:
                 index = rule.kfac_index(module, self.layout.local_offsets(name))
-                ix = torch.cat([index[s].reshape(-1) for s in parts])
+                # (one part: its [C, D_out, D] shape kept, for the CPU's strided copies)
+                ix = index[next(iter(parts))] if len(parts) == 1 else None
+                ix = ix if ix is not None else torch.cat([index[s].reshape(-1) for s in parts])
             else:  # named_parameters order, the rule's parameters
                 ix = layer_positions(self.layout, name, module, rule)
             self._diagonals[name] = DiagonalBlock(name, ix)
@@ -194,7 +202,14 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         """
         if out is not None and (out.dtype != flat.dtype or out.device != flat.device):
             out = None  # (a model moved or cast after the statistics: a new tensor)
-        out = torch.index_select(flat, 0, self._order, out=out)
+        if self._pieces is not None:  # (CPU) strided copies, as BlockGather's
+            pieces, shapes, sources = self._pieces
+            out = torch.empty_like(flat) if out is None else out
+            if self._target[0] is not out:
+                self._target = (out, piece_views(out, pieces, shapes))
+            copy_into(self._target[1], sources)
+        else:
+            out = torch.index_select(flat, 0, self._order, out=out)
         out.add_(damping)
         torch.div(grads, out, out=out)
         fresh = [b.fresh for b in blocks]
@@ -222,6 +237,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         if len(ds) == len(self._flat_views) and all(a is b for a, b in zip(ds, self._flat_views)):
             return self._flat_d
         self._flat_d, self._flat_views, self._order = None, [], None
+        self._pieces, self._target = None, (None, [])
         if not ds or any(d.dtype != like.dtype or d.device != like.device for d in ds):
             return None
         flat = like.new_empty(sum(d.numel() for d in ds))
@@ -231,6 +247,8 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         if flat.numel() == like.numel():  # (disjoint blocks) every position: a permutation
             order = torch.argsort(torch.cat([self._ix(b.index, like.device) for b in blocks]))
             self._order = order.int() if like.numel() < 2**31 else order
+            if like.device.type == "cpu":
+                self._pieces = _layout_pieces(blocks, flat)
         return flat
 
     def _curvature_matvec(self, v: Tensor) -> Tensor:
@@ -282,3 +300,24 @@ def _inverse_all(
     for b, v in zip(blocks, views):
         if b.fresh is not None:  # no finite statistics yet: the gradient itself
             torch.where(b.fresh, v.M, v.out, out=v.out)
+
+
+def _layout_pieces(blocks: List[DiagonalBlock], flat: Tensor) -> Optional[tuple]:
+    """``(pieces, shapes, sources)``: each block's positions as affine pieces of the flat
+    layout (:func:`~curvature.blocks.gather.affine_pieces`, its index viewed in the shape
+    its diagonal arrives in) and the matching views of ``flat`` (the diagonals, block
+    after block); ``None`` where a block needs more pieces.
+    """
+    pieces, shapes, sources, start = [], [], [], 0
+    for b in blocks:
+        n = b.d.numel()
+        shape = tuple(b.shape) if len(b.shape) == 3 and math.prod(b.shape) == n else (1, 1, n)
+        block = affine_pieces(b.index.reshape(shape))
+        if block is None:
+            return None
+        region = flat[start : start + n].view(shape)
+        sources += [region[:, :, p.start : p.stop] for p in block]
+        pieces.append(block)
+        shapes.append(shape)
+        start += n
+    return pieces, shapes, sources

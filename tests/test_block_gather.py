@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import curvature
 from curvature.blocks import BlockGather
 
 
@@ -78,3 +81,38 @@ def test_a_new_vector_is_gathered_from_its_own_entries():
     assert torch.equal(gather.apply(strided, indices, jobs), strided)
     out = torch.empty(2 * P)[::2]
     assert torch.equal(gather.apply(a, indices, jobs, out=out), a)
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the aten calls made inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "cls", [curvature.KFAC, curvature.EKFAC, curvature.DiagonalNaturalGradient]
+)
+def test_a_cpu_step_of_linear_layers_indexes_nothing(cls):
+    """On a CPU the gather, the scatter, the diagonals' reorder and the update's select are
+    strided copies and per-parameter products: no ``index_select`` of ``[P]`` entries."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = cls(model, lr=1e-2, damping=1e-2, inverse_every=1000)
+    X, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def step():
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(X), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    with _Ops() as ops:
+        step()
+    assert ops.names and not [n for n in ops.names if "index_select" in n]

@@ -129,14 +129,27 @@ def affine_pieces(index: Tensor, limit: int = MAX_PIECES) -> Optional[List[Piece
     return pieces
 
 
-def piece_views(flat: Tensor, pieces: Sequence[Sequence[Piece]], shapes) -> List[Tensor]:
-    """``as_strided`` views of ``flat`` for every piece of every block."""
-    out = []
-    for block, shape in zip(pieces, shapes):
-        for p in block:
-            size = (shape[0], shape[1], p.stop - p.start)
-            out.append(flat.as_strided(size, p.strides, flat.storage_offset() + p.offset))
-    return out
+class PieceViews:
+    """The ``as_strided`` views of a flat vector for every piece of every block, made
+    again only when :meth:`of` gets another tensor than the last (a persistent buffer's
+    views are made once).
+    """
+
+    def __init__(self, pieces: Sequence[Sequence[Piece]], shapes: Sequence[Sequence[int]]):
+        self.pieces, self.shapes = list(pieces), list(shapes)
+        self._last: Tuple[Optional[Tensor], List[Tensor]] = (None, [])
+
+    def of(self, flat: Tensor) -> List[Tensor]:
+        """The views of ``flat`` (contiguous ``[P]``), in the order of the pieces."""
+        if self._last[0] is not flat:
+            views = []
+            for block, shape in zip(self.pieces, self.shapes):
+                for p in block:
+                    size = (shape[0], shape[1], p.stop - p.start)
+                    offset = flat.storage_offset() + p.offset
+                    views.append(flat.as_strided(size, p.strides, offset))
+            self._last = (flat, views)
+        return self._last[1]
 
 
 class _Plan:
@@ -164,8 +177,9 @@ class _Plan:
         #: module docstring); the strided views of the last vector and output are cached
         pieces = [affine_pieces(ix) for ix in indices] if like.device.type == "cpu" else []
         self.pieces = pieces if pieces and all(p is not None for p in pieces) else None
-        self._source: Tuple[Optional[Tensor], List[Tensor]] = (None, [])
-        self._target: Tuple[Optional[Tensor], List[Tensor]] = (None, [])
+        if self.pieces is not None:  # views of the gathered vector and of the result
+            self.source_views = PieceViews(self.pieces, self.shapes)
+            self.target_views = PieceViews(self.pieces, self.shapes)
         self.piece_inputs: List[Tensor] = []
         self.piece_outputs: List[Tensor] = []
         start = 0
@@ -180,18 +194,6 @@ class _Plan:
             for v, block in zip(self.views, self.pieces):
                 self.piece_inputs += [v.M[:, :, p.start : p.stop] for p in block]
                 self.piece_outputs += [v.out[:, :, p.start : p.stop] for p in block]
-
-    def source_views(self, flat: Tensor) -> List[Tensor]:
-        """The pieces' views of ``flat`` (made again only for another tensor)."""
-        if self._source[0] is not flat:
-            self._source = (flat, piece_views(flat, self.pieces, self.shapes))
-        return self._source[1]
-
-    def target_views(self, out: Tensor) -> List[Tensor]:
-        """The pieces' views of the result ``out`` (made again only for another tensor)."""
-        if self._target[0] is not out:
-            self._target = (out, piece_views(out, self.pieces, self.shapes))
-        return self._target[1]
 
     def fits(self, indices: Sequence[Tensor], like: Tensor) -> bool:
         return (
@@ -266,7 +268,7 @@ class BlockGather:
                 out = torch.empty_like(flat) if plan.back is not None else flat.clone()
             elif plan.back is None:
                 out.copy_(flat)
-            copy_into(plan.target_views(out), plan.piece_outputs)
+            copy_into(plan.target_views.of(out), plan.piece_outputs)
             return out
         if plan.back is not None:  # every position is in a block: one gather back
             if out is None:
@@ -278,7 +280,7 @@ class BlockGather:
     @staticmethod
     def _run(plan: _Plan, flat: Tensor, jobs: Sequence[Callable[..., None]], extra) -> None:
         if plan.pieces is not None:
-            copy_into(plan.piece_inputs, plan.source_views(flat))
+            copy_into(plan.piece_inputs, plan.source_views.of(flat))
         else:
             torch.index_select(flat, 0, plan.index, out=plan.inputs)
         if extra is not None:
@@ -308,7 +310,7 @@ __all__: List[str] = [
     "BlockGather",
     "BlockViews",
     "Piece",
+    "PieceViews",
     "affine_pieces",
     "inverse_into",
-    "piece_views",
 ]

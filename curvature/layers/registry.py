@@ -46,3 +46,12 @@ def registered_rule(module: nn.Module) -> Optional[LayerRule]:
 def registered_types() -> tuple:
     """All module types with a registered rule."""
     return tuple(_RULES)
+
+
+def library_method(rule: LayerRule, name: str) -> bool:
+    """Whether ``rule``'s method ``name`` is the library's own (a built-in rule's or a base
+    class's), or absent: then its results are new tensors of each call, which callers may
+    write in place; a rule of one's own may return tensors it keeps.
+    """
+    method = getattr(type(rule), name, None)
+    return method is None or method.__module__.startswith("curvature.")

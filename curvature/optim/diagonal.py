@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from ..blocks import AllBlocks, DiagonalBlock
-from ..blocks.gather import affine_pieces, piece_views
+from ..blocks.gather import PieceViews, affine_pieces
 from ..foreach import copy_into
 from ..layer_stats import fisher_diagonal, layer_positions
 from ..layers.plain import SquaredInputs
+from ..layers.registry import library_method
 from ..layout import put, take
 from ..linalg import host_values
 from ..options import FisherType, KFACApproxType
@@ -90,10 +91,9 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         #: where every position is in a block: ``flat_d[order]`` is the diagonal in the
         #: parameters' flat layout (``[P]`` positions, int32 below 2**31 entries)
         self._order: Optional[Tensor] = None
-        #: (CPU) the same order as strided copies: per block its affine pieces, shapes
-        #: and source views of the flat diagonals; the target views of the last output
-        self._pieces: Optional[tuple] = None
-        self._target: tuple = (None, [])
+        #: (CPU) the same order as strided copies: the source views of the flat
+        #: diagonals and the (cached) views of the output, per affine piece of each block
+        self._pieces: Optional[Tuple[List[Tensor], PieceViews]] = None
         self._warned_missing = False
         config = CurvatureConfig.from_arguments(type(self).__name__, locals())
         super().__init__(model, lr, damping, momentum, weight_decay, config, param_groups)
@@ -133,16 +133,16 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         if name not in self._diagonals:
             if kron:
                 index = rule.kfac_index(module, self.layout.local_offsets(name))
-                # (one part: its [C, D_out, D] shape kept, for the CPU's strided copies)
-                ix = index[next(iter(parts))] if len(parts) == 1 else None
-                ix = ix if ix is not None else torch.cat([index[s].reshape(-1) for s in parts])
+                if len(parts) == 1:  # its [C, D_out, D] shape kept (the CPU's copies)
+                    ix = index[next(iter(parts))]
+                else:
+                    ix = torch.cat([index[s].reshape(-1) for s in parts])
             else:  # named_parameters order, the rule's parameters
                 ix = layer_positions(self.layout, name, module, rule)
             self._diagonals[name] = DiagonalBlock(name, ix)
         # new tensors of this step (zeroed in place if not finite), unless a rule of
         # one's own returned its direct diagonal as it is
-        direct = getattr(type(rule), "direct_diagonal", None)
-        owned = direct is None or direct.__module__.startswith("curvature.")
+        owned = library_method(rule, "direct_diagonal")
         emit((name, self.diagonal_suffix), [d.to(stat_dtype(d))], ("g",), 0, owned)
 
     def _update_curvature(self, stats) -> None:
@@ -203,11 +203,9 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         if out is not None and (out.dtype != flat.dtype or out.device != flat.device):
             out = None  # (a model moved or cast after the statistics: a new tensor)
         if self._pieces is not None:  # (CPU) strided copies, as BlockGather's
-            pieces, shapes, sources = self._pieces
+            sources, targets = self._pieces
             out = torch.empty_like(flat) if out is None else out
-            if self._target[0] is not out:
-                self._target = (out, piece_views(out, pieces, shapes))
-            copy_into(self._target[1], sources)
+            copy_into(targets.of(out), sources)
         else:
             out = torch.index_select(flat, 0, self._order, out=out)
         out.add_(damping)
@@ -237,7 +235,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         if len(ds) == len(self._flat_views) and all(a is b for a, b in zip(ds, self._flat_views)):
             return self._flat_d
         self._flat_d, self._flat_views, self._order = None, [], None
-        self._pieces, self._target = None, (None, [])
+        self._pieces = None
         if not ds or any(d.dtype != like.dtype or d.device != like.device for d in ds):
             return None
         flat = like.new_empty(sum(d.numel() for d in ds))
@@ -302,11 +300,13 @@ def _inverse_all(
             torch.where(b.fresh, v.M, v.out, out=v.out)
 
 
-def _layout_pieces(blocks: List[DiagonalBlock], flat: Tensor) -> Optional[tuple]:
-    """``(pieces, shapes, sources)``: each block's positions as affine pieces of the flat
-    layout (:func:`~curvature.blocks.gather.affine_pieces`, its index viewed in the shape
-    its diagonal arrives in) and the matching views of ``flat`` (the diagonals, block
-    after block); ``None`` where a block needs more pieces.
+def _layout_pieces(
+    blocks: List[DiagonalBlock], flat: Tensor
+) -> Optional[Tuple[List[Tensor], PieceViews]]:
+    """``(sources, targets)``: each block's positions as affine pieces of the flat layout
+    (:func:`~curvature.blocks.gather.affine_pieces`, its index viewed in the shape its
+    diagonal arrives in), the matching views of ``flat`` (the diagonals, block after
+    block) and the layout's views; ``None`` where a block needs more pieces.
     """
     pieces, shapes, sources, start = [], [], [], 0
     for b in blocks:
@@ -320,4 +320,4 @@ def _layout_pieces(blocks: List[DiagonalBlock], flat: Tensor) -> Optional[tuple]
         pieces.append(block)
         shapes.append(shape)
         start += n
-    return pieces, shapes, sources
+    return sources, PieceViews(pieces, shapes)

@@ -56,6 +56,7 @@ from ..layer_stats import (
     layer_positions,
 )
 from ..layers.precision import statistics_precision
+from ..layers.registry import library_method
 from ..layout import put, take
 from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
@@ -359,7 +360,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             return accumulate_large(name, module, rule, calls, approx, self._large, self, emit)
         # the sums are new tensors of this step where the library computed them: a
         # built-in rule's (or the base class's) kfac_factors, or the exact factors
-        owned = type(rule).kfac_factors.__module__.startswith("curvature.")
+        owned = library_method(rule, "kfac_factors")
         if with_g and name in self._exact_layers:  # exact_layer_size: one dense block
             res, owned = exact_factors(rule, module, calls), True
         else:

@@ -98,7 +98,6 @@ def apply_update(
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
     okf = None
     if tiled:  # one split, the flags of all parameters, one select over the flat vector
-        seg = _segments(sizes, directions.device)
         fits = direction_views is not None and len(direction_views) == len(slots)
         ok = finite_flags(direction_views if fits else directions.split(sizes))
         zero = scalar(0.0, directions.dtype, directions.device)
@@ -113,8 +112,10 @@ def apply_update(
                 okf = ok.to(directions.dtype).unbind(0)
                 torch._foreach_mul_(views, okf)
             else:
+                seg = _segments(sizes, directions.device)
                 torch.where(ok.index_select(0, seg), directions, zero, out=clean)
         else:
+            seg = _segments(sizes, directions.device)
             clean = torch.where(ok.index_select(0, seg), directions, zero)
             views = list(clean.split(sizes))
     else:

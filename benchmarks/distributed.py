@@ -21,6 +21,7 @@ purpose, next to the model of ``docs/distributed.md``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -147,6 +148,9 @@ def worker(rank: int, world: int, out_dir: str, steps: int) -> None:
                 opt.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    # the last DDP reducer freed while the group lives (examples/ddp_train.py: a hang at exit)
+    del ddp, opt, model
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,7 +8,10 @@ squared and summed, through the optimizer's first step ``-lr g / (d + lambda)``,
 Conv1d/2d/3d with groups, stride, padding (numbers, ``"same"``, circular), dilation, no
 bias, a frozen weight, one module called twice, and chunks of samples (ragged, one
 sample); and the unfolded path (``DIRECT_DIAGONAL = False``) for the Fishers with several
-pulled vectors (type-2, mc with 3 samples).
+pulled vectors (type-2, mc with 3 samples). Every test runs on both ways of making the
+per-sample weight gradients: one grouped convolution backward (the CPU's) and batched
+GEMMs over unfolded patches (``PATCH_GEMM_DEVICES``, a GPU's), the latter with the whole
+batch and with one sample per chunk of patches.
 """
 
 from __future__ import annotations
@@ -26,6 +29,26 @@ import curvature.layer_diagonal as layer_diagonal
 pytestmark = pytest.mark.usefixtures("float64_seeded")
 
 N = 5
+
+
+@pytest.fixture(autouse=True, params=["grouped", "patches", "patches-one-sample"])
+def weight_grads_path(request, monkeypatch):
+    """The per-sample weight gradients by a grouped convolution, or by patch GEMMs (taken
+    here on the CPU; the whole batch in one chunk of patches, or one sample per chunk)."""
+    import curvature.layers.conv as conv
+
+    if request.param != "grouped":
+        monkeypatch.setattr(conv, "PATCH_GEMM_DEVICES", ("cpu",))
+        if request.param == "patches-one-sample":
+            monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
+            monkeypatch.setattr(conv, "PATCH_CHUNK_SHARE", 0.0)
+        seen = []
+        inner = conv.patch_weight_grads
+        monkeypatch.setattr(conv, "patch_weight_grads", lambda *a: seen.append(1) or inner(*a))
+        yield request.param
+        assert seen or request.node.callspec.params.get("kind") == "frozen-weight"
+    else:
+        yield request.param
 
 
 class Net(nn.Module):

@@ -27,6 +27,13 @@ def unfold_patches(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
 
     ``S`` is the number of output positions, in the row-major order of the output.
     """
+    o, k = _axes("o", len(module.kernel_size)), _axes("k", len(module.kernel_size))
+    x = _windows(module, x)
+    return rearrange(x, f"n (g c) {o} {k} -> n ({o}) g (c {k})", g=module.groups)
+
+
+def _windows(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
+    """The padded input's windows ``[N, C_in, O_1..O_d, k_1..k_d]`` (a strided view)."""
     d = len(module.kernel_size)
     if x.dim() == d + 1:
         raise ValueError(
@@ -41,9 +48,7 @@ def unfold_patches(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
         k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
         # window of extent dil * (k - 1) + 1 at every stride, then keep every dil-th entry
         x = x.unfold(2 + i, dil * (k - 1) + 1, s)[..., ::dil]
-    # x: [N, C_in, O_1..O_d, k_1..k_d], the channels split into groups as (G, C_in / G)
-    o, k = _axes("o", d), _axes("k", d)
-    return rearrange(x, f"n (g c) {o} {k} -> n ({o}) g (c {k})", g=module.groups)
+    return x  # the channels split into groups as (G, C_in / G)
 
 
 def _axes(prefix: str, d: int) -> str:
@@ -239,11 +244,25 @@ def per_sample_weight_grads(
     return out.copy_(grad)
 
 
+#: Devices on which per-sample weight gradients are patch GEMMs (:func:`patch_weight_grads`)
+#: instead of one grouped convolution backward. cuDNN runs a convolution with ``N * G``
+#: groups as about one kernel per group: on an H100 (float32, TF32 off) 2.8-12.8 ms per
+#: layer of gpu.py's CNNs against 1.7-3.7 ms for unfolded patches and a batched GEMM
+#: (docs/benchmarks.md, "GPU"); on a CPU the grouped call is the faster one.
+PATCH_GEMM_DEVICES = ("cuda",)
+#: The patches' memory bound in :func:`patch_weight_grads`, in elements: ``max(
+#: PATCH_CHUNK_ELEMENTS, PATCH_CHUNK_SHARE * (numel(x) + numel(g)))``.
+PATCH_CHUNK_ELEMENTS = 2**22
+PATCH_CHUNK_SHARE = 1.0
+
+
 def _weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, shape) -> Tensor:
     """The weight gradient ``shape`` of the convolution of ``x [N, C_in, *spatial]`` with
     ``N * G`` groups for output gradients ``g [..., *out]`` (``shape[0]`` channels in all:
     the leading axes in row-major order, sample first).
     """
+    if x.device.type in PATCH_GEMM_DEVICES:
+        return patch_weight_grads(module, x, g, shape)
     x, padding = _conv_input(module, x.to(g.dtype))
     N, sp = x.shape[0], g.shape[-(x.dim() - 2) :]
     w_like = _stand_in(shape, g)  # (in the gradients' dtype: e.g. bf16 under autocast)
@@ -273,6 +292,44 @@ def folded_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, K
         g = g.reshape(K, N, G, -1, *sp).movedim(0, 2)
     W = module.weight
     return _weight_grads(module, x, g, (N * K * W.shape[0], *W.shape[1:]))
+
+
+def patch_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, shape) -> Tensor:
+    """:func:`_weight_grads` as batched GEMMs over unfolded patches, a chunk of samples at
+    a time: for sample ``n`` and group ``c``, ``g_nc [R, S] @ P_nc [S, C_in / G prod(k)]``
+    (``R = shape[0] / (N G)`` rows: the pulled vectors times the group's output channels,
+    ``S`` output positions). The patches of one chunk (one copy of its strided windows)
+    stay within ``max(PATCH_CHUNK_ELEMENTS, PATCH_CHUNK_SHARE * (numel(x) + numel(g)))``
+    elements: at most about the memory of the layer's own input and output gradients.
+    Taken in ``g``'s dtype with autocast off (the grouped convolution's numerics: no
+    lower-precision GEMM).
+    """
+    N, G, d = x.shape[0], module.groups, len(module.kernel_size)
+    S = g.shape[-d:].numel()
+    D = math.prod(shape[1:])  # C_in / G * prod(k)
+    gm = g.reshape(N * G, -1, S)  # (any leading axes: [K = 1, N] or [N, G, K])
+    bound = max(PATCH_CHUNK_ELEMENTS, int(PATCH_CHUNK_SHARE * (x.numel() + g.numel())))
+    chunk = max(1, bound // max(1, G * S * D))
+    # into one buffer, unless autograd records (a differentiable result: the chunks joined)
+    graph = torch.is_grad_enabled() and (x.requires_grad or g.requires_grad)
+    out = None if chunk >= N or graph else g.new_empty(N * G, gm.shape[1], D)
+    parts = []
+    o, k = _axes("o", d), _axes("k", d)
+    with torch.autocast(x.device.type, enabled=False):
+        for n0 in range(0, N, chunk):
+            n = min(chunk, N - n0)
+            xc = x if n == N else x.narrow(0, n0, n)
+            P = rearrange(  # [n G, S, C_in / G prod(k)]: one copy of the windows
+                _windows(module, xc.to(g.dtype)), f"n (g c) {o} {k} -> (n g) ({o}) (c {k})", g=G
+            )
+            rows = slice(n0 * G, (n0 + n) * G)
+            if out is None:
+                parts.append(torch.bmm(gm[rows], P))
+            else:
+                torch.bmm(gm[rows], P, out=out[rows])
+    if out is None:
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.view(shape)
 
 
 def _stand_in(shape, like: Tensor) -> Tensor:

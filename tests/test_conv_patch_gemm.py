@@ -92,6 +92,7 @@ def test_a_differentiable_result_through_chunks(monkeypatch):
     g = torch.randn(5, 6, 6, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, *m.weight.shape, dtype=torch.float64)
     res = {}
+    monkeypatch.setattr(conv, "PATCH_GEMM_POSITIONS", 0)
     for path in ("grouped", "patches"):
         if path == "patches":
             monkeypatch.setattr(conv, "PATCH_GEMM_DEVICES", ("cpu",))
@@ -101,3 +102,30 @@ def test_a_differentiable_result_through_chunks(monkeypatch):
         res[path] = (value, *torch.autograd.grad((value * w).sum(), (x, g)))
     for a, b in zip(res["grouped"], res["patches"]):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "size, channels, patches",
+    [(8, 32, True), (8, 16, False), (2, 4, True), (6, 4, False)],
+    ids=["64 positions, 32 channels", "64 positions, 16 channels", "4, 4", "36, 4"],
+)
+def test_a_cpu_takes_the_patch_gemms_for_few_positions_per_channel(size, channels, patches):
+    # on a CPU: patch GEMMs where output positions <= PATCH_GEMM_POSITIONS (2) x the input
+    # channels of a group, else one grouped convolution backward; the same values either way
+    torch.manual_seed(0)
+    m = nn.Conv2d(channels, 3, 3, padding=1)
+    x = torch.randn(4, channels, size, size)
+    g = torch.randn(4, 3, size, size)
+    calls = []
+    inner = conv.patch_weight_grads
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conv, "patch_weight_grads", lambda *a: calls.append(1) or inner(*a))
+        got = conv.per_sample_weight_grads(m, x, g)
+    assert bool(calls) == patches
+    expected = torch.stack([twin_one(m, x[i], g[i]) for i in range(4)])
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def twin_one(m, x, g):
+    """One sample's weight gradient by autograd."""
+    return torch.autograd.grad((m(x[None]) * g[None]).sum(), m.weight)[0]

@@ -9,7 +9,8 @@ Conv1d/2d/3d with groups, stride, padding (numbers, ``"same"``, circular), dilat
 bias, a frozen weight, one module called twice, and chunks of samples (ragged, one
 sample); and the unfolded path (``DIRECT_DIAGONAL = False``) for the Fishers with several
 pulled vectors (type-2, mc with 3 samples). Every test runs on both ways of making the
-per-sample weight gradients: one grouped convolution backward (the CPU's) and batched
+per-sample weight gradients: one grouped convolution backward (the CPU's for many output
+positions per input channel) and batched
 GEMMs over unfolded patches (``PATCH_GEMM_DEVICES``, a GPU's), the latter with the whole
 batch and with one sample per chunk of patches.
 """
@@ -37,7 +38,9 @@ def weight_grads_path(request, monkeypatch):
     here on the CPU; the whole batch in one chunk of patches, or one sample per chunk)."""
     import curvature.layers.conv as conv
 
-    if request.param != "grouped":
+    if request.param == "grouped":
+        monkeypatch.setattr(conv, "PATCH_GEMM_POSITIONS", 0)
+    else:
         monkeypatch.setattr(conv, "PATCH_GEMM_DEVICES", ("cpu",))
         if request.param == "patches-one-sample":
             monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
@@ -47,8 +50,8 @@ def weight_grads_path(request, monkeypatch):
         monkeypatch.setattr(conv, "patch_weight_grads", lambda *a: seen.append(1) or inner(*a))
         yield request.param
         assert seen or request.node.callspec.params.get("kind") == "frozen-weight"
-    else:
-        yield request.param
+        return
+    yield request.param
 
 
 class Net(nn.Module):

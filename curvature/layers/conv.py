@@ -244,12 +244,17 @@ def per_sample_weight_grads(
     return out.copy_(grad)
 
 
-#: Devices on which per-sample weight gradients are patch GEMMs (:func:`patch_weight_grads`)
-#: instead of one grouped convolution backward. cuDNN runs a convolution with ``N * G``
-#: groups as about one kernel per group: on an H100 (float32, TF32 off) 2.8-12.8 ms per
-#: layer of gpu.py's CNNs against 1.7-3.7 ms for unfolded patches and a batched GEMM
-#: (docs/benchmarks.md, "GPU"); on a CPU the grouped call is the faster one.
+#: Devices on which per-sample weight gradients are always patch GEMMs
+#: (:func:`patch_weight_grads`) instead of one grouped convolution backward. cuDNN runs a
+#: convolution with ``N * G`` groups as about one kernel per group: on an H100 (float32,
+#: TF32 off) 0.8-9.8 ms per layer of gpu.py's CNNs against 0.1-1.2 ms for the patch GEMMs
+#: (``benchmarks/conv_weight_grads.py``; docs/benchmarks.md, "GPU"). Elsewhere (a CPU)
+#: the patch GEMMs are taken where a sample has at most ``PATCH_GEMM_POSITIONS`` output
+#: positions per input channel of a group: on 2 CPU threads they were 1.9-2.0x faster
+#: than the grouped call with 64 positions and 128-256 channels, even with 256 positions
+#: and 128 channels, and 2-4x slower with 256-1024 positions and 32-64 channels.
 PATCH_GEMM_DEVICES = ("cuda",)
+PATCH_GEMM_POSITIONS = 2
 #: The patches' memory bound in :func:`patch_weight_grads`, in elements: ``max(
 #: PATCH_CHUNK_ELEMENTS, PATCH_CHUNK_SHARE * (numel(x) + numel(g)))``.
 PATCH_CHUNK_ELEMENTS = 2**22
@@ -261,7 +266,7 @@ def _weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, shape) 
     ``N * G`` groups for output gradients ``g [..., *out]`` (``shape[0]`` channels in all:
     the leading axes in row-major order, sample first).
     """
-    if x.device.type in PATCH_GEMM_DEVICES:
+    if _patch_gemms(module, x, g):
         return patch_weight_grads(module, x, g, shape)
     x, padding = _conv_input(module, x.to(g.dtype))
     N, sp = x.shape[0], g.shape[-(x.dim() - 2) :]
@@ -292,6 +297,16 @@ def folded_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, K
         g = g.reshape(K, N, G, -1, *sp).movedim(0, 2)
     W = module.weight
     return _weight_grads(module, x, g, (N * K * W.shape[0], *W.shape[1:]))
+
+
+def _patch_gemms(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor) -> bool:
+    """Whether :func:`_weight_grads` takes :func:`patch_weight_grads` (see
+    :data:`PATCH_GEMM_DEVICES`, :data:`PATCH_GEMM_POSITIONS`).
+    """
+    if x.device.type in PATCH_GEMM_DEVICES:
+        return True
+    positions = g.shape[-len(module.kernel_size) :].numel()
+    return positions <= PATCH_GEMM_POSITIONS * (module.in_channels // module.groups)
 
 
 def patch_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, shape) -> Tensor:

@@ -40,6 +40,12 @@ KFAC_CHUNK_ELEMENTS = 2**20
 #: step). ``2**20`` elements (4 MiB in float32) take a few dozen such samples at once
 #: (``2**22`` was faster still but raised the peak of ``ekfac()`` on a small CNN).
 CORRECTION_CHUNK_ELEMENTS = 2**20
+#: The same floor on CUDA: its small batched GEMMs of a few samples per chunk run far
+#: below the device's throughput (EKFAC's step on gpu.py's VGG-like CNN at batch 256, on
+#: an H100: 343 ``bmm`` calls per step; floor ``2**20`` / ``2**24`` / ``2**26`` / ``2**28``:
+#: 71.0 / 67.4 / 63.7 / 61.7 ms per step, peak 891 / 889 / 891 / 1205 MiB). ``2**26``
+#: elements are at most 256 MiB of float32 temporaries.
+CORRECTION_CHUNK_ELEMENTS_CUDA = 2**26
 #: Whether :func:`direct_diagonal` takes a rule's direct path (convolutions: per-sample
 #: weight gradients in one kernel call, no unfolding); ``False``: the unfolded path.
 DIRECT_DIAGONAL = True
@@ -222,14 +228,16 @@ def correction_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) 
     A sample's temporaries: the patches, their copy with the bias column and their
     rotation (``3 S C D``), the rotated gradients (``K S C D_out``) and the rotated
     per-sample gradient (``K C D_out D``); the bound is ``max(CORRECTION_CHUNK_ELEMENTS,
-    DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``.
+    DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))`` (on CUDA the floor
+    :data:`CORRECTION_CHUNK_ELEMENTS_CUDA`).
     """
+    cuda = bool(calls) and calls[0].args[0].device.type == "cuda"
     return samples_per_chunk(
         rule,
         module,
         calls,
         lambda S, C, D, D_out, K: 3 * S * C * D + K * S * C * D_out + K * C * D_out * D,
-        floor=CORRECTION_CHUNK_ELEMENTS,
+        floor=CORRECTION_CHUNK_ELEMENTS_CUDA if cuda else CORRECTION_CHUNK_ELEMENTS,
     )
 
 

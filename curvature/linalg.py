@@ -90,20 +90,35 @@ def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
     """
     if len(mats) == 1:
         return {idx[0]: _first_eigh(mats[0])}
-    S, dtype, res = _first_eigh(torch.stack(mats))
+    # symmetrized straight into the batch (no stacked copy of the matrices besides it:
+    # the memory of decomposing them one by one)
+    dtype = _eigh_dtype(mats[0])
+    S = mats[0].new_empty((len(mats), *mats[0].shape), dtype=dtype)
+    for j, M in enumerate(mats):
+        M = M.to(dtype)
+        torch.add(M, M.mT, out=S[j])
+    S, dtype, res = _first_eigh(S.mul_(0.5), symmetric=True)
     if res is None:
-        return {i: _first_eigh(M) for i, M in zip(idx, mats)}
+        return {i: _first_eigh(S[j], symmetric=True) for j, i in enumerate(idx)}
     return {i: (S[j], dtype, (res[0][j], res[1][j])) for j, i in enumerate(idx)}
 
 
-def _first_eigh(M: Tensor) -> Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]:
+def _eigh_dtype(M: Tensor) -> torch.dtype:
+    """The dtype :func:`eigh` decomposes ``M`` in: ``M``'s, at least float32."""
+    return M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _first_eigh(
+    M: Tensor, symmetric: bool = False
+) -> Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]:
     """``(S, dtype, (evals, evecs) or None)``: the first attempt of :func:`eigh`, unchecked.
 
-    ``S`` is the symmetrized ``M`` in ``dtype`` (``M``'s, at least float32); ``None``
-    when ``torch.linalg.eigh`` raised (e.g. no convergence).
+    ``S`` is the symmetrized ``M`` in ``dtype`` (``M``'s, at least float32; ``M`` itself
+    where ``symmetric``: already symmetrized in that dtype); ``None`` when
+    ``torch.linalg.eigh`` raised (e.g. no convergence).
     """
-    dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
-    S = symmetrize(M.to(dtype))
+    dtype = _eigh_dtype(M)
+    S = M if symmetric else symmetrize(M.to(dtype))
     try:
         return S, dtype, torch.linalg.eigh(S)
     except RuntimeError:

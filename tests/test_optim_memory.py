@@ -323,3 +323,39 @@ def test_curvature_functions_take_convolution_statistics_in_chunks(fn, monkeypat
     v = [torch.randn(p.shape, dtype=torch.float64) for p in pooled_cnn().parameters()]
     for a, b in zip(chunked.matvec(v), whole.matvec(v)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_batched_eigendecompositions_hold_no_stacked_copy():
+    """``eighs`` of equal-shaped matrices (EKFAC's refresh) symmetrizes them straight into
+    one batch: besides it only the decomposition's outputs are allocated, as one by one
+    (a stacked copy of the matrices before the symmetrized one raised the refresh peak of
+    EKFAC on an H100 MLP 784-2048-2048-10 by about 34 MB)."""
+    from curvature.linalg import eighs
+
+    torch.manual_seed(0)
+    k, n = 4, 64
+    mats = []
+    for _ in range(k):
+        a = torch.randn(2 * n, n)
+        mats.append(a.T @ a)
+    with LiveBytes() as live:
+        got = eighs(mats, ["m"] * k)
+    matrix = n * n * 4
+    # symmetrized batch + eigenvectors (+ eigenvalues, flags: a few vectors)
+    assert 2 * k * matrix <= live.peak < 2 * k * matrix + 64 * k * n
+    assert len(got) == k and all(v.shape == (n, n) for _, v in got)
+
+
+@pytest.mark.parametrize("name", ["KFAC", "EKFAC"])
+def test_a_refresh_runs_without_the_flat_buffers(name, monkeypatch):
+    """A refresh of KFAC / EKFAC frees the optimizer's flat ``[P]`` buffers while its
+    decompositions run and makes them anew after: the refresh step's peak is at least one
+    ``[P]`` vector below the twin that keeps them (EKFAC's refresh on an H100 MLP
+    784-2048-2048-10 held 23 MB of them at its peak)."""
+    cls = getattr(curvature, name)
+    peaks = {}
+    for release in (True, False):
+        monkeypatch.setattr(cls, "_release_at_refresh", release)
+        m = measure(lambda model: cls(model, lr=1e-3, loss_func=CE, inverse_every=1), "mlp")
+        peaks[release] = m["peak"]
+    assert peaks[False] - peaks[True] >= 0.99 * m["params"]  # (a few small tensors move)

@@ -232,6 +232,9 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
 
     #: The suffix of the statistics key of a group of tied layers' diagonal.
     diagonal_suffix = ""
+    #: Whether a refresh frees the flat ``[P]`` buffers while it runs (decompositions:
+    #: their temporaries and the buffers are not alive together; made anew after it).
+    _release_at_refresh = True
 
     @property
     def _tied_diagonal(self) -> bool:
@@ -329,6 +332,11 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
             with batched_ema():  # the running updates in one call
                 self._update_curvature(stats)
         if self.steps % cfg.inverse_every == 0 or self._needs_refresh():
+            if self._release_at_refresh:
+                # the flat [P] buffers freed while the decompositions run (not alive at
+                # the refresh's peak: EKFAC's eigendecompositions), made anew right after
+                for buffer in self._flat:
+                    buffer.release()
             self._refresh()
         grads = self._flat_grads()
         adapt = (

@@ -34,6 +34,8 @@ Usage::
     python benchmarks/training.py --workloads fmnist-mlp --seeds 0 --quick
     python benchmarks/training.py --json benchmarks/results/training.json --doc
     python benchmarks/training.py --workloads resnet18 --seeds 0 --threads 1 --clock cpu
+    python benchmarks/training.py --workloads resnet18 --resnet-width 64 --seeds 0 \
+        --device cuda --json resnet18_gpu.json           # on a GPU: torchvision's width
 
 Workloads:
 
@@ -97,6 +99,21 @@ BASELINE_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD+momentum"}
 #: CPU time, fair on a machine shared with other jobs when torch runs one thread)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock_now: Callable[[], float] = time.perf_counter
+#: where the image, MLP and autoencoder workloads train (``--device``; the PINN workloads
+#: run the example on the CPU): their data is moved there when a workload is built, each
+#: model when it is made, and on CUDA the clock synchronizes the device before it reads
+DEVICE = torch.device("cpu")
+
+
+def _synchronized_clock() -> float:
+    """The wall clock after the CUDA device's queued work is done."""
+    torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
+
+
+def _on_device(*tensors: Tensor) -> Tuple[Tensor, ...]:
+    """The tensors on :data:`DEVICE` (the same tensors on the CPU)."""
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 # -- workloads ----------------------------------------------------------------------------
@@ -184,6 +201,7 @@ def fmnist_mlp(budget: float) -> Workload:
     Xtr, ytr, Xte, yte = fashion_mnist()
     sub = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(123))[:10000]
     Xs, ys = Xtr[sub], ytr[sub]
+    Xtr, ytr, Xte, yte, Xs, ys = _on_device(Xtr, ytr, Xte, yte, Xs, ys)
     ce = nn.CrossEntropyLoss()
 
     @torch.no_grad()
@@ -220,6 +238,7 @@ def autoencoder(budget: float) -> Workload:
     Xtr, _, _, _ = fashion_mnist()
     sub = torch.randperm(len(Xtr), generator=torch.Generator().manual_seed(321))[:5000]
     Xs = Xtr[sub]
+    Xtr, Xs = _on_device(Xtr, Xs)
     bce = nn.BCEWithLogitsLoss()
     sizes = [784, 1000, 500, 250, 30]
 
@@ -299,6 +318,7 @@ def image_workload(
     g = torch.Generator().manual_seed(123)
     sub = torch.randperm(len(ytr), generator=g)[: min(5000, len(ytr))]
     Xs, ys = Xtr[sub], ytr[sub]
+    Xtr, ytr, Xte, yte, Xs, ys = _on_device(Xtr, ytr, Xte, yte, Xs, ys)
     ce = nn.CrossEntropyLoss()
 
     @torch.no_grad()
@@ -612,12 +632,12 @@ def train(
     seconds, else the workload's)."""
     budget = wl.budget if budget is None else budget
     torch.manual_seed(seed)
-    model = wl.make_model()
+    model = wl.make_model().to(DEVICE)  # (initialized on the CPU: the same on every device)
     opt = make_optimizer(kind, model, options)
     order = torch.Generator().manual_seed(1000 + seed)
     run = Run(method, seed)
     clock, step, N = 0.0, 0, len(wl.y)
-    perm, pos = torch.randperm(N, generator=order), 0
+    perm, pos = torch.randperm(N, generator=order).to(wl.y.device), 0
 
     def check() -> bool:
         model.eval()
@@ -642,7 +662,7 @@ def train(
         t0 = clock_now()
         for _ in range(every):
             if pos + wl.batch > N:
-                perm, pos = torch.randperm(N, generator=order), 0
+                perm, pos = torch.randperm(N, generator=order).to(wl.y.device), 0
             idx = perm[pos : pos + wl.batch]
             pos += wl.batch
             opt.zero_grad()
@@ -1235,11 +1255,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--doc", action="store_true", help="write docs/benchmarks.md's section")
     p.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy machine)")
     p.add_argument("--from-json", default=None, help="report (and --doc) from a saved run")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="image, MLP and autoencoder workloads: train there (cuda: the wall clock after "
+        "a synchronization; the PINN workloads stay on the CPU)",
+    )
     add_workload_options(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    global clock_now
+    global clock_now, DEVICE
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: cpu or cuda")
+    DEVICE = torch.device(args.device)
     clock_now = CLOCKS[args.clock]
+    if DEVICE.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: CUDA is not available")
+        if args.clock != "wall":
+            p.error("--device cuda needs --clock wall (the device's time is not this process's)")
+        if any(n in PINN_WORKLOADS for n in args.workloads.split(",")):
+            p.error("--device cuda: the PINN workloads run the example on the CPU only")
+        clock_now = _synchronized_clock
     seeds = [int(s) for s in args.seeds.split(",")]
     grids: Dict[str, Sequence[float]] = {"adam": ADAM_GRID, "sgd": SGD_GRID}
     if args.quick:
@@ -1282,6 +1319,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "machine": common.machine_line(),
         "threads": args.threads,
         "clock": args.clock,
+        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
         "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     if args.json:
@@ -1306,6 +1344,11 @@ def run_line(run: Dict[str, Any]) -> str:
         + (f", {run['seconds']:.0f} s" if run.get("seconds") else "")
         + f"). Machine: {run['machine']}; {run['threads']} torch thread(s){load}."
         + (f" Clock: {CLOCK_TEXT[run['clock']]}." if run.get("clock") else "")
+        + (
+            f" Device: {run['device']} (the clock synchronizes it before reading)."
+            if run.get("device", "cpu") != "cpu"
+            else ""
+        )
         + (f" {run['note']}" if run.get("note") else "")
     )
 

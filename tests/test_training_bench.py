@@ -507,3 +507,37 @@ def test_kfac_row_names_its_options_and_refuses_what_is_not_a_json_object():
     for bad in ("factor_every=10", "[1, 2]", "{}"):
         with pytest.raises(SystemExit, match="--kfac-row"):
             training.kfac_row(bad)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "tpu"], "cpu or cuda"),
+        (["--device", "cuda", "--clock", "cpu"], "CUDA is not available|--clock wall"),
+        (["--device", "cuda", "--workloads", "pinn-poisson"], "CUDA is not available|PINN"),
+    ],
+)
+def test_device_option_refuses_what_it_cannot_run(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        training.main(argv)
+    import re
+
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_image_workload_data_and_models_on_the_chosen_device(monkeypatch):
+    """``--device``: the workload's tensors move there when it is built, each model when it
+    is made (here the CPU, or CUDA where there is one, with the synchronizing clock)."""
+    import warnings
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(training, "DEVICE", device)
+    if device.type == "cuda":
+        monkeypatch.setattr(training, "clock_now", training._synchronized_clock)
+    wl = training.resnet18_fmnist(1e-9, data=tiny_images(), width=4)
+    assert wl.X.device.type == device.type and wl.y.device.type == device.type
+    wl.eval_every, wl.batch = 3, 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = training.train(wl, "KFAC defaults", "kfac", {}, 0)
+    assert r.steps[-1] == 3 and 0 <= r.metrics[-1]["test_acc"] <= 1

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 17 and 19, as one prepared script for a machine with CUDA.
+#
+#   bash benchmarks/gpu_session.sh checks OUTDIR   # ~3 min: CUDA tests, gpu.py, conv paths
+#   bash benchmarks/gpu_session.sh resnet OUTDIR   # ~8 min: ResNet-18 (width 64) to 90%
+#
+# Run from the repository root. The peers (ASDL, curvlinops, BackPACK) are installed from
+# wheels in .whl/ when that folder exists (pip download them where the index is
+# reachable); without them gpu.py's peer rows are left out. Each part writes its log and
+# JSON into OUTDIR and has its own time limit, so a stopped part keeps what it wrote.
+# Then, on the development machine: copy the JSON into benchmarks/gpu_runs/ (add "run"
+# and "code" fields), `python benchmarks/gpu.py --render <runs>` for docs/benchmarks.md's
+# GPU section, and `python benchmarks/training.py --from-json <json>` for the ResNet rows.
+set -u -o pipefail
+mode=${1:?usage: gpu_session.sh checks|resnet OUTDIR}
+out=${2:?usage: gpu_session.sh checks|resnet OUTDIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/curvature-peers .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/curvature-peers"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+case "$mode" in
+checks)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matches_cpu.py \
+        tests/test_optim_syncs.py tests/test_conv_patch_gemm.py -k "cuda or patch or cpu_takes" \
+        2>&1 | tee "$out/tests.log" | tail -3
+    timeout 300 python3 benchmarks/gpu.py --device cuda --json "$out/gpu.json" --no-doc \
+        2>&1 | tee "$out/gpu.log" | tail -5
+    timeout 90 python3 benchmarks/conv_weight_grads.py --device cuda 2>&1 | tee "$out/conv.txt"
+    ;;
+resnet)
+    timeout 560 python3 benchmarks/training.py --workloads resnet18 --resnet-width 64 \
+        --seeds 0 --device cuda --resnet-budget 40 --json "$out/resnet18_gpu.json" \
+        2>&1 | tee "$out/resnet18.log" | tail -30
+    ;;
+*)
+    echo "unknown mode $mode (checks or resnet)" >&2
+    exit 2
+    ;;
+esac

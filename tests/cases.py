@@ -818,3 +818,19 @@ def torch_state(dtype: Optional[torch.dtype] = None, seed: Optional[int] = 0) ->
     finally:
         torch.set_default_dtype(old_dtype)
         torch.set_num_threads(old_threads)
+
+
+def force_patch_gemms(monkeypatch, one_sample: bool = False) -> List[int]:
+    """Make convolutions' per-sample weight gradients take the patch GEMMs on the CPU
+    (``curvature.layers.conv.PATCH_GEMM_DEVICES``), one sample per chunk of patches where
+    ``one_sample``; returns a list that grows by one per call of the patch path."""
+    import curvature.layers.conv as conv
+
+    monkeypatch.setattr(conv, "PATCH_GEMM_DEVICES", ("cpu",))
+    if one_sample:
+        monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(conv, "PATCH_CHUNK_SHARE", 0.0)
+    calls: List[int] = []
+    inner = conv.patch_weight_grads
+    monkeypatch.setattr(conv, "patch_weight_grads", lambda *a: calls.append(1) or inner(*a))
+    return calls

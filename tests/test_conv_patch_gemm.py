@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import force_patch_gemms
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -26,14 +27,7 @@ N = 6
 
 @pytest.fixture(params=["whole", "one-sample"])
 def patches(request, monkeypatch):
-    monkeypatch.setattr(conv, "PATCH_GEMM_DEVICES", ("cpu",))
-    if request.param == "one-sample":
-        monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
-        monkeypatch.setattr(conv, "PATCH_CHUNK_SHARE", 0.0)
-    calls = []
-    inner = conv.patch_weight_grads
-    monkeypatch.setattr(conv, "patch_weight_grads", lambda *a: calls.append(1) or inner(*a))
-    return calls
+    return force_patch_gemms(monkeypatch, one_sample=request.param == "one-sample")
 
 
 CONVS = {

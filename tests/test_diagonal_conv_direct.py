@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+from cases import force_patch_gemms
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -41,13 +42,7 @@ def weight_grads_path(request, monkeypatch):
     if request.param == "grouped":
         monkeypatch.setattr(conv, "PATCH_GEMM_POSITIONS", 0)
     else:
-        monkeypatch.setattr(conv, "PATCH_GEMM_DEVICES", ("cpu",))
-        if request.param == "patches-one-sample":
-            monkeypatch.setattr(conv, "PATCH_CHUNK_ELEMENTS", 1)
-            monkeypatch.setattr(conv, "PATCH_CHUNK_SHARE", 0.0)
-        seen = []
-        inner = conv.patch_weight_grads
-        monkeypatch.setattr(conv, "patch_weight_grads", lambda *a: seen.append(1) or inner(*a))
+        seen = force_patch_gemms(monkeypatch, request.param == "patches-one-sample")
         yield request.param
         assert seen or request.node.callspec.params.get("kind") == "frozen-weight"
         return

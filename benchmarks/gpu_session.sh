@@ -18,8 +18,9 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    peers=$(mktemp -d)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/curvature-peers .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/curvature-peers"
+        --target "$peers" .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$peers"
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 case "$mode" in

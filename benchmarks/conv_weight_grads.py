@@ -2,11 +2,12 @@
 batched GEMMs over unfolded patches (``curvature.layers.conv.patch_weight_grads``).
 
     python benchmarks/conv_weight_grads.py --device cuda           # the GPU's choice
-    python benchmarks/conv_weight_grads.py --device cpu --batch 64  # the CPU's choice
+    python benchmarks/conv_weight_grads.py --device cpu --batch 32 --reps 3
+    python benchmarks/conv_weight_grads.py --device cpu --layers resnet --threads 1
 
-The layers are those of benchmarks/gpu.py's CNNs (the 12544-input CNN's two
-convolutions, the VGG-like CNN's six), on random inputs and output gradients of their
-shapes; each path is timed in the same process (median of 5 rounds of ``--reps``
+The layers (``--layers``) are those of benchmarks/gpu.py's CNNs (``gpu``: the
+12544-input CNN's two convolutions, the VGG-like CNN's six) or of training.py's ResNet-18
+at width 16 (``resnet``), on random inputs and output gradients of their shapes; each path is timed in the same process (median of 5 rounds of ``--reps``
 calls, ended by a synchronization on a GPU). ``PATCH_GEMM_DEVICES`` and
 ``PATCH_GEMM_POSITIONS`` in ``curvature/layers/conv.py`` pick the path from these
 figures (always the patch GEMMs on CUDA; on a CPU where a sample has few output
@@ -23,16 +24,27 @@ from torch import nn
 
 import curvature.layers.conv as conv
 
-LAYERS = [  # name, C_in, C_out, spatial size, padding, batch at full size
-    ("CNN conv 3->32, 32x32", 3, 32, 32, 0, 512),
-    ("CNN conv 32->64, 30x30", 32, 64, 30, 0, 512),
-    ("VGG conv 3->64, 32x32", 3, 64, 32, 1, 256),
-    ("VGG conv 64->64, 32x32", 64, 64, 32, 1, 256),
-    ("VGG conv 64->128, 16x16", 64, 128, 16, 1, 256),
-    ("VGG conv 128->128, 16x16", 128, 128, 16, 1, 256),
-    ("VGG conv 128->256, 8x8", 128, 256, 8, 1, 256),
-    ("VGG conv 256->256, 8x8", 256, 256, 8, 1, 256),
-]
+LAYERS = {  # name, C_in, C_out, input size, stride, padding, batch at full size
+    "gpu": [  # benchmarks/gpu.py's CNNs
+        ("CNN conv 3->32, 32x32", 3, 32, 32, 1, 0, 512),
+        ("CNN conv 32->64, 30x30", 32, 64, 30, 1, 0, 512),
+        ("VGG conv 3->64, 32x32", 3, 64, 32, 1, 1, 256),
+        ("VGG conv 64->64, 32x32", 64, 64, 32, 1, 1, 256),
+        ("VGG conv 64->128, 16x16", 64, 128, 16, 1, 1, 256),
+        ("VGG conv 128->128, 16x16", 128, 128, 16, 1, 1, 256),
+        ("VGG conv 128->256, 8x8", 128, 256, 8, 1, 1, 256),
+        ("VGG conv 256->256, 8x8", 256, 256, 8, 1, 1, 256),
+    ],
+    "resnet": [  # training.py's ResNet-18 at width 16 on 28x28 images (3x3 convolutions)
+        ("ResNet conv 16->16, 7x7", 16, 16, 7, 1, 1, 128),
+        ("ResNet conv 16->32, 7x7, stride 2", 16, 32, 7, 2, 1, 128),
+        ("ResNet conv 32->32, 4x4", 32, 32, 4, 1, 1, 128),
+        ("ResNet conv 32->64, 4x4, stride 2", 32, 64, 4, 2, 1, 128),
+        ("ResNet conv 64->64, 2x2", 64, 64, 2, 1, 1, 128),
+        ("ResNet conv 64->128, 2x2, stride 2", 64, 128, 2, 2, 1, 128),
+        ("ResNet conv 128->128, 1x1", 128, 128, 1, 1, 1, 128),
+    ],
+}
 
 
 def timed(fn, device: torch.device, reps: int) -> float:
@@ -55,7 +67,11 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=None, help="override the batch sizes")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--layers", choices=sorted(LAYERS), default="gpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -63,9 +79,9 @@ def main(argv=None) -> None:
     kept = conv.PATCH_GEMM_DEVICES, conv.PATCH_GEMM_POSITIONS
     print(f"device {device}, threads {torch.get_num_threads()}, torch {torch.__version__}")
     try:
-        for name, c_in, c_out, size, pad, batch in LAYERS:
+        for name, c_in, c_out, size, stride, pad, batch in LAYERS[args.layers]:
             N = args.batch or batch
-            layer = nn.Conv2d(c_in, c_out, 3, padding=pad).to(device)
+            layer = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=pad).to(device)
             x = torch.randn(N, c_in, size, size, device=device)
             with torch.no_grad():
                 g = torch.randn_like(layer(x))
@@ -79,8 +95,9 @@ def main(argv=None) -> None:
                     args.reps,
                 )
             err = (res["grouped"] - res["patches"]).abs().max() / res["grouped"].abs().max()
+            positions = g.shape[-2:].numel() / c_in  # output positions per input channel
             print(
-                f"{name:26s} N={N:4d}  grouped conv {1e3 * times['grouped']:8.3f} ms  "
+                f"{name:34s} N={N:4d} S/C_in={positions:5.2f}  grouped conv {1e3 * times['grouped']:8.3f} ms  "
                 f"patch GEMMs {1e3 * times['patches']:8.3f} ms  "
                 f"({times['grouped'] / times['patches']:.2f}x)  rel. diff {float(err):.1e}",
                 flush=True,

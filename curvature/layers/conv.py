@@ -250,11 +250,12 @@ def per_sample_weight_grads(
 #: TF32 off) 0.8-9.8 ms per layer of gpu.py's CNNs against 0.1-1.2 ms for the patch GEMMs
 #: (``benchmarks/conv_weight_grads.py``; docs/benchmarks.md, "GPU"). Elsewhere (a CPU)
 #: the patch GEMMs are taken where a sample has at most ``PATCH_GEMM_POSITIONS`` output
-#: positions per input channel of a group: on 2 CPU threads they were 1.9-2.0x faster
-#: than the grouped call with 64 positions and 128-256 channels, even with 256 positions
-#: and 128 channels, and 2-4x slower with 256-1024 positions and 32-64 channels.
+#: positions per input channel of a group (``benchmarks/conv_weight_grads.py --device
+#: cpu``): 1.9-10x faster than the grouped call at 0.01-0.5 positions per channel (the
+#: late stages of a ResNet, the VGG's 8x8 layers), slower from about 1 on (0.73x at 1.0,
+#: 0.43x at 1.1, 0.13-0.52x at 3-25; even at 2.0 with 128 channels).
 PATCH_GEMM_DEVICES = ("cuda",)
-PATCH_GEMM_POSITIONS = 2
+PATCH_GEMM_POSITIONS = 0.5
 #: The patches' memory bound in :func:`patch_weight_grads`, in elements: ``max(
 #: PATCH_CHUNK_ELEMENTS, PATCH_CHUNK_SHARE * (numel(x) + numel(g)))``.
 PATCH_CHUNK_ELEMENTS = 2**22

@@ -7,8 +7,9 @@ batched GEMMs over unfolded patches (``curvature.layers.conv.patch_weight_grads`
 
 The layers (``--layers``) are those of benchmarks/gpu.py's CNNs (``gpu``: the
 12544-input CNN's two convolutions, the VGG-like CNN's six) or of training.py's ResNet-18
-at width 16 (``resnet``), on random inputs and output gradients of their shapes; each path is timed in the same process (median of 5 rounds of ``--reps``
-calls, ended by a synchronization on a GPU). ``PATCH_GEMM_DEVICES`` and
+at width 16 (``resnet``), on random inputs and output gradients of their shapes; each
+path is timed in the same process (median of 5 rounds of ``--reps`` calls, ended by a
+synchronization on a GPU). ``PATCH_GEMM_DEVICES`` and
 ``PATCH_GEMM_POSITIONS`` in ``curvature/layers/conv.py`` pick the path from these
 figures (always the patch GEMMs on CUDA; on a CPU where a sample has few output
 positions per input channel).
@@ -97,7 +98,8 @@ def main(argv=None) -> None:
             err = (res["grouped"] - res["patches"]).abs().max() / res["grouped"].abs().max()
             positions = g.shape[-2:].numel() / c_in  # output positions per input channel
             print(
-                f"{name:34s} N={N:4d} S/C_in={positions:5.2f}  grouped conv {1e3 * times['grouped']:8.3f} ms  "
+                f"{name:34s} N={N:4d} S/C_in={positions:5.2f}  "
+                f"grouped conv {1e3 * times['grouped']:8.3f} ms  "
                 f"patch GEMMs {1e3 * times['patches']:8.3f} ms  "
                 f"({times['grouped'] / times['patches']:.2f}x)  rel. diff {float(err):.1e}",
                 flush=True,

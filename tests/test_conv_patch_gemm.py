@@ -123,3 +123,17 @@ def test_a_cpu_takes_the_patch_gemms_for_few_positions_per_channel(size, channel
 def twin_one(m, x, g):
     """One sample's weight gradient by autograd."""
     return torch.autograd.grad((m(x[None]) * g[None]).sum(), m.weight)[0]
+
+
+def test_the_benchmark_compares_both_paths_on_cpu(capsys):
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import conv_weight_grads
+
+    conv_weight_grads.main(["--device", "cpu", "--layers", "resnet", "--batch", "2", "--reps", "1"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "ResNet conv" in ln]
+    assert len(lines) == len(conv_weight_grads.LAYERS["resnet"])
+    assert all("grouped conv" in ln and "patch GEMMs" in ln and "rel. diff" in ln for ln in lines)
+    assert conv.PATCH_GEMM_POSITIONS == 0.5 and conv.PATCH_GEMM_DEVICES == ("cuda",)  # restored

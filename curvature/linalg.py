@@ -8,6 +8,7 @@ matrix and the suggestion to raise the damping.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -63,12 +64,12 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
     first: Dict[int, Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]] = {}
     read = finite_flags(mats, also)
     extra = read[len(mats) :]
-    groups: Dict[Tuple[Any, ...], List[int]] = {}  # equal shapes: one batched call
-    for i, (M, ok, name) in enumerate(zip(mats, read, names)):
+    for i, (ok, name) in enumerate(zip(read, names)):
         if not ok:
             out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
-            continue
-        groups.setdefault((M.shape, M.dtype, M.device), []).append(i)
+    groups: Dict[Tuple[Any, ...], List[int]] = {}  # one batched call per group
+    for i, key in _group_keys(mats, read).items():
+        groups.setdefault(key, []).append(i)
     for idx in groups.values():
         first.update(_first_eighs([mats[i] for i in idx], idx))
     tried = [i for i, (_, _, res) in first.items() if res is not None]
@@ -83,24 +84,84 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
     return out + extra
 
 
-def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
-    """:func:`_first_eigh` of equal-shaped matrices in one batched call (on a GPU,
-    ``torch.linalg.eigh`` reads its error codes on the host once per call); one by one
-    where the batched call raises.
+#: Devices on which :func:`eighs` also decomposes the ``n x n`` and ``(n+1) x (n+1)``
+#: matrices of one dtype in one batched call, the smaller ones padded (a Linear layer's
+#: ``G`` and the next layer's ``A``, ``[x | 1]``, differ by one): ``torch.linalg.eigh``
+#: reads its error codes on the host once per call there (a synchronization each).
+#: ``[[S, 0], [0, s]]`` has the eigenpairs of ``S`` (zero in the last coordinate) and
+#: ``(s, e_{n+1})``; ``s`` below the spectrum of ``S`` (``-2 (1 + |M|_F)``) makes it the
+#: first in ascending order, and it is dropped. The tridiagonal reduction never mixes the
+#: zero row in, so the other pairs are those of ``S`` up to rounding. On a CPU (no
+#: synchronization to save) every size keeps its own call, bit for bit as one by one.
+PAD_EIGH_DEVICES = ("cuda",)
+
+
+def _group_keys(mats: Sequence[Tensor], ok: Sequence[bool]) -> Dict[int, Tuple[Any, ...]]:
+    """The batched call of each finite matrix: equal shapes together (every device), and
+    on :data:`PAD_EIGH_DEVICES` the sizes ``n`` and ``n + 1`` of one dtype (``n`` padded;
+    not chained: an ``n + 1`` that takes ``n`` is not padded itself).
     """
-    if len(mats) == 1:
+    sizes: Dict[Tuple[Any, ...], set] = {}
+    for M, good in zip(mats, ok):
+        if good and M.device.type in PAD_EIGH_DEVICES:
+            sizes.setdefault((M.dtype, M.device), set()).add(M.shape[-1])
+    into: Dict[Tuple[Any, ...], int] = {}  # (dtype, device, n) -> the size it joins
+    for (dtype, device), ns in sizes.items():
+        for n in sorted(ns):
+            if n + 1 in ns and (dtype, device, n) not in into:  # (n itself not taken)
+                into[(dtype, device, n)] = into[(dtype, device, n + 1)] = n + 1
+    keys: Dict[int, Tuple[Any, ...]] = {}
+    for i, (M, good) in enumerate(zip(mats, ok)):
+        if good:
+            n = M.shape[-1]
+            if M.device.type in PAD_EIGH_DEVICES:
+                keys[i] = ("sizes", into.get((M.dtype, M.device, n), n), M.dtype, M.device)
+            else:
+                keys[i] = (M.shape, M.dtype, M.device)
+    return keys
+
+
+def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
+    """:func:`_first_eigh` of several matrices in one batched call (on a GPU,
+    ``torch.linalg.eigh`` reads its error codes on the host once per call); one by one
+    where the batched call raises. Leading axes are flattened into the batch; a matrix
+    smaller by one than the largest is padded (:data:`PAD_EIGH_DEVICES`).
+    """
+    m = max(M.shape[-1] for M in mats)
+    if len(mats) == 1 and mats[0].shape[-1] == m:
         return {idx[0]: _first_eigh(mats[0])}
     # symmetrized straight into the batch (no stacked copy of the matrices besides it:
     # the memory of decomposing them one by one)
     dtype = _eigh_dtype(mats[0])
-    S = mats[0].new_empty((len(mats), *mats[0].shape), dtype=dtype)
-    for j, M in enumerate(mats):
-        M = M.to(dtype)
-        torch.add(M, M.mT, out=S[j])
+    counts = [math.prod(M.shape[:-2]) for M in mats]
+    S = mats[0].new_empty((sum(counts), m, m), dtype=dtype)
+    starts = []
+    at = 0
+    for M, k in zip(mats, counts):
+        n = M.shape[-1]
+        M = M.to(dtype).reshape(k, n, n)
+        block = S[at : at + k]
+        if n == m:
+            torch.add(M, M.mT, out=block)
+        else:  # [[M + M^T, 0], [0, 2 s]], halved with the rest below
+            block.zero_()
+            torch.add(M, M.mT, out=block[:, :n, :n])
+            block[:, n, n] = -4.0 * (1.0 + torch.linalg.matrix_norm(M))
+        starts.append(at)
+        at += k
     S, dtype, res = _first_eigh(S.mul_(0.5), symmetric=True)
-    if res is None:
-        return {i: _first_eigh(S[j], symmetric=True) for j, i in enumerate(idx)}
-    return {i: (S[j], dtype, (res[0][j], res[1][j])) for j, i in enumerate(idx)}
+    out = {}
+    for i, M, at, k in zip(idx, mats, starts, counts):
+        n = M.shape[-1]
+        Si = S[at : at + k, :n, :n].reshape(M.shape)
+        if res is None:
+            out[i] = _first_eigh(Si, symmetric=True)
+            continue
+        evals, evecs = res[0][at : at + k], res[1][at : at + k]
+        if n < m:  # the sentinel pair first: dropped
+            evals, evecs = evals[:, 1:].contiguous(), evecs[:, :n, 1:].contiguous()
+        out[i] = (Si, dtype, (evals.reshape(M.shape[:-1]), evecs.reshape(M.shape)))
+    return out
 
 
 def _eigh_dtype(M: Tensor) -> torch.dtype:

@@ -171,3 +171,66 @@ def test_foreach_finite_flags_judges_by_the_norm():
     assert device_flags(big).tolist() == [True, False, True]  # 1e18: norm 3.2e19 overflows
     assert device_flags([torch.full((1000,), 100.0, dtype=torch.float16)]).tolist() == [True]
     assert device_flags([torch.ones(0), torch.tensor([nan])]).tolist() == [True, False]
+
+
+def test_eighs_pads_sizes_n_and_n_plus_one_into_one_call(monkeypatch):
+    """On ``PAD_EIGH_DEVICES`` (a GPU's: one host read of the error codes per call) the
+    ``n x n`` and ``(n+1) x (n+1)`` matrices go through one batched call, the smaller ones
+    padded with a sentinel eigenvalue that is dropped: the eigenvalues of one by one, an
+    orthonormal basis that reconstructs each matrix (also with a leading axis and a
+    rank-deficient matrix), not chained (4 joins 5; 5 does not join 6), the order kept."""
+    import curvature.linalg as linalg
+
+    monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",))
+    mats = [_psd(D=5, rank=2), _psd(D=6), _psd(2, D=6, rank=3), _psd(D=7), _psd(D=4), _psd(D=9)]
+    shapes = []
+    inner = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda M: shapes.append(tuple(M.shape)) or inner(M))
+    got = eighs(mats, ["a", "b", "c", "d", "e", "f"])
+    monkeypatch.undo()
+    assert sorted(shapes) == [(2, 5, 5), (4, 7, 7), (9, 9)]
+    for (evals, evecs), M in zip(got, mats):
+        ref, _ = eigh(M)
+        assert evals.shape == ref.shape and evecs.shape == M.shape
+        torch.testing.assert_close(evals, ref, rtol=1e-10, atol=1e-10)
+        eye = torch.eye(M.shape[-1], dtype=M.dtype)
+        torch.testing.assert_close(evecs.mT @ evecs, eye.expand_as(M), rtol=0, atol=1e-10)
+        rebuilt = evecs @ torch.diag_embed(evals) @ evecs.mT
+        torch.testing.assert_close(rebuilt, M, rtol=1e-10, atol=1e-10)
+
+
+def test_eighs_keeps_one_call_per_shape_on_a_cpu():
+    mats = [_psd(D=4), _psd(D=5), _psd(D=5)]
+    from curvature.linalg import PAD_EIGH_DEVICES
+
+    assert "cpu" not in PAD_EIGH_DEVICES
+    got = eighs(mats, ["a", "b", "c"])
+    for (evals, evecs), M in zip(got, mats):
+        ref_evals, ref_evecs = eigh(M)
+        assert torch.equal(evals, ref_evals) and torch.equal(evecs, ref_evecs)
+
+
+def test_ekfac_with_padded_decompositions_steps_as_without(monkeypatch):
+    """EKFAC's refresh through the padded batches (an MLP whose first ``A`` is 7 x 7 and
+    first ``G`` 8 x 8) moves the parameters as with one call per shape (full-rank
+    factors: eigenbases unique up to signs, which the corrections do not see)."""
+    import curvature
+    import curvature.linalg as linalg
+    from torch import nn
+
+    def run(pad):
+        monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",) if pad else ())
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+        opt = curvature.EKFAC(model, lr=0.1, damping=1e-2, inverse_every=2)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            X = torch.randn(64, 6, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 4, (64,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(X), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)

@@ -214,9 +214,10 @@ def test_ekfac_with_padded_decompositions_steps_as_without(monkeypatch):
     """EKFAC's refresh through the padded batches (an MLP whose first ``A`` is 7 x 7 and
     first ``G`` 8 x 8) moves the parameters as with one call per shape (full-rank
     factors: eigenbases unique up to signs, which the corrections do not see)."""
+    from torch import nn
+
     import curvature
     import curvature.linalg as linalg
-    from torch import nn
 
     def run(pad):
         monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",) if pad else ())

@@ -5,8 +5,11 @@
 #   bash benchmarks/gpu_session.sh resnet OUTDIR   # ~8 min: ResNet-18 (width 64) to 90%
 #
 # Run from the repository root. The peers (ASDL, curvlinops, BackPACK) are installed from
-# wheels in .whl/ when that folder exists (pip download them where the index is
-# reachable); without them gpu.py's peer rows are left out. Each part writes its log and
+# wheels in .whl/ when that folder exists; without them gpu.py's peer rows are left out.
+# Where the package index is reachable (the development machine; .whl/ is git-ignored
+# and travels with the device tool's `carry`):
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl asdfghjkl==0.1a5 \
+#       backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1 einconv==0.1.0 unfoldNd==0.2.3 Each part writes its log and
 # JSON into OUTDIR and has its own time limit, so a stopped part keeps what it wrote.
 # Then, on the development machine: copy the JSON into benchmarks/gpu_runs/ (add "run"
 # and "code" fields), `python benchmarks/gpu.py --render <runs>` for docs/benchmarks.md's

@@ -227,8 +227,10 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         tensor whose pieces they are (views: updated in place with them).
 
         Where the blocks cover every position it is put in the layout's order with one
-        ``index_select`` (:meth:`_divide_in_layout`: ``v / (d + lambda)`` of every block in
-        three calls, without the gather buffers of :class:`~curvature.blocks.BlockGather`). Made
+        ``index_select`` (on a CPU, where every block is a few affine pieces, one strided
+        multi-tensor copy: :func:`_layout_pieces`) (:meth:`_divide_in_layout`: ``v / (d +
+        lambda)`` of every block in three calls, without the gather buffers of
+        :class:`~curvature.blocks.BlockGather`). Made
         once (one copy per block) when the blocks' diagonals are not yet its pieces (the
         first step, a new block, a loaded state); ``None`` when the diagonals are not all
         in ``like``'s dtype and on its device (the multi-tensor path then).

@@ -46,14 +46,18 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
 
 
 def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] = ()) -> List[Any]:
-    """:func:`eigh` of several matrices, with two host synchronizations for all of them.
+    """:func:`eigh` of several matrices, with one host read for all of them.
 
-    Every matrix's finiteness is read at once, and so is every first attempt's result
-    (in the matrix's dtype); only a matrix whose first attempt fails pays for its
-    retries (float64, then with jitter) one by one.
+    Every matrix is decomposed as it is symmetrized (non-finite entries zeroed first, so
+    that the decomposition of a bad matrix runs and is thrown away); then its finiteness
+    and its result's are read at once, together with the values of ``also``. Only a
+    matrix whose first attempt fails pays for its retries (float64, then with jitter)
+    one by one. On a GPU ``torch.linalg.eigh`` also reads its error codes once per
+    call: equal shapes share one call, and on :data:`PAD_EIGH_DEVICES` smaller sizes
+    join a larger size's call within :data:`PAD_EIGH_COST`.
 
-    The values of the tensors ``also`` are read in the first synchronization and
-    appended to the returned list (:func:`host_values`).
+    The values of the tensors ``also`` are appended to the returned list
+    (:func:`host_values`).
 
     Returns:
         Per matrix ``(evals, evecs)`` as from :func:`eigh`, or the ``RuntimeError`` that
@@ -62,21 +66,27 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
     """
     out: List[Any] = [None] * len(mats)
     first: Dict[int, Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]] = {}
-    read = finite_flags(mats, also)
-    extra = read[len(mats) :]
-    for i, (ok, name) in enumerate(zip(read, names)):
-        if not ok:
-            out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
+    # the inputs' finiteness, judged on the device now and read below with the results
+    inputs = [_finite_sum(M).isfinite() for M in mats]
     groups: Dict[Tuple[Any, ...], List[int]] = {}  # one batched call per group
-    for i, key in _group_keys(mats, read).items():
+    for i, key in _group_keys(mats).items():
         groups.setdefault(key, []).append(i)
     for idx in groups.values():
         first.update(_first_eighs([mats[i] for i in idx], idx))
-    tried = [i for i, (_, _, res) in first.items() if res is not None]
-    flags = finite_flags([t for i in tried for t in first[i][2]]) if tried else []
+    tried = [i for i in range(len(mats)) if first[i][2] is not None]
+    results = [_finite_sum(t).isfinite() for i in tried for t in first[i][2]]
+    read = host_values(inputs + results + list(also))
+    ok_in, flags, extra = (
+        read[: len(mats)],
+        read[len(mats) : len(inputs) + len(results)],
+        read[len(inputs) + len(results) :],
+    )
+    for i, name in enumerate(names):
+        if not ok_in[i]:
+            out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
     for j, i in enumerate(tried):
         evals, evecs = first[i][2]
-        if flags[2 * j] and flags[2 * j + 1]:
+        if out[i] is None and flags[2 * j] and flags[2 * j + 1]:
             out[i] = (evals.clamp_min(0).to(first[i][1]), evecs.to(first[i][1]))
     for i, (S, dtype, _) in first.items():
         if out[i] is None:
@@ -84,48 +94,94 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
     return out + extra
 
 
-#: Devices on which :func:`eighs` also decomposes the ``n x n`` and ``(n+1) x (n+1)``
-#: matrices of one dtype in one batched call, the smaller ones padded (a Linear layer's
-#: ``G`` and the next layer's ``A``, ``[x | 1]``, differ by one): ``torch.linalg.eigh``
-#: reads its error codes on the host once per call there (a synchronization each).
-#: ``[[S, 0], [0, s]]`` has the eigenpairs of ``S`` (zero in the last coordinate) and
-#: ``(s, e_{n+1})``; ``s`` below the spectrum of ``S`` (``-2 (1 + |M|_F)``) makes it the
-#: first in ascending order, and it is dropped. The tridiagonal reduction never mixes the
-#: zero row in, so the other pairs are those of ``S`` up to rounding. On a CPU (no
-#: synchronization to save) every size keeps its own call, bit for bit as one by one.
+def _finite_sum(t: Tensor) -> Tensor:
+    """``t``'s sum (float32 for half precision): finite iff every entry is (barring overflow)."""
+    return t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
+
+
+#: Devices on which :func:`eighs` decomposes matrices of different sizes (one dtype) in
+#: one batched call, the smaller ones padded: ``torch.linalg.eigh`` reads its error codes
+#: on the host once per call there (a synchronization each). ``[[S, 0], [0, s I]]`` has
+#: the eigenpairs of ``S`` (zero in the padded coordinates) and ``(s, e_k)``; ``s`` below
+#: the spectrum of ``S`` (``-2 (1 + |M|_F)``) makes them the first in ascending order, and
+#: they are dropped. The tridiagonal reduction never mixes the zero rows in, so the other
+#: pairs are those of ``S`` up to rounding. On a CPU (no synchronization to save) every
+#: size keeps its own call, bit for bit as one by one.
 PAD_EIGH_DEVICES = ("cuda",)
 
+#: How much more work padding may cost on :data:`PAD_EIGH_DEVICES`: sizes join the next
+#: larger size's call (cheapest join first) while ``sum count * m^3`` over the padded
+#: sizes ``m`` stays within ``(1 + PAD_EIGH_COST)`` times that of the sizes themselves.
+#: A Linear layer's ``G`` (``n``) and the next layer's ``A = [x | 1]`` (``n + 1``) join
+#: almost for free; an MLP 784-2048-2048-10's ``10 x 10`` joins the ``785 x 785`` (1.4%
+#: more), the ``785`` does not join the ``2049`` (23% more).
+PAD_EIGH_COST = 0.1
 
-def _group_keys(mats: Sequence[Tensor], ok: Sequence[bool]) -> Dict[int, Tuple[Any, ...]]:
-    """The batched call of each finite matrix: equal shapes together (every device), and
-    on :data:`PAD_EIGH_DEVICES` the sizes ``n`` and ``n + 1`` of one dtype (``n`` padded;
-    not chained: an ``n + 1`` that takes ``n`` is not padded itself).
+#: Added work (``count * m^3`` units) that padding may always cost, whatever
+#: :data:`PAD_EIGH_COST` allows: that of decomposing one ``64 x 64`` matrix (small
+#: matrices cost a GPU little besides the synchronization of their call).
+PAD_EIGH_FREE = 64**3
+
+
+def _group_keys(mats: Sequence[Tensor]) -> Dict[int, Tuple[Any, ...]]:
+    """The batched call of each matrix: equal shapes together (every device), and on
+    :data:`PAD_EIGH_DEVICES` sizes of one dtype joined within :data:`PAD_EIGH_COST`.
     """
-    sizes: Dict[Tuple[Any, ...], set] = {}
-    for M, good in zip(mats, ok):
-        if good and M.device.type in PAD_EIGH_DEVICES:
-            sizes.setdefault((M.dtype, M.device), set()).add(M.shape[-1])
-    into: Dict[Tuple[Any, ...], int] = {}  # (dtype, device, n) -> the size it joins
-    for (dtype, device), ns in sizes.items():
-        for n in sorted(ns):
-            if n + 1 in ns and (dtype, device, n) not in into:  # (n itself not taken)
-                into[(dtype, device, n)] = into[(dtype, device, n + 1)] = n + 1
-    keys: Dict[int, Tuple[Any, ...]] = {}
-    for i, (M, good) in enumerate(zip(mats, ok)):
-        if good:
+    counts: Dict[Tuple[Any, ...], Dict[int, int]] = {}
+    for M in mats:
+        if M.device.type in PAD_EIGH_DEVICES:
+            sizes = counts.setdefault((M.dtype, M.device), {})
             n = M.shape[-1]
-            if M.device.type in PAD_EIGH_DEVICES:
-                keys[i] = ("sizes", into.get((M.dtype, M.device, n), n), M.dtype, M.device)
-            else:
-                keys[i] = (M.shape, M.dtype, M.device)
+            sizes[n] = sizes.get(n, 0) + math.prod(M.shape[:-2])
+    into: Dict[Tuple[Any, ...], int] = {}  # (dtype, device, n) -> the size it joins
+    for (dtype, device), sizes in counts.items():
+        for n, m in padded_sizes(sizes).items():
+            into[(dtype, device, n)] = m
+    keys: Dict[int, Tuple[Any, ...]] = {}
+    for i, M in enumerate(mats):
+        n = M.shape[-1]
+        if M.device.type in PAD_EIGH_DEVICES:
+            keys[i] = ("sizes", into[(M.dtype, M.device, n)], M.dtype, M.device)
+        else:
+            keys[i] = (M.shape, M.dtype, M.device)
     return keys
+
+
+def padded_sizes(
+    counts: Dict[int, int], budget: Optional[float] = None, free: Optional[float] = None
+) -> Dict[int, int]:
+    """Size ``n`` -> the size ``m >= n`` it is decomposed at on :data:`PAD_EIGH_DEVICES`.
+
+    ``counts``: size to the number of matrices of that size. Greedy: the group whose join
+    into the next larger group adds the least work joins it, while the added work stays
+    within ``budget`` (default :data:`PAD_EIGH_COST`) times ``sum count * n^3``, or
+    within ``free`` (default :data:`PAD_EIGH_FREE`) where that is more.
+    """
+    budget = PAD_EIGH_COST if budget is None else budget
+    free = PAD_EIGH_FREE if free is None else free
+    groups = [[n, counts[n], [n]] for n in sorted(counts)]  # [size, count, members]
+    allowed = max(free, budget * sum(c * float(n) ** 3 for n, c in counts.items()))
+    spent = 0.0
+    while len(groups) > 1:
+        costs = [
+            groups[j][1] * (float(groups[j + 1][0]) ** 3 - float(groups[j][0]) ** 3)
+            for j in range(len(groups) - 1)
+        ]
+        j = min(range(len(costs)), key=costs.__getitem__)
+        if spent + costs[j] > allowed:
+            break
+        spent += costs[j]
+        low = groups.pop(j)
+        groups[j][1] += low[1]
+        groups[j][2] += low[2]
+    return {n: size for size, _, members in groups for n in members}
 
 
 def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
     """:func:`_first_eigh` of several matrices in one batched call (on a GPU,
     ``torch.linalg.eigh`` reads its error codes on the host once per call); one by one
     where the batched call raises. Leading axes are flattened into the batch; a matrix
-    smaller by one than the largest is padded (:data:`PAD_EIGH_DEVICES`).
+    smaller than the largest is padded (:data:`PAD_EIGH_DEVICES`).
     """
     m = max(M.shape[-1] for M in mats)
     if len(mats) == 1 and mats[0].shape[-1] == m:
@@ -143,10 +199,11 @@ def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
         block = S[at : at + k]
         if n == m:
             torch.add(M, M.mT, out=block)
-        else:  # [[M + M^T, 0], [0, 2 s]], halved with the rest below
+        else:  # [[M + M^T, 0], [0, 2 s I]], halved with the rest below
             block.zero_()
             torch.add(M, M.mT, out=block[:, :n, :n])
-            block[:, n, n] = -4.0 * (1.0 + torch.linalg.matrix_norm(M))
+            sentinel = -4.0 * (1.0 + torch.linalg.matrix_norm(M.nan_to_num(0.0, 0.0, 0.0)))
+            block[:, n:, n:].diagonal(dim1=-2, dim2=-1).copy_(sentinel[:, None])
         starts.append(at)
         at += k
     S, dtype, res = _first_eigh(S.mul_(0.5), symmetric=True)
@@ -158,8 +215,8 @@ def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
             out[i] = _first_eigh(Si, symmetric=True)
             continue
         evals, evecs = res[0][at : at + k], res[1][at : at + k]
-        if n < m:  # the sentinel pair first: dropped
-            evals, evecs = evals[:, 1:].contiguous(), evecs[:, :n, 1:].contiguous()
+        if n < m:  # the sentinel pairs first: dropped
+            evals, evecs = evals[:, m - n :].contiguous(), evecs[:, :n, m - n :].contiguous()
         out[i] = (Si, dtype, (evals.reshape(M.shape[:-1]), evecs.reshape(M.shape)))
     return out
 
@@ -180,6 +237,7 @@ def _first_eigh(
     """
     dtype = _eigh_dtype(M)
     S = M if symmetric else symmetrize(M.to(dtype))
+    S.nan_to_num_(0.0, 0.0, 0.0)  # a bad matrix is decomposed too (its result unused)
     try:
         return S, dtype, torch.linalg.eigh(S)
     except RuntimeError:
@@ -271,6 +329,32 @@ def damped_inverses(
 ) -> List[Tensor]:
     """``(M + shift I)^{-1}`` for several symmetric PSD ``M [..., D, D]`` and shifts > 0.
 
+    :func:`damped_inverses_or_errors`, raising the first error.
+
+    Returns:
+        The inverses, each in its ``M``'s dtype, at least float32.
+
+    Raises:
+        RuntimeError: Naming the first matrix with non-finite entries.
+
+    """
+    out = damped_inverses_or_errors(mats, shifts, names=names, check_finite=check_finite)
+    for inv in out:
+        if isinstance(inv, Exception):
+            raise inv
+    return out
+
+
+def damped_inverses_or_errors(
+    mats: Sequence[Tensor],
+    shifts: Sequence,
+    *,
+    names: Optional[Sequence[str]] = None,
+    check_finite: bool = True,
+    also: Sequence[Tensor] = (),
+) -> List[Any]:
+    """``(M + shift I)^{-1}`` of several symmetric PSD ``M`` (or an error), one host read.
+
     A Cholesky factorization and its inverse: about five times cheaper than an
     eigendecomposition at ``D`` of several hundred. The factorization reads the lower
     triangle of ``M`` only (``M`` is not symmetrized first: one pass over the ``D^2``
@@ -280,37 +364,39 @@ def damped_inverses(
     matrix is not numerically positive definite (a ``shift`` far below the rounding error of ``M``),
     the inverse is taken from :func:`eigh`, whose eigenvalues are clamped at 0, so
     the result is the same as ``Q diag(1 / (max(l, 0) + shift)) Q^T``. The matrices'
-    finiteness (unless ``check_finite=False``: the caller checked) and the outcomes
-    of their factorizations are read in one synchronization each.
+    finiteness (unless ``check_finite=False``: the caller checked), the outcomes of
+    their factorizations and the values of ``also`` are read in one synchronization
+    (a factorization that fails costs more: :func:`eigh`'s).
 
     Returns:
-        The inverses, each in its ``M``'s dtype, at least float32.
-
-    Raises:
-        RuntimeError: Naming the first matrix with non-finite entries.
+        Per matrix its inverse (in ``M``'s dtype, at least float32) or the
+        ``RuntimeError`` for its non-finite entries; then the values of ``also``
+        (:func:`host_values`).
 
     """
     names = list(names) if names is not None else ["matrix"] * len(mats)
-    if check_finite:
-        for ok, name in zip(finite_flags(mats), names):
-            if not ok:
-                raise RuntimeError(non_finite_message(f"damped_inverse({name})"))
+    flags = [_finite_sum(M).isfinite() for M in mats] if check_finite else []
     factors, infos = [], []
     for M, shift in zip(mats, shifts):
         dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
         shift = torch.as_tensor(shift, dtype=dtype, device=M.device)
         # a copy, + shift I in place (no identity matrices); the Cholesky factorization
-        # reads its lower triangle only
+        # reads its lower triangle only (a non-finite matrix fails it or is dropped below)
         damped = M.to(dtype, copy=True)
         damped.diagonal(dim1=-2, dim2=-1).add_(shift[..., None])
         L, info = torch.linalg.cholesky_ex(damped)
         del damped
         factors.append((L, shift))
         infos.append(info.ne(0).any())
-    out = []
-    for M, bad, name in zip(mats, host_values(infos), names):
+    read = host_values(flags + infos + list(also))
+    finite = read[: len(flags)] if check_finite else [True] * len(mats)
+    failed, extra = read[len(flags) : len(flags) + len(infos)], read[len(flags) + len(infos) :]
+    out: List[Any] = []
+    for M, ok, bad, name in zip(mats, finite, failed, names):
         L, shift = factors.pop(0)  # (each factor freed once its inverse is taken)
-        if bad:
+        if not ok:
+            out.append(RuntimeError(non_finite_message(f"damped_inverse({name})")))
+        elif bad:
             evals, evecs = eigh(M, name=name)
             shifted = evals + shift.to(evals.dtype)[..., None]
             out.append((evecs / shifted[..., None, :]) @ evecs.mT)
@@ -319,7 +405,7 @@ def damped_inverses(
             # exactly symmetric on the CPU (LAPACK's potri, its upper triangle then a copy of
             # the lower); CUDA's solves against the identity (cuSOLVER potrs), which is not
             out.append(inv if inv.device.type == "cpu" else symmetrize(inv))
-    return out
+    return out + extra
 
 
 def pi_factor(mean_a: Tensor, mean_g: Tensor) -> Tensor:
@@ -384,6 +470,28 @@ def eigh_unchecked(M: Tensor) -> Tuple[Tensor, Tensor]:
     except RuntimeError:  # no convergence (rare for a PSD factor): once more in float64
         lam, Q = (t.to(S.dtype) for t in torch.linalg.eigh(S.double()))
     return lam.clamp_min(0), Q
+
+
+def eighs_unchecked(mats: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:
+    """:func:`eigh_unchecked` of several matrices, without a host read: grouped as in
+    :func:`eighs` (one batched call per shape; on :data:`PAD_EIGH_DEVICES` sizes joined
+    within :data:`PAD_EIGH_COST`, one synchronization per call there). A group whose
+    call does not converge is decomposed one by one (float64 where that fails too).
+
+    Returns:
+        Per matrix ``(evals >= 0, evecs)`` in its dtype (at least float32).
+
+    """
+    out: List[Any] = [None] * len(mats)
+    groups: Dict[Tuple[Any, ...], List[int]] = {}
+    for i, key in _group_keys(mats).items():
+        groups.setdefault(key, []).append(i)
+    for idx in groups.values():
+        for i, (S, dtype, res) in _first_eighs([mats[i] for i in idx], idx).items():
+            if res is None:  # no convergence (rare for a PSD factor): once more in float64
+                res = tuple(t.to(dtype) for t in torch.linalg.eigh(S.double()))
+            out[i] = (res[0].clamp_min(0), res[1])
+    return out
 
 
 def least_squares(system: Tensor, rhs: Tensor) -> Tensor:

@@ -116,7 +116,10 @@ def test_finite_flags_and_host_values():
     assert host_values([torch.tensor(2.5), torch.tensor(True)]) == [2.5, 1.0]
 
 
-def test_eighs_equal_eigh_with_two_synchronizations_and_errors_per_matrix(monkeypatch):
+def test_eighs_equal_eigh_with_one_host_read_and_errors_per_matrix(monkeypatch):
+    """The inputs' and the results' finiteness are read at once: one host read for all
+    matrices (a bad one is decomposed with its non-finite entries zeroed, then dropped
+    with its error)."""
     mats = [_psd(D=5, rank=2), _psd(2, D=4, rank=4), _psd(D=3, rank=1, dtype=torch.float32)]
     bad = _psd(D=3)
     bad[0, 1] = float("nan")
@@ -125,7 +128,7 @@ def test_eighs_equal_eigh_with_two_synchronizations_and_errors_per_matrix(monkey
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
     got = eighs([*mats, bad], ["a", "b", "c", "bad"])
     monkeypatch.undo()
-    assert len(reads) == 2
+    assert len(reads) == 1
     for (evals, evecs), M in zip(got, mats):
         ref_evals, ref_evecs = eigh(M)
         assert evals.dtype == M.dtype and evecs.dtype == M.dtype
@@ -173,30 +176,54 @@ def test_foreach_finite_flags_judges_by_the_norm():
     assert device_flags([torch.ones(0), torch.tensor([nan])]).tolist() == [True, False]
 
 
-def test_eighs_pads_sizes_n_and_n_plus_one_into_one_call(monkeypatch):
-    """On ``PAD_EIGH_DEVICES`` (a GPU's: one host read of the error codes per call) the
-    ``n x n`` and ``(n+1) x (n+1)`` matrices go through one batched call, the smaller ones
-    padded with a sentinel eigenvalue that is dropped: the eigenvalues of one by one, an
-    orthonormal basis that reconstructs each matrix (also with a leading axis and a
-    rank-deficient matrix), not chained (4 joins 5; 5 does not join 6), the order kept."""
+def test_eighs_pads_smaller_sizes_into_larger_calls_within_the_cost(monkeypatch):
+    """On ``PAD_EIGH_DEVICES`` (a GPU's: one host read of the error codes per call)
+    smaller matrices join a larger size's batched call, padded with sentinel eigenvalues
+    that are dropped, while the padded work stays within ``PAD_EIGH_COST``: cheapest join
+    first, chained (4 joins 5, both join 6, 7 joins 9; 6 into 9 would cost too much). Results:
+    the eigenvalues of one by one, an orthonormal basis that reconstructs each matrix
+    (also with a leading axis and a rank-deficient matrix), the order kept."""
     import curvature.linalg as linalg
 
     monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",))
+    # work sum n^3: 125 + 3 * 216 + 343 + 64 + 729 = 1909, 954.5 allowed; joins 4->5: 61,
+    # then 5->6: 2 * 91, then 7->9: 386 (cheaper than 6->7: 5 * 127; 629 in all), then
+    # 6->9: 5 * 513 (beyond)
+    monkeypatch.setattr(linalg, "PAD_EIGH_COST", 0.5)
+    monkeypatch.setattr(linalg, "PAD_EIGH_FREE", 0)
     mats = [_psd(D=5, rank=2), _psd(D=6), _psd(2, D=6, rank=3), _psd(D=7), _psd(D=4), _psd(D=9)]
+    mats[4] = mats[4] * 1e3  # a sentinel below every spectrum, whatever its scale
     shapes = []
     inner = torch.linalg.eigh
     monkeypatch.setattr(torch.linalg, "eigh", lambda M: shapes.append(tuple(M.shape)) or inner(M))
     got = eighs(mats, ["a", "b", "c", "d", "e", "f"])
     monkeypatch.undo()
-    assert sorted(shapes) == [(2, 5, 5), (4, 7, 7), (9, 9)]
+    assert sorted(shapes) == [(2, 9, 9), (5, 6, 6)]
     for (evals, evecs), M in zip(got, mats):
         ref, _ = eigh(M)
         assert evals.shape == ref.shape and evecs.shape == M.shape
-        torch.testing.assert_close(evals, ref, rtol=1e-10, atol=1e-10)
+        scale = M.abs().max()
+        torch.testing.assert_close(evals, ref, rtol=1e-10, atol=1e-10 * scale)
         eye = torch.eye(M.shape[-1], dtype=M.dtype)
         torch.testing.assert_close(evecs.mT @ evecs, eye.expand_as(M), rtol=0, atol=1e-10)
         rebuilt = evecs @ torch.diag_embed(evals) @ evecs.mT
-        torch.testing.assert_close(rebuilt, M, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(rebuilt, M, rtol=1e-10, atol=1e-10 * scale)
+
+
+def test_the_default_padding_cost_joins_an_mlps_sizes_as_documented():
+    """The default ``PAD_EIGH_COST`` on an MLP 784-2048-2048-10's factor sizes (``A``:
+    785, 2049, 2049; ``G``: 2048, 2048, 10): the 2048s join the 2049s, the 10 joins the
+    785, the 785 stays (two calls instead of four on a GPU); without a budget nothing
+    joins, with a large one everything does; small matrices always join (``free``)."""
+    from curvature.linalg import padded_sizes
+
+    counts = {785: 1, 2049: 2, 2048: 2, 10: 1}
+    assert padded_sizes(counts) == {10: 785, 785: 785, 2048: 2049, 2049: 2049}
+    assert padded_sizes(counts, budget=0.0) == {n: n for n in counts}
+    assert padded_sizes(counts, budget=0.0, free=1e9) == {10: 785, 785: 785, 2048: 2049, 2049: 2049}
+    assert set(padded_sizes({4: 1, 7: 1, 8: 5, 9: 5}, budget=0.0).values()) == {9}
+    assert set(padded_sizes(counts, budget=1.0).values()) == {2049}
+    assert padded_sizes({}) == {} and padded_sizes({7: 3}) == {7: 7}
 
 
 def test_eighs_keeps_one_call_per_shape_on_a_cpu():

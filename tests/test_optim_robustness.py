@@ -859,10 +859,14 @@ def test_a_failed_inversion_keeps_the_previous_one_then_a_first_failure_raises(m
         train_step(opt, model, X, y)
     kept = {k: b.record for k, b in opt.blocks.items()}
 
-    def broken(tensors, also=()):  # every factor reads as non-finite
-        return [False] * len(tensors) + curvature.linalg.host_values(list(also))
+    real = curvature.blocks.refresh.damped_inverses_or_errors
 
-    monkeypatch.setattr(curvature.blocks.refresh, "finite_flags", broken)
+    def broken(mats, shifts, *, names, also=(), **kw):  # every factor reads as non-finite
+        out = real(mats, shifts, names=names, also=also, **kw)
+        errors = [RuntimeError(curvature.linalg.non_finite_message(n)) for n in names]
+        return errors + out[len(mats) :]
+
+    monkeypatch.setattr(curvature.blocks.refresh, "damped_inverses_or_errors", broken)
     with pytest.warns(UserWarning, match="keeping the previous one"):
         for _ in range(2):  # one of them refreshes
             train_step(opt, model, X, y)

@@ -24,7 +24,7 @@ from torch import nn
 import curvature
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from step_counts import AtenCalls, HostReads, per_step  # noqa: E402
+from step_counts import AtenCalls, HostReads, as_on_cuda, per_step  # noqa: E402
 
 CE = nn.CrossEntropyLoss()
 
@@ -43,7 +43,7 @@ def mlp(depth=2):
     return nn.Sequential(*layers)
 
 
-def reads_per_step(cls, accumulate=1, steps=3, depth=2, **kwargs):
+def reads_per_step(cls, accumulate=1, steps=3, depth=2, counter=HostReads, **kwargs):
     model = mlp(depth)
     opt = cls(model, loss_func=CE, **{"lr": 0.01, "inverse_every": 1000, **kwargs})
     g = torch.Generator().manual_seed(0)
@@ -59,7 +59,7 @@ def reads_per_step(cls, accumulate=1, steps=3, depth=2, **kwargs):
         warnings.simplefilter("ignore")
         for _ in range(2):
             step()
-        with HostReads() as reads:
+        with counter() as reads:
             for _ in range(steps):
                 step()
     return reads.count / steps, reads.where
@@ -106,6 +106,68 @@ def test_the_counter_sees_host_reads():
 def test_a_refresh_step_reads_the_device_at_most_twice(cls, kwargs, depth):
     count, where = reads_per_step(cls, inverse_every=1, depth=depth, **kwargs)
     assert count <= 2, dict(where)
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (curvature.KFAC, {}),
+        (curvature.KFAC, {"damping_mode": "exact"}),
+        (curvature.EKFAC, {}),
+        (curvature.EKFAC, {"fisher": "mc"}),
+        (curvature.DiagonalNaturalGradient, {}),
+    ],
+)
+@pytest.mark.parametrize("depth", [1, 5])
+def test_a_refresh_step_would_synchronize_a_gpu_at_most_twice(cls, kwargs, depth):
+    """The host reads plus the decompositions that read their error codes on a GPU
+    (``torch.linalg.eigh``, one per batched call), grouped as on CUDA: EKFAC's refresh
+    reads once and decomposes the MLP's factor sizes (7, 9, 8, 4) in one padded call."""
+    with as_on_cuda():
+        count, where = reads_per_step(
+            cls, inverse_every=1, depth=depth, counter=lambda: HostReads(checked=True), **kwargs
+        )
+    assert count <= 2, dict(where)
+
+
+@pytest.mark.parametrize("cls", [curvature.KFAC, curvature.EKFAC])
+def test_a_refresh_with_one_sided_blocks_would_synchronize_a_gpu_at_most_twice(cls):
+    """A token model whose embedding and head exceed ``max_factor_size`` (one-sided
+    blocks: the embedding's ``G`` 8 x 8 and the head's ``A`` 9 x 9 full): their full
+    sides are decomposed in one call with the Kronecker blocks' read, KFAC's snapshots
+    and Cholesky outcomes in one read (4 synchronizations before: 2 reads, 2 calls)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 40))
+    opt = cls(model, loss_func=CE, lr=0.01, inverse_every=1, max_factor_size=16)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        tokens = torch.randint(0, 40, (3, 5), generator=g)
+        opt.zero_grad()
+        CE(model(tokens).flatten(0, 1), torch.randint(0, 40, (15,), generator=g)).backward()
+        opt.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step()
+        with as_on_cuda(), HostReads(checked=True) as reads:
+            step()
+    assert reads.count <= 2, dict(reads.where)
+
+
+def test_the_gpu_count_sees_each_decomposition_call():
+    """``HostReads(checked=True)`` counts each ``torch.linalg.eigh`` call; a CPU run
+    groups by shape, ``as_on_cuda`` pads sizes into one call (one read in both)."""
+    from curvature.linalg import eighs
+
+    mats = [torch.eye(n, dtype=torch.float64) * (1 + n) for n in (3, 4, 5)]
+    with HostReads(checked=True) as cpu:
+        eighs(mats, ["a", "b", "c"])
+    with as_on_cuda(), HostReads(checked=True) as gpu:
+        got = eighs(mats, ["a", "b", "c"])
+    assert (cpu.count, gpu.count) == (1 + 3, 1 + 1)
+    for (evals, _), n in zip(got, (3, 4, 5)):
+        torch.testing.assert_close(evals, torch.full((n,), 1.0 + n, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("fisher", ["type-2", "mc", "empirical"])

@@ -20,7 +20,7 @@ at once.
 from .diagonal import DiagonalBlock
 from .gather import AllBlocks, BlockGather, BlockViews, inverse_into
 from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, mean_diagonal
-from .onesided import OneSidedBlock, onesided_sides
+from .onesided import OneSidedBlock, onesided_sides, refresh_blocks
 from .records import (
     DampedInverses,
     Eigen,
@@ -30,7 +30,7 @@ from .records import (
     Record,
     RefreshStatus,
 )
-from .refresh import block_state, eigendecompositions, invert, restore_block, snapshots
+from .refresh import block_state, eigendecompositions, restore_block, snapshots
 from .sum import KroneckerSumBlock
 
 __all__ = [
@@ -49,12 +49,12 @@ __all__ = [
     "Outcome",
     "Record",
     "block_state",
+    "refresh_blocks",
     "restore_block",
     "RefreshStatus",
     "eigendecompositions",
     "ema",
     "inverse_into",
-    "invert",
     "mean_diagonal",
     "onesided_sides",
     "snapshots",

@@ -98,11 +98,14 @@ _CONSTANTS: Dict[Tuple[float, torch.dtype, torch.device], Tuple[Tensor, Tensor, 
 
 
 def _constants(decay: float, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, ...]:
-    """0-d ``1``, ``1 - decay`` and ``0`` in ``dtype`` on ``device`` (made once, never written)."""
+    """0-d ``1``, ``1 - decay``, ``0`` in ``dtype`` on ``device``: made once, never written,
+    filled there (no copy from the host, which would synchronize a GPU).
+    """
     key = (decay, dtype, device)
     if key not in _CONSTANTS:
-        values = torch.tensor([1.0, 1 - decay, 0.0], dtype=dtype).to(device)
-        _CONSTANTS[key] = tuple(values.unbind(0))
+        _CONSTANTS[key] = tuple(
+            torch.full((), v, dtype=dtype, device=device) for v in (1.0, 1 - decay, 0.0)
+        )
     return _CONSTANTS[key]
 
 
@@ -234,19 +237,23 @@ class KroneckerBlock(RunningFactors):
         self.inverses = None
         self._cache = {}
 
-    def pi_shifts(self, damping: float) -> tuple:
-        """``(pi sqrt(lambda), sqrt(lambda) / pi)``, ``[C]`` each, from the refresh record."""
+    def pi_shifts(self, damping: float, record: Optional[Record] = None) -> tuple:
+        """``(pi sqrt(lambda), sqrt(lambda) / pi)``, ``[C]`` each, from the refresh record
+        (or from ``record``, e.g. a snapshot not installed yet).
+        """
         root = damping**0.5
-        if isinstance(self.record, Eigen):
-            r = self.record
+        record = self.record if record is None else record
+        if isinstance(record, Eigen):
+            r = record
             pi = pi_factor(r.lA.sum(-1) / r.lA.shape[-1], r.lG.sum(-1) / r.lG.shape[-1])
         else:
-            src = self.record if isinstance(self.record, FactorSnapshot) else self
+            src = record if isinstance(record, FactorSnapshot) else self
             pi = pi_factor(mean_diagonal(src.A), mean_diagonal(src.G))
         return pi * root, root / pi
 
-    def shifts(self, damping: float, mode: str = "pi") -> tuple:
-        """The shifts ``(sA, sG)`` added to ``A`` and ``G``, ``[C]`` each.
+    def shifts(self, damping: float, mode: str = "pi", record: Optional[Record] = None) -> tuple:
+        """The shifts ``(sA, sG)`` added to ``A`` and ``G``, ``[C]`` each (from the
+        refresh record, or from ``record``).
 
         ``"pi"``: :meth:`pi_shifts`; ``"per_factor"``: ``(lambda, lambda)``.
         """
@@ -255,7 +262,7 @@ class KroneckerBlock(RunningFactors):
             like = self.A if self.A is not None else self.record.tensors()[0]
             full = torch.full((C,), float(damping), dtype=like.dtype, device=like.device)
             return full, full.clone()
-        return self.pi_shifts(damping)
+        return self.pi_shifts(damping, record)
 
     def pi_inverses(self, damping: float, mode: str = "pi") -> DampedInverses:
         """``(A + sA I)^{-1}`` and ``(G + sG I)^{-1}`` with the :meth:`shifts` (cached).

@@ -25,12 +25,12 @@ corrections).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from ..linalg import eigh_unchecked, pi_factor
+from ..linalg import eigh_unchecked, eighs_unchecked, pi_factor
 from .kronecker import RunningFactors
 
 TYPE = "OneSidedBlock"
@@ -41,6 +41,46 @@ def _side(X: Tensor, full: bool) -> Tuple[Tensor, Optional[Tensor]]:
     if not full:
         return X.clamp_min(0), None
     return eigh_unchecked(X)
+
+
+def full_sides(blocks: Sequence[OneSidedBlock]) -> Tuple[list, List[Tensor], List[str]]:
+    """The blocks to refresh (:meth:`OneSidedBlock.refresh`), their full sides (the
+    matrices to decompose) and the sides' names, for :func:`install_sides`.
+    """
+    jobs = [b for b in blocks if b.A is not None and b.fresh is None]
+    mats, names = [], []
+    for b in jobs:
+        for side, X, full in (("A", b.A, b.full_A), ("G", b.G, b.full_G)):
+            if full:
+                mats.append(X)
+                names.append(f"{side} of '{b.name}'")
+    return jobs, mats, names
+
+
+def install_sides(jobs: Sequence[OneSidedBlock], results: Sequence[Any]) -> None:
+    """Set the records of :func:`full_sides`' blocks from the decompositions of their
+    full sides (``(evals, evecs)`` each, in order); a block with an error among them
+    keeps its record.
+    """
+    decomposed = iter(results)
+    for b in jobs:
+        record: list = []
+        failed = False
+        for X, full in ((b.A, b.full_A), (b.G, b.full_G)):
+            res = next(decomposed) if full else (X.clamp_min(0), None)
+            failed = failed or isinstance(res, Exception)
+            record += [None, None] if failed else list(res)
+        if not failed:
+            b.record = tuple(record)
+
+
+def refresh_blocks(blocks: Sequence[OneSidedBlock]) -> None:
+    """:meth:`OneSidedBlock.refresh` of several blocks, their full sides decomposed
+    together (:func:`~curvature.linalg.eighs_unchecked`: one batched call per group of
+    sizes, on a GPU one synchronization each; no host read).
+    """
+    jobs, mats, _ = full_sides(blocks)
+    install_sides(jobs, eighs_unchecked(mats))
 
 
 class OneSidedBlock(RunningFactors):
@@ -75,9 +115,7 @@ class OneSidedBlock(RunningFactors):
         A block whose :attr:`fresh` flag is unread or true (no finite statistics known)
         keeps its record: zero factors are not decomposed.
         """
-        if self.A is None or self.fresh is not None:
-            return
-        self.record = (*_side(self.A, self.full_A), *_side(self.G, self.full_G))
+        refresh_blocks([self])
 
     def _eigen(self):
         if self.record is None:  # no refresh yet: decompose the current factors

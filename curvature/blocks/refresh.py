@@ -2,8 +2,9 @@
 
 A refresh decomposes (or snapshots) every block's factors. On a GPU each check of a
 result's finiteness is a host synchronization, so the checks of all blocks are read
-together: :func:`snapshots` costs one synchronization, :func:`eigendecompositions` two
-(via :func:`~curvature.linalg.eighs`), :func:`invert` one. A block whose decomposition
+together: :func:`snapshots` (with the Cholesky inverses) costs one synchronization,
+:func:`eigendecompositions` one (via :func:`~curvature.linalg.eighs`; on a GPU
+the eigendecompositions add one per batched call). A block whose decomposition
 fails keeps its previous record (:attr:`RefreshStatus.KEPT`) or, without one, fails
 (:attr:`RefreshStatus.FAILED`); the caller decides what to say.
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Sequence, Tuple
 
-from ..linalg import damped_inverses, eighs, finite_flags, non_finite_message
+from ..linalg import damped_inverses_or_errors, eighs
 from .kronecker import KroneckerBlock
+from .onesided import OneSidedBlock, full_sides, install_sides
 from .records import DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
 from .sum import KroneckerSumBlock
 
@@ -25,35 +27,60 @@ def failure(block, cause: str) -> Outcome:
 
 
 def snapshots(
-    blocks: Sequence[KroneckerBlock], also: Sequence[Any] = ()
-) -> Tuple[Dict[KroneckerBlock, Outcome], list]:
-    """:class:`FactorSnapshot` records of the blocks' factors (one synchronization).
+    blocks: Sequence[KroneckerBlock],
+    damping_of: Callable[[object], float],
+    mode: str = "pi",
+    also: Sequence[Any] = (),
+) -> Tuple[Dict[KroneckerBlock, Outcome], Dict[KroneckerBlock, DampedInverses], list]:
+    """:class:`FactorSnapshot` records of the blocks' factors and their damped inverses,
+    in one host read.
 
     Pi damping needs only ``(A + pi sqrt(lambda) I)^{-1}`` and ``(G + sqrt(lambda)/pi
-    I)^{-1}``, which :func:`invert` takes by Cholesky at the damping of the moment.
-    The values of the tensors ``also`` are read in the same synchronization and
-    returned second.
+    I)^{-1}``, which are taken by Cholesky (:func:`~curvature.linalg.damped_inverses_or_errors`)
+    at the damping of the moment, from the new snapshot (``mode``: ``"pi"`` or
+    ``"per_factor"``, :meth:`KroneckerBlock.shifts`). The snapshots' finiteness, the
+    factorizations' outcomes and the values of the tensors ``also`` are read at once.
+
+    Returns:
+        The outcome per block (a non-finite snapshot: :func:`failure`), the inverses of
+        the blocks whose outcome is ``OK`` (their ``source`` the new snapshot: for the
+        caller to set once the record is installed), and the values of ``also``.
+
     """
-    read = finite_flags([m for b in blocks for m in (b.A, b.G)], also)
-    flags, extra = read[: 2 * len(blocks)], read[2 * len(blocks) :]
-    out = {}
-    for i, b in enumerate(blocks):
-        bad = [f for f, ok in zip(("A", "G"), flags[2 * i : 2 * i + 2]) if not ok]
-        if bad:
-            out[b] = failure(b, non_finite_message(f"{bad[0]} of '{b.label}'"))
+    snaps = {b: FactorSnapshot(b.A.clone(), b.G.clone()) for b in blocks}
+    mats, shifts, names = [], [], []
+    for b, snap in snaps.items():
+        sA, sG = b.shifts(damping_of(b), mode, record=snap)
+        mats += [snap.A, snap.G]
+        shifts += [sA, sG]
+        names += [f"A of '{b.label}'", f"G of '{b.label}'"]
+    results = damped_inverses_or_errors(mats, shifts, names=names, also=also)
+    results, extra = results[: len(mats)], results[len(mats) :]
+    out, inverses = {}, {}
+    for i, (b, snap) in enumerate(snaps.items()):
+        a, g = results[2 * i], results[2 * i + 1]
+        err = next((e for e in (a, g) if isinstance(e, Exception)), None)
+        if err is not None:
+            out[b] = failure(b, str(err))
         else:
-            out[b] = Outcome(RefreshStatus.OK, FactorSnapshot(b.A.clone(), b.G.clone()))
-    return out, extra
+            out[b] = Outcome(RefreshStatus.OK, snap)
+            inverses[b] = DampedInverses(a, g, damping_of(b), snap, mode)
+    return out, inverses, extra
 
 
 def eigendecompositions(
-    blocks: Sequence, damping_of: Callable[[object], float], also: Sequence[Any] = ()
+    blocks: Sequence,
+    damping_of: Callable[[object], float],
+    also: Sequence[Any] = (),
+    onesided: Sequence[OneSidedBlock] = (),
 ) -> Tuple[Dict[object, Outcome], list]:
     """:class:`Eigen` records (Kronecker blocks) and generalized ones (sum blocks).
 
     The eigendecompositions of all Kronecker blocks' factors run through
-    :func:`~curvature.linalg.eighs` (two synchronizations for all of them), whose first
-    one also reads the tensors ``also`` (their values are returned second).
+    :func:`~curvature.linalg.eighs` (one host read for all of them, which also reads the
+    tensors ``also``: their values are returned second), together with the full sides
+    of the ``onesided`` blocks (refreshed here: :func:`~.onesided.install_sides`; on a
+    GPU their sizes join the same batched calls).
     """
     out: Dict[object, Outcome] = {}
     single = []
@@ -69,8 +96,10 @@ def eigendecompositions(
     for b in single:
         mats += [b.A, b.G]
         names += [f"A of '{b.label}'", f"G of '{b.label}'"]
-    results = eighs(mats, names, also)
-    results, extra = results[: len(mats)], results[len(mats) :]
+    jobs, sides, side_names = full_sides(onesided)
+    results = eighs(mats + sides, names + side_names, also)
+    install_sides(jobs, results[len(mats) : len(mats) + len(sides)])
+    results, extra = results[: len(mats)], results[len(mats) + len(sides) :]
     for i, b in enumerate(single):
         a, g = results[2 * i], results[2 * i + 1]
         err = next((e for e in (a, g) if isinstance(e, Exception)), None)
@@ -78,28 +107,6 @@ def eigendecompositions(
             failure(b, str(err)) if err is not None else Outcome(RefreshStatus.OK, Eigen(*a, *g))
         )
     return out, extra
-
-
-def invert(
-    blocks: Sequence[KroneckerBlock], damping_of: Callable[[object], float], mode: str = "pi"
-) -> None:
-    """Cache the damped inverses of blocks with a :class:`FactorSnapshot` (one pass).
-
-    ``mode``: ``"pi"`` or ``"per_factor"`` (:meth:`KroneckerBlock.shifts`).
-
-    The Cholesky factorizations' outcomes are read in one synchronization for all
-    blocks (the snapshots' finiteness was checked when they were taken).
-    """
-    jobs = [b for b in blocks if isinstance(b.record, FactorSnapshot)]
-    mats, shifts, names = [], [], []
-    for b in jobs:
-        sA, sG = b.shifts(damping_of(b), mode)
-        mats += [b.record.A, b.record.G]
-        shifts += [sA, sG]
-        names += [f"A of '{b.label}'", f"G of '{b.label}'"]
-    invs = damped_inverses(mats, shifts, names=names, check_finite=False)
-    for i, b in enumerate(jobs):
-        b.inverses = DampedInverses(invs[2 * i], invs[2 * i + 1], damping_of(b), b.record, mode)
 
 
 def block_state(block: Any) -> Dict[str, Any]:

@@ -35,7 +35,6 @@ from torch import Tensor, nn
 from ..blocks import (
     DiagonalBlock,
     EigenCorrectedBlock,
-    FactorSnapshot,
     KroneckerBlock,
     KroneckerSumBlock,
     OneSidedBlock,
@@ -43,7 +42,7 @@ from ..blocks import (
     RefreshStatus,
     eigendecompositions,
     inverse_into,
-    invert,
+    refresh_blocks,
     snapshots,
 )
 from ..layer_diagonal import chunked_corrections, chunked_kfac_factors
@@ -467,7 +466,12 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         waiting, flags = waiting_flags([*self._blocks.values(), *self._diag.values()])
         also = deferred + flags
         mine = [self._blocks[k] for k in shared if self._mine(k)]
-        by_block, read = eigendecompositions(mine, damping_of.get, also if shared else [])
+        # the one-sided blocks' full sides: with the eigendecompositions where there are
+        # some (one read, joint batched calls), else on their own (no read)
+        onesided = [b for b in self._diag.values() if isinstance(b, OneSidedBlock)]
+        by_block, read = eigendecompositions(
+            mine, damping_of.get, also if shared else [], onesided if shared else []
+        )
         outcomes = {k: by_block[self._blocks[k]] for k in shared if self._mine(k)}
         if self._comm is not None and self.decompose == "split" and shared:
             outcomes = share_outcomes(
@@ -479,19 +483,22 @@ class KFAC(KroneckerState, CurvatureOptimizer):
                 self._block_damping,
             )
         used = [self._blocks[k] for k in local if self._uses(k)]
-        snaps, extra = snapshots(used, [] if shared else also)
+        mode = self.config.damping_mode.value
+        snaps, inverses, extra = snapshots(used, damping_of.get, mode, [] if shared else also)
         read = read if shared else extra
         read_flags(waiting, read[len(deferred) :])
         for k in local:
             outcomes[k] = snaps.get(self._blocks[k], Outcome(RefreshStatus.OK))
-        for block in (b for b in self._diag.values() if isinstance(b, OneSidedBlock)):
-            block.refresh()
+        if not shared:
+            refresh_blocks(onesided)
         for key in keys:
             if getattr(self._blocks[key], "fresh", None) is None:  # else: no statistics yet
                 self._install(key, outcomes[key])
-        # the Cholesky blocks' damped inverses at the damping of the moment, in one pass
-        snapped = [b for b in used if isinstance(b.record, FactorSnapshot)]
-        invert(snapped, damping_of.get, self.config.damping_mode.value)
+        # the Cholesky blocks' damped inverses at the damping of the moment, taken with
+        # their snapshots (a block that kept its previous record recomputes them when used)
+        for block, inv in inverses.items():
+            if block.record is inv.source:
+                block.inverses = inv
         self._reads.settle(self._collector.stats, read[: len(deferred)])
 
     def _install(self, key: Key, outcome: Outcome) -> None:

@@ -278,3 +278,25 @@ def test_ignored_targets_with_mean_are_refused(fisher):
     loss_func, out, target = _ce_with_ignored("mean")
     with pytest.raises(ValueError, match="ignore_index"):
         backprop_sources(loss_func, out, target, fisher)
+
+
+def test_mc_labels_follow_the_softmax_and_never_draw_impossible_classes():
+    """A CPU's categorical draws (the inverse CDF of float64 cumulative weights, one
+    uniform per row): the drawn labels' frequencies match the softmax within sampling
+    error (4 standard deviations), a class of probability 0 is never drawn, and the
+    draws follow the generator."""
+    R, inf = 20000, float("inf")
+    logits = torch.tensor([0.0, 1.0, -inf, 2.0, -inf]).expand(R, 5).contiguous()
+    y = torch.zeros(R, dtype=torch.long)
+    sum_ce = nn.CrossEntropyLoss(reduction="sum")
+
+    def draw(seed):
+        V = backprop_sources(sum_ce, logits, y, "mc", generator=torch.Generator().manual_seed(seed))
+        return logits.softmax(1) - V[0]  # the one-hot rows of the drawn labels
+
+    onehot = draw(0)
+    torch.testing.assert_close(onehot.sum(1), torch.ones(R))
+    freq, p = onehot.mean(0), logits[0].softmax(0)
+    assert freq[2] == 0 and freq[4] == 0
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / R).sqrt() + 1e-12).all(), (freq, p)
+    assert torch.equal(draw(0), onehot) and not torch.equal(draw(1), onehot)

@@ -223,8 +223,9 @@ def test_diagonal_ng_peak_is_within_adamw_plus_three_times_its_state(workload):
 def test_mc_sources_hold_the_probabilities_and_one_drawable_copy():
     """``fisher="mc"`` with CrossEntropy: ``softmax - onehot(drawn)`` is built in the
     probabilities' memory; the call's peak is the float32 probabilities plus their float64
-    copy for the draw (the CPU stream). The twin, the direct construction (a one-hot
-    matrix and a difference, as before), goes above that; both give the same bits."""
+    copy for the draw (a CPU's draw: its cumulative sums in place). The twin, the direct
+    construction (a one-hot matrix and a difference, as before), goes above that; both
+    give the same bits."""
     R, C = 64, 1000
     torch.manual_seed(0)
     out, y = torch.randn(R, C), torch.randint(0, C, (R,))
@@ -236,8 +237,9 @@ def test_mc_sources_hold_the_probabilities_and_one_drawable_copy():
 
     def direct():
         p = out.softmax(1)
-        probs = p.double().nan_to_num(1.0, 1.0, 1.0)
-        idx = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(1))
+        cdf = p.double().nan_to_num(1.0, 1.0, 1.0).cumsum(1)
+        u = torch.rand(R, 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
         onehot = torch.zeros(R, C).scatter_(1, idx, 1.0)
         return ((1.0 / R) ** 0.5 * (p - onehot)).unsqueeze(0)
 

@@ -203,7 +203,7 @@ def aten_calls_per_step(make, steps=2):
 
 
 #: aten calls per training step against ``AdamW(foreach=True)`` (75 with torch 2.13): issue
-#: 17's targets (KFAC empirical 112 calls, 1.49x; mc 135, 1.80x; EKFAC 149, 1.99x;
+#: 17's targets (KFAC empirical 112 calls, 1.49x; mc 134, 1.79x; EKFAC 149, 1.99x;
 #: DiagonalNaturalGradient 97, 1.29x), so that a regression fails
 #: (benchmarks/step_counts.py, docs/benchmarks.md).
 ATEN_RATIO = {

@@ -313,6 +313,28 @@ def part_syncs(device: torch.device, scale: str) -> Dict[str, Any]:
         plain = [count_syncs(step, device) for _ in range(PERIOD - 2)]  # steps 2..9
         refresh = count_syncs(step, device)  # step 10 refreshes
         out[name] = {"plain_steps": plain, "refresh_step": refresh}
+    # the refresh step of the other workloads (their factor sizes group differently:
+    # one eigendecomposition call per size group; the LM's one-sided blocks)
+    others: Dict[str, Any] = {}
+    for _key, title2, make2, X2, y2, loss2 in step_workloads(scale)[1:]:
+        X2, y2 = X2.to(device), y2.to(device)
+        for name, _ in optimizers(make2().to(device), loss2):
+            if name in ("SGD", "AdamW"):
+                continue
+            torch.manual_seed(0)
+            model = make2().to(device)
+            opt = _quiet(dict(optimizers(model, loss2))[name])
+
+            def step2(model=model, opt=opt, X2=X2, y2=y2, loss2=loss2):
+                opt.zero_grad()
+                loss2(model(X2), y2).backward()
+                opt.step()
+
+            for _ in range(PERIOD):  # step 0 refreshes, then plain steps up to the next
+                _quiet(step2)
+            others[f"{title2}: {name}"] = count_syncs(step2, device)
+            del model, opt
+    out["refresh steps (other workloads)"] = others
     out["sites (optimizers)"] = dict(SYNC_SITES)
     SYNC_SITES.clear()
     model = make().to(device)
@@ -717,6 +739,16 @@ def render(data: Dict[str, Any]) -> str:
             ),
             "",
         ]
+        others = syncs.get("refresh steps (other workloads)")
+        if others:
+            rows = [[k, str(v), _met(v is not None and v <= 2)] for k, v in others.items()]
+            lines += [
+                "Refresh steps of the other workloads (after `inverse_every` steps; target "
+                "at most 2):",
+                "",
+                common.markdown_table(["workload: optimizer", "refresh step", "target"], rows),
+                "",
+            ]
         for label, key in (("optimizer steps", "sites (optimizers)"), ("calls", "sites (kfac)")):
             sites = syncs.get(key)
             if sites:

@@ -9,8 +9,10 @@
 # Where the package index is reachable (the development machine; .whl/ is git-ignored
 # and travels with the device tool's `carry`):
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl asdfghjkl==0.1a5 \
-#       backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1 einconv==0.1.0 unfoldNd==0.2.3 Each part writes its log and
-# JSON into OUTDIR and has its own time limit, so a stopped part keeps what it wrote.
+#       backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1 einconv==0.1.0 unfoldNd==0.2.3
+# Each part writes its log and JSON into OUTDIR and has its own time limit, so a stopped
+# part keeps what it wrote (gpu.py's syncs part also counts the refresh step of the CNN
+# and the LM: the predictions of `python benchmarks/step_counts.py --gpu-shapes`).
 # Then, on the development machine: copy the JSON into benchmarks/gpu_runs/ (add "run"
 # and "code" fields), `python benchmarks/gpu.py --render <runs>` for docs/benchmarks.md's
 # GPU section, and `python benchmarks/training.py --from-json <json>` for the ResNet rows.
@@ -31,7 +33,7 @@ checks)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matches_cpu.py \
         tests/test_optim_syncs.py tests/test_conv_patch_gemm.py -k "cuda or patch or cpu_takes" \
         2>&1 | tee "$out/tests.log" | tail -3
-    timeout 300 python3 benchmarks/gpu.py --device cuda --json "$out/gpu.json" --no-doc \
+    timeout 330 python3 benchmarks/gpu.py --device cuda --json "$out/gpu.json" --no-doc \
         2>&1 | tee "$out/gpu.log" | tail -5
     timeout 90 python3 benchmarks/conv_weight_grads.py --device cuda 2>&1 | tee "$out/conv.txt"
     ;;

@@ -1008,6 +1008,12 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
         help="wall time, or the process's CPU time (fair on a shared machine with --threads 1)",
     )
     p.add_argument(
+        "--kfac-rows",
+        default=None,
+        help="image workloads and the autoencoder: run only the KFAC rows whose name "
+        "contains this text (e.g. 'adaptive')",
+    )
+    p.add_argument(
         "--only",
         default=None,
         help="image workloads and the autoencoder: run only these of adam, adamw, sgd, kfac "
@@ -1062,6 +1068,7 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
         wl.kfac_rows = dict([kfac_row(args.kfac_row)])
     if only is not None and "kfac" not in only:
         wl.kfac_rows = {}
+    select_kfac_rows(wl, args)
     print(f"{wl.title}: {wl.target_text}", flush=True)
     res = run_workload(wl, seeds, grids)
     res["target_loss"], res["compare"], res["budget"] = None, wl.compare, budget
@@ -1093,6 +1100,12 @@ def split_grids(
     return {k: [x for x in v if any(math.isclose(x, y) for y in lrs)] for k, v in kinds.items()}
 
 
+def select_kfac_rows(wl: Workload, args: argparse.Namespace) -> None:
+    """Keep the KFAC rows whose name contains ``--kfac-rows`` (all without it)."""
+    if args.kfac_rows is not None:
+        wl.kfac_rows = {k: v for k, v in wl.kfac_rows.items() if args.kfac_rows in k}
+
+
 def autoencoder_split(
     wl: Workload, grids: Dict[str, Sequence[float]], args: argparse.Namespace
 ) -> Dict[str, Sequence[float]]:
@@ -1104,6 +1117,7 @@ def autoencoder_split(
     split = split_grids(grids, only, lrs)
     if only is not None and "kfac" not in only:
         wl.kfac_rows = {}
+    select_kfac_rows(wl, args)
     wl.kfac_budget = args.ae_kfac_budget
     wl.target_later = list(split.get("adam", ())) != list(grids["adam"])
     return split

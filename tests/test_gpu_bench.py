@@ -107,6 +107,19 @@ def test_the_verdicts_follow_the_numbers():
     assert "no peer computes it here" in _row(text, "curvature diag_ggn type-2")
 
 
+def test_the_refresh_syncs_of_the_other_workloads_are_read_against_the_target():
+    data = _run()
+    data["syncs"] = {
+        "workload": "MLP",
+        "KFAC empirical": {"plain_steps": [0, 0], "refresh_step": 1},
+        "refresh steps (other workloads)": {"LM: KFAC empirical": 2, "LM: EKFAC empirical": 5},
+    }
+    text = gpu.render(data)
+    assert _row(text, "KFAC empirical").endswith("| 0 | 1 | met |")
+    assert _row(text, "LM: KFAC empirical").endswith("| 2 | met |")
+    assert _row(text, "LM: EKFAC empirical").endswith("| 5 | **not met** |")
+
+
 def test_the_repeat_table_lists_every_run():
     first = _run(**{"KFAC empirical": {"time": 2e-3}})
     second = _run(**{"KFAC empirical": {"time": 3e-3, "host": 3e-3}})

@@ -1102,8 +1102,9 @@ def split_grids(
 
 def select_kfac_rows(wl: Workload, args: argparse.Namespace) -> None:
     """Keep the KFAC rows whose name contains ``--kfac-rows`` (all without it)."""
-    if args.kfac_rows is not None:
-        wl.kfac_rows = {k: v for k, v in wl.kfac_rows.items() if args.kfac_rows in k}
+    part = getattr(args, "kfac_rows", None)
+    if part is not None:
+        wl.kfac_rows = {k: v for k, v in wl.kfac_rows.items() if part in k}
 
 
 def autoencoder_split(

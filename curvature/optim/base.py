@@ -331,7 +331,11 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         if stats:
             with batched_ema():  # the running updates in one call
                 self._update_curvature(stats)
-        if self.steps % cfg.inverse_every == 0 or self._needs_refresh():
+        if (
+            self.steps % cfg.inverse_every == 0
+            or self.steps < cfg.inverse_warmup
+            or self._needs_refresh()
+        ):
             if self._release_at_refresh:
                 # the flat [P] buffers freed while the decompositions run (not alive at
                 # the refresh's peak: EKFAC's eigendecompositions), made anew right after

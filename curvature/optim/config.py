@@ -132,6 +132,7 @@ class CurvatureConfig:
     factor_decay: float = 0.95
     factor_every: int = 1
     inverse_every: int = 10
+    inverse_warmup: int = 0
     kl_clip: Optional[float] = None
     damping_mode: DampingMode = DampingMode.PI
     unsupported: Unsupported = Unsupported.WARN
@@ -214,6 +215,9 @@ class CurvatureConfig:
         for arg in ("factor_every", "inverse_every", "damping_adaptation_interval"):
             val = getattr(self, arg)
             check(who, arg, val, isinstance(val, int) and val >= 1, "must be a positive int")
+        val = self.inverse_warmup
+        ok = isinstance(val, int) and not isinstance(val, bool) and val >= 0
+        check(who, "inverse_warmup", val, ok, "must be an int >= 0")
         check(
             who,
             "damping_adaptation_decay",

@@ -40,7 +40,8 @@ from .statistics import stat_dtype
 class DiagonalNaturalGradient(CurvatureOptimizer):
     """Natural gradient with a diagonal Fisher; the arguments of :class:`~curvature.KFAC`.
 
-    ``kfac_approx``, ``inverse_every`` and ``damping_mode`` have no effect;
+    ``kfac_approx``, ``inverse_every``, ``inverse_warmup`` and ``damping_mode`` have no
+    effect on the diagonal (a refresh only reads the steps' deferred device values);
     ``fisher="forward-only"`` is refused (it has no diagonal).
     """
 
@@ -75,6 +76,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
         sync_grads: Optional[bool] = None,
         comm_timeout: float = 300.0,
         bucket_mb: float = 25.0,
+        inverse_warmup: int = 0,
     ):
         if fisher == FisherType.FORWARD_ONLY:
             raise ValueError(

@@ -109,6 +109,12 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         factor_every (int): Collect statistics every this many steps (default 1).
         inverse_every (int): Refresh the factor inverses (pi damping: Cholesky) or
             eigendecompositions (``"exact"``, EKFAC) every this many steps (default 10).
+        inverse_warmup (int): The first this many steps refresh every step, whatever
+            ``inverse_every`` (default 0: off). While the running factors are young and
+            the parameters move fast, a preconditioner even one step old can blow the
+            step up: the small CNN of benchmarks/training.py diverges within 10 steps at
+            the defaults, and trains with ``inverse_warmup=10`` (docs/optimizers.md,
+            "Defaults and a safe start").
         kl_clip (float | None): KL clipping (Ba, Grosse & Martens, 2017): the update
             ``-lr d`` is scaled by ``nu = min(1, sqrt(kl_clip / sum_p lr_p^2 d_p^T g_p))``
             (default None: off; ``kl_clip=1e-3`` is a safe start, see docs/optimizers.md).
@@ -234,6 +240,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         large_factors: str = "diagonal_factor",
         statistics_dtype: Optional[torch.dtype] = None,
         exact_layer_size: int = 0,
+        inverse_warmup: int = 0,
     ):
         check_kfac_arguments(
             type(self).__name__,

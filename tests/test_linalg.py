@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -210,6 +212,33 @@ def test_eighs_pads_smaller_sizes_into_larger_calls_within_the_cost(monkeypatch)
         torch.testing.assert_close(rebuilt, M, rtol=1e-10, atol=1e-10 * scale)
 
 
+def test_a_non_finite_matrix_in_a_padded_call_fails_alone(monkeypatch):
+    """A matrix with NaN or inf entries joins the padded call (its entries zeroed for the
+    decomposition) and gets its error; the others of the call are decomposed as alone."""
+    import curvature.linalg as linalg
+
+    monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",))
+    good = [_psd(D=6), _psd(D=4, rank=2)]
+    bad = _psd(D=5)
+    bad[1, 3] = float("nan")
+    worse = _psd(D=3)
+    worse[0, 0] = float("inf")
+    shapes = []
+    inner = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda M: shapes.append(tuple(M.shape)) or inner(M))
+    got = eighs([good[0], bad, good[1], worse], ["a", "bad", "b", "worse"])
+    monkeypatch.undo()
+    assert shapes == [(4, 6, 6)]  # one padded call for all four
+    for i, name in ((1, "bad"), (3, "worse")):
+        assert isinstance(got[i], RuntimeError) and f"eigh({name})" in str(got[i])
+    for (evals, evecs), M in zip((got[0], got[2]), good):
+        ref, _ = eigh(M)
+        torch.testing.assert_close(evals, ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            evecs @ torch.diag_embed(evals) @ evecs.mT, M, atol=1e-10, rtol=0
+        )
+
+
 def test_the_default_padding_cost_joins_an_mlps_sizes_as_documented():
     """The default ``PAD_EIGH_COST`` on an MLP 784-2048-2048-10's factor sizes (``A``:
     785, 2049, 2049; ``G``: 2048, 2048, 10): the 2048s join the 2049s, the 10 joins the
@@ -262,3 +291,36 @@ def test_ekfac_with_padded_decompositions_steps_as_without(monkeypatch):
 
     for a, b in zip(run(True), run(False)):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("cls", ["KFAC", "EKFAC"])
+def test_one_sided_blocks_with_padded_decompositions_step_as_without(monkeypatch, cls):
+    """A token model whose embedding and head are one-sided blocks (their full sides 8 x 8
+    and 9 x 9): decomposed in padded calls (KFAC: on their own, unchecked; EKFAC: with
+    the Kronecker blocks' factors) the parameters move as with one call per shape."""
+    from torch import nn
+
+    import curvature
+    import curvature.linalg as linalg
+
+    def run(pad):
+        monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",) if pad else ())
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(40, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 40))
+        model = model.double()
+        opt = getattr(curvature, cls)(
+            model, lr=0.1, damping=1e-2, inverse_every=2, max_factor_size=16
+        )
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            tokens = torch.randint(0, 40, (4, 6), generator=g)
+            opt.zero_grad()
+            out = model(tokens).flatten(0, 1)
+            nn.functional.cross_entropy(out, torch.randint(0, 40, (24,), generator=g)).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for a, b in zip(run(True), run(False)):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)

@@ -35,11 +35,7 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
             even with jitter.
 
     """
-    require_finite(M, f"eigh({name})")
-    S, dtype, res = _first_eigh(M)
-    if res is not None and torch.isfinite(res[0]).all() and torch.isfinite(res[1]).all():
-        return res[0].clamp_min(0).to(dtype), res[1].to(dtype)
-    res = _eigh_retries(S, dtype, name)
+    (res,) = eighs([M], [name])  # one host read: the input's and the result's finiteness
     if isinstance(res, Exception):
         raise res
     return res

@@ -84,7 +84,8 @@ def test_non_finite_entries_raise_with_the_name():
 
 def test_several_inverses_in_one_pass_fall_back_one_by_one(monkeypatch):
     # the middle matrix is not positive definite after its shift: only it takes the
-    # eigendecomposition route, and the outcomes are read in one synchronization
+    # eigendecomposition route; the outcomes are read in one synchronization, and the
+    # fallback's eigendecomposition reads once more (its input's and result's finiteness)
     good, other = _psd(D=6, rank=3), _psd(D=4, rank=4)
     bad = good - 1e-3 * torch.eye(6, dtype=good.dtype)
     shifts = [0.5, 1e-6, torch.tensor(0.1, dtype=torch.float64)]
@@ -92,7 +93,7 @@ def test_several_inverses_in_one_pass_fall_back_one_by_one(monkeypatch):
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
     got = damped_inverses([good, bad, other], shifts, check_finite=False)
-    assert len(reads) == 1
+    assert len(reads) == 2
     for g, M, s in zip(got, [good, bad, other], shifts):
         torch.testing.assert_close(g, damped_inverse(M, s))
 
@@ -324,3 +325,26 @@ def test_one_sided_blocks_with_padded_decompositions_step_as_without(monkeypatch
         warnings.simplefilter("ignore")
         for a, b in zip(run(True), run(False)):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_eigh_reads_the_device_once_and_names_a_non_finite_matrix():
+    """``eigh`` of one matrix: the input's and the result's finiteness in one host read
+    (a synchronization on a GPU), the same values as before (clamped at 0), and the
+    error naming the matrix for NaN entries."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_counts import HostReads
+
+    M = _psd(D=5, rank=2)
+    with HostReads() as reads:
+        evals, evecs = eigh(M)
+    assert reads.count == 1
+    ref = torch.linalg.eigh((M + M.mT) / 2)
+    torch.testing.assert_close(evals, ref.eigenvalues.clamp_min(0))
+    torch.testing.assert_close(evecs @ torch.diag_embed(evals) @ evecs.mT, M, atol=1e-10, rtol=0)
+    bad = M.clone()
+    bad[0, 1] = float("nan")
+    with pytest.raises(RuntimeError, match="eigh\\(G of 'x'\\).*non-finite"):
+        eigh(bad, name="G of 'x'")

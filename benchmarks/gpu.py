@@ -291,11 +291,9 @@ def count_syncs(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
     return len(hits)
 
 
-def part_syncs(device: torch.device, scale: str) -> Dict[str, Any]:
-    """Syncs per step (without / with a refresh) and per ``kfac()`` call, MLP workload."""
-    _, title, make, X, y, loss_func = step_workloads(scale)[0]
-    X, y = X.to(device), y.to(device)
-    out: Dict[str, Any] = {"workload": title}
+def _curvature_steps(make, X: Tensor, y: Tensor, loss_func, device: torch.device):
+    """``(name, step)`` for each curvature optimizer of :func:`optimizers` on a fresh model
+    of ``make`` (one training step per call; X, y on ``device``)."""
     for name, _ in optimizers(make().to(device), loss_func):
         if name in ("SGD", "AdamW"):
             continue
@@ -308,6 +306,16 @@ def part_syncs(device: torch.device, scale: str) -> Dict[str, Any]:
             loss_func(model(X), y).backward()
             opt.step()
 
+        yield name, step
+
+
+def part_syncs(device: torch.device, scale: str) -> Dict[str, Any]:
+    """Syncs per step (without / with a refresh) and per ``kfac()`` call, MLP workload;
+    the refresh step of the other workloads."""
+    _, title, make, X, y, loss_func = step_workloads(scale)[0]
+    X, y = X.to(device), y.to(device)
+    out: Dict[str, Any] = {"workload": title}
+    for name, step in _curvature_steps(make, X, y, loss_func, device):
         for _ in range(2):  # step 0 refreshes; step 1 is a plain step
             _quiet(step)
         plain = [count_syncs(step, device) for _ in range(PERIOD - 2)]  # steps 2..9
@@ -318,22 +326,10 @@ def part_syncs(device: torch.device, scale: str) -> Dict[str, Any]:
     others: Dict[str, Any] = {}
     for _key, title2, make2, X2, y2, loss2 in step_workloads(scale)[1:]:
         X2, y2 = X2.to(device), y2.to(device)
-        for name, _ in optimizers(make2().to(device), loss2):
-            if name in ("SGD", "AdamW"):
-                continue
-            torch.manual_seed(0)
-            model = make2().to(device)
-            opt = _quiet(dict(optimizers(model, loss2))[name])
-
-            def step2(model=model, opt=opt, X2=X2, y2=y2, loss2=loss2):
-                opt.zero_grad()
-                loss2(model(X2), y2).backward()
-                opt.step()
-
+        for name, step in _curvature_steps(make2, X2, y2, loss2, device):
             for _ in range(PERIOD):  # step 0 refreshes, then plain steps up to the next
-                _quiet(step2)
-            others[f"{title2}: {name}"] = count_syncs(step2, device)
-            del model, opt
+                _quiet(step)
+            others[f"{title2}: {name}"] = count_syncs(step, device)
     out["refresh steps (other workloads)"] = others
     out["sites (optimizers)"] = dict(SYNC_SITES)
     SYNC_SITES.clear()

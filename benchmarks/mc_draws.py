@@ -18,7 +18,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import warnings
 
 import torch
@@ -26,20 +25,16 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402
 import gpu  # noqa: E402
 
 import curvature  # noqa: E402
 
 
 def ms(fn, repeats: int, inner: int = 1) -> float:
+    """Milliseconds per call: the median of ``repeats`` timings of ``inner`` calls."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t) / inner)
-    return statistics.median(times) * 1e3
+    return statistics.median(common._time(fn, inner) for _ in range(repeats)) * 1e3
 
 
 def main(argv=None) -> None:

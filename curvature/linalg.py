@@ -68,7 +68,7 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
     for i, key in _group_keys(mats).items():
         groups.setdefault(key, []).append(i)
     for idx in groups.values():
-        first.update(_first_eighs([mats[i] for i in idx], idx))
+        first.update(_first_eighs([mats[i] for i in idx], idx, sanitize=True))
     tried = [i for i in range(len(mats)) if first[i][2] is not None]
     results = [_finite_sum(t).isfinite() for i in tried for t in first[i][2]]
     read = host_values(inputs + results + list(also))
@@ -173,7 +173,9 @@ def padded_sizes(
     return {n: size for size, _, members in groups for n in members}
 
 
-def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
+def _first_eighs(
+    mats: Sequence[Tensor], idx: Sequence[int], sanitize: bool = False
+) -> Dict[int, Any]:
     """:func:`_first_eigh` of several matrices in one batched call (on a GPU,
     ``torch.linalg.eigh`` reads its error codes on the host once per call); one by one
     where the batched call raises. Leading axes are flattened into the batch; a matrix
@@ -181,7 +183,7 @@ def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
     """
     m = max(M.shape[-1] for M in mats)
     if len(mats) == 1 and mats[0].shape[-1] == m:
-        return {idx[0]: _first_eigh(mats[0])}
+        return {idx[0]: _first_eigh(mats[0], sanitize=sanitize)}
     # symmetrized straight into the batch (no stacked copy of the matrices besides it:
     # the memory of decomposing them one by one)
     dtype = _eigh_dtype(mats[0])
@@ -202,13 +204,13 @@ def _first_eighs(mats: Sequence[Tensor], idx: Sequence[int]) -> Dict[int, Any]:
             block[:, n:, n:].diagonal(dim1=-2, dim2=-1).copy_(sentinel[:, None])
         starts.append(at)
         at += k
-    S, dtype, res = _first_eigh(S.mul_(0.5), symmetric=True)
+    S, dtype, res = _first_eigh(S.mul_(0.5), symmetric=True, sanitize=sanitize)
     out = {}
     for i, M, at, k in zip(idx, mats, starts, counts):
         n = M.shape[-1]
         Si = S[at : at + k, :n, :n].reshape(M.shape)
         if res is None:
-            out[i] = _first_eigh(Si, symmetric=True)
+            out[i] = _first_eigh(Si, symmetric=True, sanitize=sanitize)
             continue
         evals, evecs = res[0][at : at + k], res[1][at : at + k]
         if n < m:  # the sentinel pairs first: dropped
@@ -223,17 +225,18 @@ def _eigh_dtype(M: Tensor) -> torch.dtype:
 
 
 def _first_eigh(
-    M: Tensor, symmetric: bool = False
+    M: Tensor, symmetric: bool = False, sanitize: bool = False
 ) -> Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]:
     """``(S, dtype, (evals, evecs) or None)``: the first attempt of :func:`eigh`, unchecked.
 
     ``S`` is the symmetrized ``M`` in ``dtype`` (``M``'s, at least float32; ``M`` itself
-    where ``symmetric``: already symmetrized in that dtype); ``None`` when
-    ``torch.linalg.eigh`` raised (e.g. no convergence).
+    where ``symmetric``: already symmetrized in that dtype; its non-finite entries zeroed
+    where ``sanitize``); ``None`` when ``torch.linalg.eigh`` raised (e.g. no convergence).
     """
     dtype = _eigh_dtype(M)
     S = M if symmetric else symmetrize(M.to(dtype))
-    S.nan_to_num_(0.0, 0.0, 0.0)  # a bad matrix is decomposed too (its result unused)
+    if sanitize:  # (eighs: a bad matrix is decomposed too, its result dropped with its error)
+        S.nan_to_num_(0.0, 0.0, 0.0)
     try:
         return S, dtype, torch.linalg.eigh(S)
     except RuntimeError:
@@ -258,12 +261,6 @@ def _eigh_retries(S: Tensor, dtype: torch.dtype, name: str) -> Any:
     err = RuntimeError(f"eigh({name}) failed in float64 even with jitter; increase the damping.")
     err.__cause__ = last
     return err
-
-
-def require_finite(M: Tensor, what: str) -> None:
-    """Raise a ``RuntimeError`` naming ``what`` if ``M`` has a NaN or an infinity."""
-    if not torch.isfinite(M).all():
-        raise RuntimeError(non_finite_message(what))
 
 
 def non_finite_message(what: str) -> str:
@@ -303,9 +300,7 @@ def finite_flags(tensors: Sequence[Tensor], also: Sequence[Tensor] = ()) -> List
     which some devices lack). The values of the tensors ``also`` (e.g. flags of other
     checks; see :func:`host_values`) are read in the same synchronization and appended.
     """
-    low = (torch.float16, torch.bfloat16)
-    sums = [t.sum(dtype=torch.float32) if t.dtype in low else t.sum() for t in tensors]
-    return host_values([s.isfinite() for s in sums] + list(also))
+    return host_values([_finite_sum(t).isfinite() for t in tensors] + list(also))
 
 
 def damped_inverse(M: Tensor, shift, *, name: str = "matrix") -> Tensor:
@@ -457,15 +452,10 @@ def eigh_unchecked(M: Tensor) -> Tuple[Tensor, Tensor]:
     statistics). A decomposition that does not converge is retried once in float64.
 
     Returns:
-        ``(evals >= 0 [..., D], evecs [..., D, D])`` in ``M``'s dtype.
+        ``(evals >= 0 [..., D], evecs [..., D, D])`` in ``M``'s dtype (at least float32).
 
     """
-    S = (M + M.mT) / 2
-    try:
-        lam, Q = torch.linalg.eigh(S)
-    except RuntimeError:  # no convergence (rare for a PSD factor): once more in float64
-        lam, Q = (t.to(S.dtype) for t in torch.linalg.eigh(S.double()))
-    return lam.clamp_min(0), Q
+    return eighs_unchecked([M])[0]
 
 
 def eighs_unchecked(mats: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:

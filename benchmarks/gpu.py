@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -377,6 +378,10 @@ def part_optim(
 
 
 def _optim_row(name, template, X, y, loss_func, device, budget) -> Dict[str, Any]:
+    # what earlier rows and parts left in reference cycles goes first: it would count in
+    # this row's peak (H100 run 11: about 85 MiB in some rows, not in others)
+    gc.collect()
+    left = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     model = copy.deepcopy(template)
     if name.startswith("ASDL"):
         step = optim_step.asdl_kfac(model, X, y, loss_func, "empirical", period=PERIOD)
@@ -406,6 +411,7 @@ def _optim_row(name, template, X, y, loss_func, device, budget) -> Dict[str, Any
     if device.type == "cuda":
         row["peak"] = torch.cuda.max_memory_allocated(device)
         row["allocated_before"] = base
+        row["allocated_at_start"] = left  # before the row's model: what others left
     row["curvature_bytes"] = curvature_bytes(opt) if opt is not None else None
     if opt is not None and hasattr(opt, "close"):
         opt.close()

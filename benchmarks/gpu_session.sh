@@ -2,7 +2,7 @@
 # The GPU checks of issues 17 and 19, as one prepared script for a machine with CUDA.
 #
 #   bash benchmarks/gpu_session.sh checks OUTDIR   # ~3 min: CUDA tests, gpu.py, conv paths
-#   bash benchmarks/gpu_session.sh resnet OUTDIR   # ~8 min: ResNet-18 (width 64) to 90%
+#   bash benchmarks/gpu_session.sh resnet OUTDIR   # ~5 min: ResNet-18 (width 64) to 90%
 #
 # Run from the repository root. The peers (ASDL, curvlinops, BackPACK) are installed from
 # wheels in .whl/ when that folder exists; without them gpu.py's peer rows are left out.
@@ -10,12 +10,16 @@
 # and travels with the device tool's `carry`):
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl asdfghjkl==0.1a5 \
 #       backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1 einconv==0.1.0 unfoldNd==0.2.3
+# The resnet part needs Fashion-MNIST, which a bare GPU machine lacks: copy the Debian
+# package's files into .fmnist/ (add /.fmnist/ to .git/info/exclude and carry it; 30 MB):
+#   mkdir -p .fmnist && cp /usr/share/datasets/fashion-mnist/*.gz .fmnist/
 # Each part writes its log and JSON into OUTDIR and has its own time limit, so a stopped
 # part keeps what it wrote (gpu.py's syncs part also counts the refresh step of the CNN
 # and the LM: the predictions of `python benchmarks/step_counts.py --gpu-shapes`).
 # Then, on the development machine: copy the JSON into benchmarks/gpu_runs/ (add "run"
 # and "code" fields), `python benchmarks/gpu.py --render <runs>` for docs/benchmarks.md's
-# GPU section, and `python benchmarks/training.py --from-json <json>` for the ResNet rows.
+# GPU section, and `python benchmarks/training.py --from-json <json>` for the ResNet rows
+# (their JSON goes into benchmarks/gpu_runs/training/: gpu_runs/*.json are gpu.py runs).
 set -u -o pipefail
 mode=${1:?usage: gpu_session.sh checks|resnet OUTDIR}
 out=${2:?usage: gpu_session.sh checks|resnet OUTDIR}
@@ -38,8 +42,12 @@ checks)
     timeout 90 python3 benchmarks/conv_weight_grads.py --device cuda 2>&1 | tee "$out/conv.txt"
     ;;
 resnet)
+    fm=/usr/share/datasets/fashion-mnist
+    if [ ! -d "$fm" ] && [ -d .fmnist ]; then
+        mkdir -p "$fm" && cp .fmnist/*.gz "$fm"/
+    fi
     timeout 560 python3 benchmarks/training.py --workloads resnet18 --resnet-width 64 \
-        --seeds 0 --device cuda --resnet-budget 40 --json "$out/resnet18_gpu.json" \
+        --seeds 0 --device cuda --resnet-budget 35 --json "$out/resnet18_gpu.json" \
         2>&1 | tee "$out/resnet18.log" | tail -30
     ;;
 *)

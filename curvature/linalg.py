@@ -20,6 +20,20 @@ def symmetrize(M: Tensor) -> Tensor:
     return (M + M.transpose(-1, -2)).mul_(0.5)
 
 
+def kron(A: Tensor, B: Tensor) -> Tensor:
+    """Kronecker products ``A_i (x) B_i`` of two batches: ``[..., p, q]``, ``[..., r, s]``
+    to ``[..., p r, q s]``, entry ``(i r + k, j s + l) = A[i, j] B[k, l]``.
+
+    One broadcast product, for any strides (``torch.kron`` fails on a row-major and a
+    column-major operand together: ``torch.linalg.eigh``'s eigenvectors are column-major,
+    the copies of a padded decomposition's row-major).
+    """
+    p, q = A.shape[-2:]
+    r, s = B.shape[-2:]
+    out = A[..., :, None, :, None] * B[..., None, :, None, :]
+    return out.reshape(*out.shape[:-4], p * r, q * s)
+
+
 def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
     """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix (batched).
 
@@ -205,6 +219,9 @@ def _first_eighs(
         starts.append(at)
         at += k
     S, dtype, res = _first_eigh(S.mul_(0.5), symmetric=True, sanitize=sanitize)
+    # with padded members, every result is a copy of its own: a view would keep the whole
+    # batch's storage alive, the padded members' share of it too (their results are copies)
+    padded = any(M.shape[-1] < m for M in mats)
     out = {}
     for i, M, at, k in zip(idx, mats, starts, counts):
         n = M.shape[-1]
@@ -215,6 +232,8 @@ def _first_eighs(
         evals, evecs = res[0][at : at + k], res[1][at : at + k]
         if n < m:  # the sentinel pairs first: dropped
             evals, evecs = evals[:, m - n :].contiguous(), evecs[:, :n, m - n :].contiguous()
+        elif padded:
+            evals, evecs = evals.clone(), evecs.clone()
         out[i] = (Si, dtype, (evals.reshape(M.shape[:-1]), evecs.reshape(M.shape)))
     return out
 

@@ -9,7 +9,7 @@ is ``L = R * sum_n l_n`` with ``R = 1/N`` for ``reduction="mean"`` and ``R = 1``
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -371,6 +371,10 @@ def backprop_sources(
     return _mc_sources(loss_func, out, target, mc_samples, generator, check_targets)
 
 
+#: devices whose categorical draws use :func:`_inverse_cdf` (elsewhere ``torch.multinomial``)
+INVERSE_CDF_DEVICES: Tuple[str, ...] = ("cpu",)
+
+
 def _draw_dtype(out: Tensor) -> torch.dtype:
     """The dtype of Gaussian and Bernoulli draws: float64 for a float64 output, else
     float32 (a CPU draws float32 normals about 5x faster than float64).
@@ -433,13 +437,14 @@ def _categorical_sources(out: Tensor, M: int, generator, where: torch.device) ->
     C = out.shape[ax]
     moved = p if ax == out.dim() - 1 else p.movedim(ax, -1)  # [N, C] or [C]: no call
     probs = moved if moved.dim() == 2 else moved.reshape(-1, C)
-    if where.type == "cpu":  # float64 weights: their cumulative sums lose nothing
+    inverse_cdf = where.type in INVERSE_CDF_DEVICES
+    if inverse_cdf:  # float64 weights: their cumulative sums lose nothing
         probs = probs.double()
     probs = probs.to(where)
     # drawable; the vectors stay NaN (in place on a copy of its own: dtype, device, layout)
     own = probs.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
     probs = probs.nan_to_num_(1.0, 1.0, 1.0) if own else probs.nan_to_num(1.0, 1.0, 1.0)
-    if where.type == "cpu":  # inverse CDF: the same distribution, ~9x a CPU multinomial
+    if inverse_cdf:  # the same distribution, ~9x faster than a CPU's multinomial
         probs = probs.cumsum_(-1)
         draws = [_inverse_cdf(probs, generator) for _ in range(M)]  # [R, 1]
     else:

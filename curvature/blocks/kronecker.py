@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..linalg import damped_inverses, eigh, pi_factor
+from ..linalg import damped_inverses, eigh, kron, pi_factor
 from .records import DampedInverses, Eigen, FactorSnapshot, Record
 
 _PENDING = threading.local()  # the lerps deferred by ``batched_ema`` (per thread)
@@ -373,7 +373,7 @@ class KroneckerBlock(RunningFactors):
 
     def dense(self) -> Tensor:
         """``[C, D_out D, D_out D]`` dense per-group blocks (row-major in ``(o, i)``)."""
-        return torch.stack([torch.kron(g, a) for g, a in zip(self.G, self.A)])
+        return kron(self.G, self.A)
 
     # -- state ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -573,7 +573,7 @@ class EigenCorrectedBlock(KroneckerBlock):
         if self.corrections is None:
             return super().dense()
         r = self.eigen()
-        Q = torch.stack([torch.kron(qg, qa) for qg, qa in zip(r.QG, r.QA)])
+        Q = kron(r.QG, r.QA)
         return Q @ torch.diag_embed(self._raw_corrections().flatten(1)) @ Q.mT
 
     def state_dict(self) -> Dict[str, Any]:  # noqa: D102

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..linalg import eigh_unchecked, eighs_unchecked, pi_factor
+from ..linalg import eigh_unchecked, eighs_unchecked, kron, pi_factor
 from .kronecker import RunningFactors
 
 TYPE = "OneSidedBlock"
@@ -180,7 +180,7 @@ class OneSidedBlock(RunningFactors):
     def dense(self) -> Tensor:
         """``[C, D_out D, D_out D]`` dense per-group blocks (row-major in ``(o, i)``)."""
         A, G = self._full(self.A, self.full_A), self._full(self.G, self.full_G)
-        return torch.stack([torch.kron(g, a) for g, a in zip(G, A)])
+        return kron(G, A)
 
     # -- state ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

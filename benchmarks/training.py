@@ -617,7 +617,18 @@ def make_optimizer(kind: str, model: nn.Module, options: Dict[str, Any]) -> Any:
         return torch.optim.AdamW(model.parameters(), lr=options["lr"])
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=0.9)
-    return curvature.KFAC(model, **options)
+    return curvature.KFAC(model, **{k: _option(k, v) for k, v in options.items()})
+
+
+def _option(key: str, value: Any) -> Any:
+    """A KFAC option as JSON holds it: a ``*_dtype`` named by a string (``"bfloat16"`` or
+    ``"torch.bfloat16"``) becomes that ``torch.dtype``; everything else as it is."""
+    if key.endswith("_dtype") and isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise SystemExit(f"{key}={value!r}: not a torch dtype (e.g. \"bfloat16\")")
+        return dtype
+    return value
 
 
 def train(
@@ -1077,7 +1088,8 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
 
 def kfac_row(text: str) -> Tuple[str, Dict[str, Any]]:
     """``--kfac-row``: the row's name and options from a JSON dict of ``curvature.KFAC``
-    keyword arguments (numbers, strings, booleans, ``null``)."""
+    keyword arguments (numbers, strings, booleans, ``null``; a ``*_dtype`` as a string,
+    e.g. ``{"statistics_dtype": "bfloat16"}``)."""
     import json
 
     try:

@@ -509,6 +509,19 @@ def test_kfac_row_names_its_options_and_refuses_what_is_not_a_json_object():
             training.kfac_row(bad)
 
 
+def test_a_kfac_row_names_its_statistics_dtype_as_a_string():
+    """``{"statistics_dtype": "bfloat16"}`` (JSON has no dtypes) reaches KFAC as the dtype;
+    the row's options stay JSON (the results are saved); a name that is no dtype fails."""
+    from torch import nn
+
+    _, options = training.kfac_row('{"statistics_dtype": "torch.bfloat16"}')
+    assert options == {"statistics_dtype": "torch.bfloat16"}
+    opt = training.make_optimizer("kfac", nn.Linear(3, 2), options)
+    assert opt.statistics_dtype == torch.bfloat16
+    with pytest.raises(SystemExit, match="not a torch dtype"):
+        training.make_optimizer("kfac", nn.Linear(3, 2), {"statistics_dtype": "Tensor"})
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -97,27 +97,22 @@ def apply_update(
     tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
     okf = None
-    if tiled:  # one split, the flags of all parameters, one select over the flat vector
+    if tiled:  # one split, the flags of all parameters, two passes over the flat vector
         fits = direction_views is not None and len(direction_views) == len(slots)
         ok = finite_flags(direction_views if fits else directions.split(sizes))
-        zero = scalar(0.0, directions.dtype, directions.device)
+        # non-finite entries to 0, then every entry of a parameter with one to 0 (times
+        # its 0/1 flag): no [P] index of the positions' parameters, neither kept (four
+        # bytes per parameter on the device for the life of the process, as before: 81
+        # MiB for benchmarks/gpu.py's language model in H100 run 13) nor made per step
+        okf = ok.to(directions.dtype).unbind(0)
         if buffer is not None:  # into the persistent buffer, whose views fit the parameters
             shapes = [s.param.shape for s in slots]
             clean, views = buffer.get(shapes, directions.dtype, directions.device)
-            if directions.device.type == "cpu":
-                # non-finite entries to 0, then every entry of a parameter with one to 0
-                # (0/1 per parameter): a CPU's index_select of the flags to [P] costs
-                # several times these two passes; a GPU does it in one kernel
-                torch.nan_to_num(directions, 0.0, 0.0, 0.0, out=clean)
-                okf = ok.to(directions.dtype).unbind(0)
-                torch._foreach_mul_(views, okf)
-            else:
-                seg = _segments(sizes, directions.device)
-                torch.where(ok.index_select(0, seg), directions, zero, out=clean)
+            torch.nan_to_num(directions, 0.0, 0.0, 0.0, out=clean)
         else:
-            seg = _segments(sizes, directions.device)
-            clean = torch.where(ok.index_select(0, seg), directions, zero)
+            clean = torch.nan_to_num(directions, 0.0, 0.0, 0.0)
             views = list(clean.split(sizes))
+        torch._foreach_mul_(views, okf)
     else:
         views = [directions[s.span] for s in slots]
         ok = finite_flags(views)
@@ -186,18 +181,6 @@ def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: i
 def _shaped(v: Tensor, p: Tensor) -> Tensor:
     """``v`` viewed as ``p`` (no call where the shape already fits), in ``p``'s dtype."""
     return (v if v.shape == p.shape else v.view_as(p)).to(p.dtype)
-
-
-_SEGMENTS: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
-
-
-def _segments(sizes: List[int], device: torch.device) -> Tensor:
-    """``[P]``: the parameter of each flat position, built once per layout and device."""
-    key = (tuple(sizes), device)
-    if key not in _SEGMENTS:
-        ids = torch.arange(len(sizes), dtype=torch.int32)  # (32 bits: as many as the params)
-        _SEGMENTS[key] = ids.repeat_interleave(torch.tensor(sizes)).to(device)
-    return _SEGMENTS[key]
 
 
 def line_search(

@@ -107,6 +107,17 @@ def test_the_verdicts_follow_the_numbers():
     assert "no peer computes it here" in _row(text, "curvature diag_ggn type-2")
 
 
+def test_the_memory_verdict_nets_out_what_earlier_rows_left_allocated():
+    """With ``allocated_at_start`` (the process's caches before a row) each peak is taken
+    net of it: 131 MiB of which 2 left by earlier rows is within AdamW's 100 + 3 * 10."""
+    mib = 2**20
+    row = {"time": 1.8e-3, "peak": 131 * mib, "curvature_bytes": 10 * mib}
+    data = _run(**{"KFAC empirical": dict(row, allocated_at_start=2 * mib)})
+    assert _row(gpu.render(data), "KFAC empirical").endswith("| met |")
+    data = _run(**{"KFAC empirical": dict(row, allocated_at_start=0)})
+    assert _row(gpu.render(data), "KFAC empirical").endswith("| **not met** |")
+
+
 def test_the_refresh_syncs_of_the_other_workloads_are_read_against_the_target():
     data = _run()
     data["syncs"] = {

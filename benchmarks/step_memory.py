@@ -391,7 +391,7 @@ def main(argv=None):
         "state, temporaries); `curvature state`: the blocks' tensors (factors, inverses, "
         "eigenbases, diagonals); issue 17's GPU target is a peak within AdamW's + 3x the "
         "factors and inverses, here checked on the CPU count (`within`); GPU memory: "
-        "measured on an H200 for larger workloads, see [GPU](#gpu). `kept after step`: "
+        "measured on an H100 for larger workloads, see [GPU](#gpu). `kept after step`: "
         "bytes allocated during the step and alive after it "
         "besides the parameters' `.grad` (0: statistics buffers allocated once, nothing kept "
         "that the next step does not need); tests/test_optim_memory.py checks it and the "

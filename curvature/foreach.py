@@ -96,10 +96,6 @@ class FlatBuffer:
             self._key = key
         return self.flat, self.views
 
-    def release(self) -> None:
-        """Free the buffer (the next :meth:`get` makes it anew)."""
-        self._key, self.flat, self.views = None, None, []
-
 
 def copy_into(views: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
     """``views[i].copy_(sources[i])`` for all ``i`` in one call where torch has it."""

@@ -386,7 +386,7 @@ def damped_inverses_or_errors(
     """
     names = list(names) if names is not None else ["matrix"] * len(mats)
     flags = [_finite_sum(M).isfinite() for M in mats] if check_finite else []
-    factors, infos = [], []
+    inverses, infos = [], []
     for M, shift in zip(mats, shifts):
         dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
         shift = torch.as_tensor(shift, dtype=dtype, device=M.device)
@@ -394,28 +394,54 @@ def damped_inverses_or_errors(
         # reads its lower triangle only (a non-finite matrix fails it or is dropped below)
         damped = M.to(dtype, copy=True)
         damped.diagonal(dim1=-2, dim2=-1).add_(shift[..., None])
-        L, info = torch.linalg.cholesky_ex(damped)
+        L, info = _cholesky_in_place(damped)
         del damped
-        factors.append((L, shift))
+        # the inverse at once, before the outcome is read (dropped where the factorization
+        # failed): one factor alive at a time, not every matrix's factor and inverse
+        inverses.append((_cholesky_inverse(L), shift))
+        del L
         infos.append(info.ne(0).any())
     read = host_values(flags + infos + list(also))
     finite = read[: len(flags)] if check_finite else [True] * len(mats)
     failed, extra = read[len(flags) : len(flags) + len(infos)], read[len(flags) + len(infos) :]
     out: List[Any] = []
     for M, ok, bad, name in zip(mats, finite, failed, names):
-        L, shift = factors.pop(0)  # (each factor freed once its inverse is taken)
+        inv, shift = inverses.pop(0)
         if not ok:
             out.append(RuntimeError(non_finite_message(f"damped_inverse({name})")))
-        elif bad:
+        elif bad or inv is None:
+            del inv
             evals, evecs = eigh(M, name=name)
             shifted = evals + shift.to(evals.dtype)[..., None]
             out.append((evecs / shifted[..., None, :]) @ evecs.mT)
         else:
-            inv = torch.cholesky_inverse(L)
-            # exactly symmetric on the CPU (LAPACK's potri, its upper triangle then a copy of
-            # the lower); CUDA's solves against the identity (cuSOLVER potrs), which is not
-            out.append(inv if inv.device.type == "cpu" else symmetrize(inv))
+            out.append(inv)
     return out + extra
+
+
+def _cholesky_in_place(A: Tensor) -> Tuple[Tensor, Tensor]:
+    """``torch.linalg.cholesky_ex`` of ``A`` written over ``A`` (the factorization is in
+    place in LAPACK and cuSOLVER: no second matrix), out of place where torch refuses.
+    """
+    info = torch.empty(A.shape[:-2], dtype=torch.int32, device=A.device)
+    try:
+        return torch.linalg.cholesky_ex(A, out=(A, info))
+    except RuntimeError:
+        return torch.linalg.cholesky_ex(A)
+
+
+def _cholesky_inverse(L: Tensor) -> Optional[Tensor]:
+    """``(L L^T)^{-1}`` from a Cholesky factor, symmetric; ``None`` where torch raises
+    (a CPU's LAPACK refuses the factor of a failed factorization).
+
+    Exactly symmetric on the CPU (LAPACK's potri, its upper triangle then a copy of the
+    lower); CUDA's solves against the identity (cuSOLVER potrs), which is not: symmetrized.
+    """
+    try:
+        inv = torch.cholesky_inverse(L)
+    except RuntimeError:
+        return None
+    return inv if inv.device.type == "cpu" else symmetrize(inv)
 
 
 def pi_factor(mean_a: Tensor, mean_g: Tensor) -> Tensor:

@@ -863,6 +863,8 @@ def test_a_failed_inversion_keeps_the_previous_one_then_a_first_failure_raises(m
     for _ in range(3):
         train_step(opt, model, X, y)
     kept = {k: b.record for k, b in opt.blocks.items()}
+    v = [torch.randn(p.shape, dtype=p.dtype) for p in model.parameters()]
+    before = opt.inverse_matvec(v)
 
     real = curvature.blocks.refresh.damped_inverses_or_errors
 
@@ -875,8 +877,11 @@ def test_a_failed_inversion_keeps_the_previous_one_then_a_first_failure_raises(m
     with pytest.warns(UserWarning, match="keeping the previous one"):
         for _ in range(2):  # one of them refreshes
             train_step(opt, model, X, y)
-    assert all(opt.blocks[k].record is v for k, v in kept.items())
+    assert all(opt.blocks[k].record is r for k, r in kept.items())
     assert finite(model)
+    # the refresh dropped the previous inverses first; taken again from the kept records
+    for a, b in zip(opt.inverse_matvec(v), before):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
     model = mlp()
     fresh = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE)
     with pytest.raises(RuntimeError, match="failed repeatedly.*non-finite entries"):

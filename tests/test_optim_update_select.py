@@ -26,13 +26,21 @@ def _setup():
     return params, slots, d, torch.randn(at)
 
 
-def test_the_select_path_keeps_a_non_finite_parameter_and_equals_the_buffered_path():
+def test_every_select_path_keeps_a_non_finite_parameter_and_they_agree():
+    """A new tensor (no buffer), a persistent buffer, and in place of the directions
+    (views of them given: the optimizers' path), bit for bit alike."""
     results = []
-    for buffered in (False, True):
+    for path in ("new", "buffer", "in place"):
         params, slots, d, g = _setup()
         before = [p.clone() for p in params]
-        buffer = FlatBuffer() if buffered else None
-        _, ok = apply_update(slots, d.clone(), g, {}, None, "KFAC", buffer)
+        buffer = FlatBuffer() if path == "buffer" else None
+        directions = d.clone()
+        views = None
+        if path == "in place":
+            views = [directions[s.span].view(s.param.shape) for s in slots]
+        _, ok = apply_update(slots, directions, g, {}, None, "KFAC", buffer, views)
+        if path == "in place":  # the selection was made there
+            assert torch.equal(directions[-30:], torch.zeros(30))
         assert ok.tolist() == [True, True, False]
         assert torch.equal(params[2], before[2])  # kept, not NaN
         at = 0
@@ -41,8 +49,9 @@ def test_the_select_path_keeps_a_non_finite_parameter_and_equals_the_buffered_pa
             torch.testing.assert_close(p, p0 - 0.5 * d[at : at + n].view_as(p0))
             at += n
         results.append(params)
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
 
 
 def test_the_select_keeps_nothing_of_the_flat_size_alive():

@@ -37,9 +37,14 @@ def snapshots(
 
     Pi damping needs only ``(A + pi sqrt(lambda) I)^{-1}`` and ``(G + sqrt(lambda)/pi
     I)^{-1}``, which are taken by Cholesky (:func:`~curvature.linalg.damped_inverses_or_errors`)
-    at the damping of the moment, from the new snapshot (``mode``: ``"pi"`` or
-    ``"per_factor"``, :meth:`KroneckerBlock.shifts`). The snapshots' finiteness, the
-    factorizations' outcomes and the values of the tensors ``also`` are read at once.
+    at the damping of the moment, from the running factors (``mode``: ``"pi"`` or
+    ``"per_factor"``, :meth:`KroneckerBlock.shifts`), which the snapshots copy after
+    (the same values). The factors' finiteness, the factorizations' outcomes and the
+    values of the tensors ``also`` are read at once. Memory: the blocks' previous
+    inverses are dropped first (a block whose refresh fails keeps its record and takes
+    them from it again when used), each matrix is inverted right after its factorization
+    (written over its damped copy), and the snapshots are copied last: at the peak, one
+    factor's copy and inverse beside the state.
 
     Returns:
         The outcome per block (a non-finite snapshot: :func:`failure`), the inverses of
@@ -47,15 +52,20 @@ def snapshots(
         caller to set once the record is installed), and the values of ``also``.
 
     """
-    snaps = {b: FactorSnapshot(b.A.clone(), b.G.clone()) for b in blocks}
+    for b in blocks:  # the previous inverses and products go first (a block whose refresh
+        # fails keeps its record and recomputes them from it when used): not alive beside
+        # the new ones
+        b.install(b.record)
     mats, shifts, names = [], [], []
-    for b, snap in snaps.items():
-        sA, sG = b.shifts(damping_of(b), mode, record=snap)
-        mats += [snap.A, snap.G]
+    for b in blocks:  # the running factors themselves (nothing writes them until the end)
+        sA, sG = b.shifts(damping_of(b), mode, record=FactorSnapshot(b.A, b.G))
+        mats += [b.A, b.G]
         shifts += [sA, sG]
         names += [f"A of '{b.label}'", f"G of '{b.label}'"]
     results = damped_inverses_or_errors(mats, shifts, names=names, also=also)
     results, extra = results[: len(mats)], results[len(mats) :]
+    # the snapshots copied after the inverses: not alive beside a factorization
+    snaps = {b: FactorSnapshot(b.A.clone(), b.G.clone()) for b in blocks}
     out, inverses = {}, {}
     for i, (b, snap) in enumerate(snaps.items()):
         a, g = results[2 * i], results[2 * i + 1]

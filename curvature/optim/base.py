@@ -110,8 +110,9 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
         self.last_step_taken = True  # False: the line search kept the parameters
         self._gather = BlockGather()  # preconditioning: persistent gather/scatter buffers
-        # the step's gradients, update and directions, reused
-        self._flat = (FlatBuffer(), FlatBuffer(), FlatBuffer())
+        # the step's gradients and directions, reused (the update selects in place of the
+        # directions: no third [P] buffer)
+        self._flat = (FlatBuffer(), FlatBuffer())
         self.generator = torch.Generator().manual_seed(config.seed)
         self._generators = SamplingGenerators(self.generator)  # one per device
         self.steps = 0
@@ -232,9 +233,6 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
 
     #: The suffix of the statistics key of a group of tied layers' diagonal.
     diagonal_suffix = ""
-    #: Whether a refresh frees the flat ``[P]`` buffers while it runs (decompositions:
-    #: their temporaries and the buffers are not alive together; made anew after it).
-    _release_at_refresh = True
 
     @property
     def _tied_diagonal(self) -> bool:
@@ -336,11 +334,6 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
             or self.steps < cfg.inverse_warmup
             or self._needs_refresh()
         ):
-            if self._release_at_refresh:
-                # the flat [P] buffers freed while the decompositions run (not alive at
-                # the refresh's peak: EKFAC's eigendecompositions), made anew right after
-                for buffer in self._flat:
-                    buffer.release()
             self._refresh()
         grads = self._flat_grads()
         adapt = (
@@ -355,7 +348,7 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
             # the plain update's directions in a persistent buffer (no allocation, and
             # its views shaped like the parameters need no split per step)
             buf, views = (
-                self._flat[2].get([p.shape for p in self.layout.params], grads.dtype, grads.device)
+                self._flat[1].get([p.shape for p in self.layout.params], grads.dtype, grads.device)
                 if plain
                 else (None, None)
             )
@@ -374,16 +367,14 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
                 self._quadratic_update(closure, loss, grads, directions)
             else:
                 slots = [s for s in self._slots() if s.param.grad is not None]
-                who, buffer = type(self).__name__, self._flat[1]
                 self._kl_scale, ok = apply_update(
                     slots,
                     directions,
                     grads,
                     self.state,
                     cfg.kl_clip,
-                    who,
-                    buffer,
-                    views if directions is buf else None,
+                    type(self).__name__,
+                    direction_views=views if directions is buf else None,
                 )
                 self._reads.record_update(tuple(s.name for s in slots), ok, self.steps)
         if adapt:

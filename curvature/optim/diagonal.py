@@ -121,8 +121,6 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
     diagonal_suffix = "diag"
     #: Tied layers: the exact diagonal of the summed gradients (one block per group).
     _tied_diagonal = True
-    #: A refresh here decomposes nothing: the flat buffers stay.
-    _release_at_refresh = False
 
     def _reset_curvature(self) -> None:
         self._diagonals = {}

@@ -80,10 +80,11 @@ def apply_update(
         kl_clip: The KL clipping bound, or ``None``.
         who: The optimizer's name for messages.
         buffer: Where the selected directions are written when the slots tile the
-            flat vector (its views shaped like the parameters: no split or view per
-            step); a new tensor without it.
+            flat vector and ``direction_views`` are not given (its views shaped like the
+            parameters: no split or view per step); a new tensor without either.
         direction_views: Views of ``directions`` shaped like the parameters of all
-            ``slots`` (when ``directions`` is a persistent buffer: no split per step).
+            ``slots`` (when ``directions`` is a persistent buffer: no split per step);
+            then the selection is made in place of ``directions``.
 
     Returns:
         ``nu`` (``1.0`` without ``kl_clip``, else a 0-d tensor) and ``ok [len(slots)]``
@@ -105,7 +106,9 @@ def apply_update(
         # bytes per parameter on the device for the life of the process, as before: 81
         # MiB for benchmarks/gpu.py's language model in H100 run 13) nor made per step
         okf = ok.to(directions.dtype).unbind(0)
-        if buffer is not None:  # into the persistent buffer, whose views fit the parameters
+        if fits:  # in place: the directions are the update's own, with views that fit
+            clean, views = directions.nan_to_num_(0.0, 0.0, 0.0), list(direction_views)
+        elif buffer is not None:  # into the persistent buffer, whose views fit the parameters
             shapes = [s.param.shape for s in slots]
             clean, views = buffer.get(shapes, directions.dtype, directions.device)
             torch.nan_to_num(directions, 0.0, 0.0, 0.0, out=clean)

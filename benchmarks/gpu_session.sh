@@ -35,7 +35,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 case "$mode" in
 checks)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matches_cpu.py \
-        tests/test_optim_syncs.py tests/test_conv_patch_gemm.py -k "cuda or patch or cpu_takes" \
+        tests/test_optim_syncs.py tests/test_conv_patch_gemm.py tests/test_linalg.py \
+        -k "cuda or patch or cpu_takes or kron or padded" \
         2>&1 | tee "$out/tests.log" | tail -3
     timeout 330 python3 benchmarks/gpu.py --device cuda --json "$out/gpu.json" --no-doc \
         2>&1 | tee "$out/gpu.log" | tail -5

@@ -116,3 +116,30 @@ def test_a_cpu_step_of_linear_layers_indexes_nothing(cls):
     with _Ops() as ops:
         step()
     assert ops.names and not [n for n in ops.names if "index_select" in n]
+
+
+def test_a_cpu_plan_of_affine_pieces_builds_no_flat_index():
+    """The concatenated ``[P]`` index and its argsort (eight bytes per parameter) are made
+    only where a plan indexes: not for a CPU plan of affine pieces (until a second vector
+    is gathered alike, which takes the index); the results are those of indexing."""
+    P, indices = _layouts()["linear-conv-embedding"]
+    gather = BlockGather()
+    jobs = [lambda v: v.out.copy_(v.M * 2)] * len(indices)
+    g = torch.randn(P)
+    with _Ops() as ops:
+        res = gather.apply(g, indices, jobs)
+    assert not [n for n in ops.names if "sort" in n or "cat" in n]
+    assert torch.equal(res, g * 2)
+    extra = torch.randn(P)
+    seen = []
+
+    def with_extra(views, extras):
+        seen.extend(extras)
+        for v in views:
+            v.out.copy_(v.M)
+
+    from curvature.blocks.gather import AllBlocks
+
+    gather.apply(g, indices, [AllBlocks(with_extra)], extra=extra)
+    for ix, e in zip(indices, seen):
+        assert torch.equal(e, extra[ix])

@@ -157,19 +157,13 @@ class _Plan:
 
     def __init__(self, indices: Sequence[Tensor], like: Tensor):
         self.indices = list(indices)  # kept: identity checks on reuse
-        flat = [ix.reshape(-1) for ix in indices]
-        self.index = torch.cat(flat) if len(flat) > 1 else flat[0]
-        self.inputs = like.new_empty(self.index.numel())
-        self.outputs = like.new_empty(self.index.numel())
+        self.total = sum(ix.numel() for ix in indices)
+        #: whether the blocks cover every position of the flat vector
+        self.covers = self.total == like.numel()
+        self.inputs = like.new_empty(self.total)
+        self.outputs = like.new_empty(self.total)
         self.extra: Optional[Tensor] = None  # made at the first call with ``extra``
         self.extra_source: Optional[Tensor] = None  # the vector ``extra`` holds entries of
-        #: where the blocks cover every position: the order back to the flat layout
-        self.back = torch.argsort(self.index) if self.index.numel() == like.numel() else None
-        if self.back is not None and like.numel() < 2**31:  # (index_copy_ takes int64 only)
-            # 32-bit positions: the index vectors are as large as the parameters (the
-            # index of a single block is a view of the block's own: kept as it is)
-            self.back = self.back.int()
-            self.index = self.index.int() if len(flat) > 1 else self.index
         self.views: List[BlockViews] = []
         self.extra_views: List[Tensor] = []
         self.shapes = [ix.shape for ix in indices]
@@ -177,6 +171,13 @@ class _Plan:
         #: module docstring); the strided views of the last vector and output are cached
         pieces = [affine_pieces(ix) for ix in indices] if like.device.type == "cpu" else []
         self.pieces = pieces if pieces and all(p is not None for p in pieces) else None
+        #: the concatenated index and, where the blocks cover every position, the order
+        #: back to the flat layout: as large as the parameters, so made only where used
+        #: (without pieces; with them only the index, for ``extra``)
+        self._index: Optional[Tensor] = None
+        self.back: Optional[Tensor] = None
+        if self.pieces is None:
+            self._make_index(back=self.covers)
         if self.pieces is not None:  # views of the gathered vector and of the result
             self.source_views = PieceViews(self.pieces, self.shapes)
             self.target_views = PieceViews(self.pieces, self.shapes)
@@ -195,13 +196,32 @@ class _Plan:
                 self.piece_inputs += [v.M[:, :, p.start : p.stop] for p in block]
                 self.piece_outputs += [v.out[:, :, p.start : p.stop] for p in block]
 
+    def _make_index(self, back: bool) -> None:
+        flat = [ix.reshape(-1) for ix in self.indices]
+        index = torch.cat(flat) if len(flat) > 1 else flat[0]
+        if back:  # every position covered: gathered back by ``back``, never index_copy_
+            self.back = torch.argsort(index)
+            if index.numel() < 2**31:  # (index_copy_ takes int64 only)
+                # 32-bit positions: the index vectors are as large as the parameters (the
+                # index of a single block is a view of the block's own: kept as it is)
+                self.back = self.back.int()
+                index = index.int() if len(flat) > 1 else index
+        self._index = index
+
+    @property
+    def index(self) -> Tensor:
+        """The blocks' flat positions, concatenated (made at the first use)."""
+        if self._index is None:
+            self._make_index(back=False)
+        return self._index
+
     def fits(self, indices: Sequence[Tensor], like: Tensor) -> bool:
         return (
             len(indices) == len(self.indices)
             and all(a is b for a, b in zip(indices, self.indices))
             and self.inputs.dtype == like.dtype
             and self.inputs.device == like.device
-            and (self.back is None) == (self.index.numel() != like.numel())
+            and self.covers == (self.total == like.numel())
         )
 
 
@@ -265,8 +285,8 @@ class BlockGather:
             self._run(plan, flat, jobs, extra)
         if plan.pieces is not None:  # strided copies back (CPU)
             if out is None:
-                out = torch.empty_like(flat) if plan.back is not None else flat.clone()
-            elif plan.back is None:
+                out = torch.empty_like(flat) if plan.covers else flat.clone()
+            elif not plan.covers:
                 out.copy_(flat)
             copy_into(plan.target_views.of(out), plan.piece_outputs)
             return out
@@ -285,7 +305,7 @@ class BlockGather:
             torch.index_select(flat, 0, plan.index, out=plan.inputs)
         if extra is not None:
             if plan.extra is None:
-                plan.extra = flat.new_empty(plan.index.numel())
+                plan.extra = flat.new_empty(plan.total)
                 plan.extra_views = [
                     e.view(s)
                     for e, s in zip(plan.extra.split([s.numel() for s in plan.shapes]), plan.shapes)

@@ -626,7 +626,7 @@ def _option(key: str, value: Any) -> Any:
     if key.endswith("_dtype") and isinstance(value, str):
         dtype = getattr(torch, value.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
-            raise SystemExit(f"{key}={value!r}: not a torch dtype (e.g. \"bfloat16\")")
+            raise SystemExit(f'{key}={value!r}: not a torch dtype (e.g. "bfloat16")')
         return dtype
     return value
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import BATCH_SIZES, CASES, DTYPES, REDUCTIONS, Problem, build
+from cases import BATCH_SIZES, CASES, DTYPES, REDUCTIONS, Problem, build, torch_state
 
 GRID = [
     pytest.param(
@@ -45,4 +45,12 @@ def float64_seeded(float64):
     """float64 and a fixed seed, the global RNG state restored after."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
+        yield
+
+
+@pytest.fixture
+def one_thread_seeded():
+    """One intra-op thread, the RNG forked and seeded with 0, restored after
+    (:func:`cases.torch_state`; a module opts in with ``pytest.mark.usefixtures``)."""
+    with torch_state():
         yield

@@ -14,7 +14,6 @@ import io
 
 import pytest
 import torch
-from cases import torch_state
 from test_optim_quadratic_pinn import dense_ggn, pinn_closure, problem
 from torch import nn
 
@@ -24,10 +23,8 @@ from curvature import dense
 MSE = nn.MSELoss()
 
 
-@pytest.fixture(autouse=True)
-def _seed_one_thread():
-    with torch_state():
-        yield
+#: one intra-op thread and a seeded, forked RNG per test (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
 
 
 def mlp():

@@ -15,7 +15,6 @@ import warnings
 
 import pytest
 import torch
-from cases import torch_state
 from torch import nn
 
 import curvature
@@ -26,10 +25,8 @@ from step_counts import HostReads  # noqa: E402
 CE = nn.CrossEntropyLoss()
 
 
-@pytest.fixture(autouse=True)
-def _seed_one_thread():
-    with torch_state():
-        yield
+#: one intra-op thread and a seeded, forked RNG per test (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
 
 
 def mlp():

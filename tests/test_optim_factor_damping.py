@@ -13,10 +13,9 @@ import math
 
 import pytest
 import torch
-from test_optim_quadratic_pinn import (  # noqa: F401 (its autouse fixture applies here too)
+from test_optim_quadratic_pinn import (  # noqa: F401 (problem: its fixture)
     HALF,
     MSE,
-    _seed_one_thread,
     dense_ggn,
     flat,
     pinn_closure,
@@ -31,6 +30,9 @@ from curvature.optim.factor_damping import (
     nielsen_factor,
 )
 from curvature.optim.quadratic import solve_coefficients
+
+#: one intra-op thread and a seeded, forked RNG per test (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
 
 
 def make(net, cls=curvature.KFAC, fisher="type-2", **kw):

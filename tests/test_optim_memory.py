@@ -26,7 +26,6 @@ import sys
 
 import pytest
 import torch
-from cases import torch_state
 from torch import nn
 
 import curvature
@@ -56,10 +55,8 @@ OPTIMIZERS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _seed_one_thread():
-    with torch_state():
-        yield
+#: one intra-op thread and a seeded, forked RNG per test (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
 
 
 def per_sample_check(model: nn.Module, N: int, K: int = 1):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import torch_state, train_step
+from cases import train_step
 from torch import nn
 
 import curvature
@@ -17,10 +17,8 @@ from curvature.optim.batch_gram import Projection, layer_products, projection_of
 MSE = nn.MSELoss()
 
 
-@pytest.fixture(autouse=True)
-def _seed_one_thread():
-    with torch_state():
-        yield
+#: one intra-op thread and a seeded, forked RNG per test (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
 
 
 def brute_products(V, a, g, index):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import torch_state
 from torch import nn
 
 import curvature
@@ -20,10 +19,8 @@ MSE = nn.MSELoss()
 HALF = 0.5**0.5
 
 
-@pytest.fixture(autouse=True)
-def _seed_one_thread():
-    with torch_state():
-        yield
+#: one intra-op thread and a seeded, forked RNG per test (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
 
 
 def problem(seed=0):

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from cases import torch_state, train_step
+from cases import train_step
 from torch import nn
 
 import curvature
@@ -27,10 +27,8 @@ MSE = nn.MSELoss()
 CE = nn.CrossEntropyLoss()
 
 
-@pytest.fixture(autouse=True)
-def _seed_one_thread():
-    with torch_state():
-        yield
+#: one intra-op thread and a seeded, forked RNG per test (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
 
 
 def flat(model):

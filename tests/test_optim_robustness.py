@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from cases import TinyTransformer, torch_state, train_step
+from cases import TinyTransformer, train_step
 from optimizer_info import optimizer_params, variants
 from torch import nn
 
@@ -25,10 +25,8 @@ KFAC, EKFAC = curvature.KFAC, curvature.EKFAC
 CE = nn.CrossEntropyLoss()
 
 
-@pytest.fixture(autouse=True)
-def _seed_one_thread():
-    with torch_state():
-        yield
+#: one intra-op thread and a seeded, forked RNG per test (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -135,14 +135,22 @@ def test_nan_batch_with_mc_fisher_does_not_crash(info):
     assert all(torch.equal(p, q) for p, q in zip(params(model), before))
 
 
-def test_one_non_finite_block_is_skipped_alone():
+@pytest.mark.parametrize("owned", [False, True], ids=["selected", "zeroed-in-place"])
+def test_one_non_finite_block_is_skipped_alone(owned):
     # the finiteness of a pull's contributions is checked in one batched reduction: each
-    # contribution must still be judged on its own values
+    # contribution must still be judged on its own values. Owned values (the library's
+    # own new tensors) are zeroed in place, the skipped one before it is summed with the
+    # kept one of the same block
     stats, ctx = StepStatistics(), BatchContext(samples=10)
     good, bad = torch.ones(2, 2), torch.tensor([[1.0, float("inf")], [0.0, 1.0]])
-    stats.add(("0", "", 0), [good, good, None], ("A", "G", "G"), ctx, rows=10)
-    stats.add(("2", "", 0), [good, bad, None], ("A", "G", "G"), ctx, rows=10)
-    stats.add(("2", "", 0), [good, good, None], ("A", "G", "G"), ctx, rows=10)
+
+    def add(name, A, G):
+        values = [A.clone(), G.clone(), None] if owned else [A, G, None]
+        stats.add((name, "", 0), values, ("A", "G", "G"), ctx, rows=10, owned=owned)
+
+    add("0", good, good)
+    add("2", good, bad)
+    add("2", good, good)
     assert stats.skipped == 0  # nothing is judged before the flush
     stats.flush()
     assert stats.skipped == 1

@@ -36,6 +36,11 @@ from ..linalg import host_values
 #: symmetric: EKFAC corrections, Fisher diagonals).
 STAT_KINDS = ("A", "G", "g")
 
+#: Device types whose statistics flush zeroes a skipped contribution's values in place by
+#: one product with the 0/1 flags and a ``nan_to_num_`` each (elsewhere: ``masked_fill_``
+#: on the negated flags, one call per value).
+PRODUCT_ZEROING_DEVICES = ("cpu",)
+
 #: ``(block name, suffix, term)``: the key of one block's statistics of one term.
 StatKey = Tuple[str, str, int]
 
@@ -243,15 +248,24 @@ class StepStatistics:
         # flag per contribution (else one per value)
         slot_flags = {dev: iter(flags[dev].unbind(0)) for dev in uniform}
         # owned values (appearing once) are zeroed in place, the others selected into new
-        # tensors. In place by masked_fill_ on the negated flags (two calls per flush,
-        # a CPU's masked_fill_ a third faster than its where) where a contribution holds
-        # two or more of them (Kronecker factors), else by a where into the value itself
+        # tensors. In place where a contribution holds two or more of them (Kronecker
+        # factors): on a GPU by masked_fill_ on the negated flags (two calls per flush,
+        # then one per value), on a CPU by one product with the 0/1 flags for all values
+        # and a nan_to_num_ each (a CPU's masked_fill_ with a 0-d mask costs 2.3x those
+        # two passes: 510 against 221 us on a 785 x 785 factor, one thread); else by a
+        # where into the value itself
         seen: Dict[int, int] = {}
         for v in present:
             seen[id(v)] = seen.get(id(v), 0) + 1
         several = any(e[-1] and sum(v is not None for v in e[1]) > 1 for e in queue)
         in_place = set(uniform) if several else set()
-        slot_bad = {dev: iter(flags[dev].logical_not().unbind(0)) for dev in in_place}
+        slot_bad = {
+            dev: iter(flags[dev].logical_not().unbind(0))
+            for dev in in_place
+            if dev.type not in PRODUCT_ZEROING_DEVICES
+        }
+        products: Tuple[List[Tensor], List[Tensor]] = ([], [])  # zeroed after the loop
+        folds = []
         for slot, values, rows, N, owned in queue:
             n = sum(v is not None for v in values)
             if n == 0:
@@ -265,10 +279,21 @@ class StepStatistics:
             else:
                 ok = flags[dev][j] if n == 1 else flags[dev][j : j + n].all()
                 skipped.setdefault(dev, []).append(ok)
-            kept = [
-                None if v is None else _zeroed(v, ok, bad, owned and seen[id(v)] == 1)
-                for v in values
-            ]
+            kept = []
+            for v in values:
+                mine = v is not None and owned and seen[id(v)] == 1 and v._base is None
+                if mine and dev in in_place and bad is None:  # a CPU: after the loop
+                    products[0].append(v)
+                    products[1].append(ok)
+                    kept.append(v)
+                else:
+                    kept.append(None if v is None else _zeroed(v, ok, bad, mine))
+            folds.append((slot, values, kept, rows, N, ok))
+        if products[0]:  # v * ok (NaN or inf where v had one and ok is false), then 0 there
+            torch._foreach_mul_(*products)
+            for v in products[0]:
+                v.nan_to_num_(0.0, 0.0, 0.0)
+        for slot, values, kept, rows, N, ok in folds:  # (after the zeroing above)
             slot.values = [
                 a if b is None else (b if a is None else a + b) for a, b in zip(slot.values, kept)
             ]

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import damped_inverses, eigh, kron, pi_factor
+from .carry import carried_corrections
 from .records import DampedInverses, Eigen, FactorSnapshot, Record
 
 _PENDING = threading.local()  # the lerps deferred by ``batched_ema`` (per thread)
@@ -528,14 +529,13 @@ class EigenCorrectedBlock(KroneckerBlock):
         """Install a new basis and carry ``Lambda`` over into it.
 
         The new ``Lambda`` is the diagonal of the previous EKFAC matrix in the new basis:
-        ``(RG Lambda RA^T)`` with ``R = (Q_new^T Q_old)^2`` elementwise.
+        ``(RG Lambda RA^T)`` with ``R = (Q_new^T Q_old)^2`` elementwise
+        (:func:`carried_corrections`).
         """
         old = self.basis()
         if self.corrections is not None and old is not None and isinstance(record, Eigen):
-            RA = (record.QA.mT @ old.QA.to(record.QA.dtype)).pow(2)
-            RG = (record.QG.mT @ old.QG.to(record.QG.dtype)).pow(2)
             fresh = self.corrections_fresh
-            self.corrections = RG @ self.corrections.to(RG.dtype) @ RA.mT
+            self.corrections = carried_corrections(self.corrections, old, record)
             super().install(record)
             if fresh is not None:  # the new KFAC eigenvalues in place of Lambda
                 kfac = self._kfac_eigenvalues(self.corrections.dtype)

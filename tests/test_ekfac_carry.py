@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from curvature.blocks import carry
 from curvature.blocks.carry import carried_corrections
 from curvature.blocks.records import Eigen
 
@@ -21,8 +22,11 @@ def _eigen(QA, QG):
     return Eigen(torch.ones(QA.shape[:-1]), QA, torch.ones(QG.shape[:-1]), QG)
 
 
-def test_carried_corrections_equal_the_diagonal_in_the_new_basis():
-    # the definition, in float64 from the dense EKFAC matrix: diag(Qn^T Qo diag(L) Qo^T Qn)
+@pytest.mark.parametrize("rows", [2, 256], ids=["in-chunks", "at-once"])
+def test_carried_corrections_equal_the_diagonal_in_the_new_basis(rows, monkeypatch):
+    # the definition, in float64 from the dense EKFAC matrix: diag(Qn^T Qo diag(L) Qo^T Qn);
+    # float32 on a CPU is computed in float64 with the R matrices made `rows` at a time
+    monkeypatch.setattr(carry, "CARRY_ROWS", rows)
     g = torch.Generator().manual_seed(0)
     DA, DG = 5, 3
     qa = torch.linalg.qr(torch.randn(2, DA, DA, generator=g, dtype=torch.float64))[0]

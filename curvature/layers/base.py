@@ -576,6 +576,23 @@ def cached_ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device
     return hit
 
 
+def _positions_gram(g: Tensor) -> Tensor:
+    """``sum g g^T`` over every axis but the last of ``g [..., S, D_out]``.
+
+    A convolution's output gradient ``[..., N, C_out, O...]`` arrives as a view with
+    the channels last (stride ``S`` apart): flattening it to ``[-1, D_out]`` copies it
+    whole (as large as the layer's output, e.g. 67 MB at ``[256, 64, 32, 32]``). Where
+    the positions are the contiguous axis and ``D_out < S``, per-sample GEMMs ``[D_out, S]
+    x [S, D_out]`` read it in place and their ``[K N, D_out, D_out]`` results (smaller
+    than the copy) are summed.
+    """
+    S, D = g.shape[-2:]
+    x = g.reshape(-1, S, D) if g.dim() > 3 else g  # (leading axes merge without a copy)
+    if g.dim() >= 3 and x.stride(-2) == 1 and x.stride(-1) == S and D < S:
+        return gram(x).sum(0)
+    return gram(g.reshape(-1, D))
+
+
 def expanded_kfac(
     a: Tensor, g: Optional[Tensor], approx: str
 ) -> Tuple[Tensor, Optional[Tensor], int]:
@@ -588,8 +605,7 @@ def expanded_kfac(
     N, S = a.shape[:2]
     if approx == "expand" and a.shape[2] == 1:  # one group: two plain GEMMs
         A_sum = gram(a.reshape(-1, a.shape[-1])).unsqueeze(0)
-        g2 = None if g is None else g.reshape(-1, g.shape[-1])
-        return A_sum, None if g2 is None else gram(g2).unsqueeze(0), N * S
+        return A_sum, None if g is None else _positions_gram(g[..., 0, :]).unsqueeze(0), N * S
     if approx == "expand":
         A_sum = gram(a, "nsci,nscj->cij")
         return A_sum, None if g is None else gram(g, "knsco,knscp->cop"), N * S

@@ -1,0 +1,48 @@
+"""Kronecker-factor sums ``sum a a^T`` and ``sum g g^T`` of expanded layer operands."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from torch import Tensor
+
+from .precision import gram
+
+
+def _positions_gram(g: Tensor) -> Tensor:
+    """``sum g g^T`` over every axis but the last of ``g [..., S, D_out]``.
+
+    A convolution's output gradient ``[..., N, C_out, O...]`` arrives as a view with
+    the channels last (stride ``S`` apart): flattening it to ``[-1, D_out]`` copies it
+    whole (as large as the layer's output, e.g. 67 MB at ``[256, 64, 32, 32]``). Where
+    the positions are the contiguous axis and ``D_out < S``, per-sample GEMMs ``[D_out, S]
+    x [S, D_out]`` read it in place and their ``[K N, D_out, D_out]`` results (smaller
+    than the copy) are summed.
+    """
+    S, D = g.shape[-2:]
+    x = g.reshape(-1, S, D) if g.dim() > 3 else g  # (leading axes merge without a copy)
+    if g.dim() >= 3 and x.stride(-2) == 1 and x.stride(-1) == S and D < S:
+        return gram(x).sum(0)
+    return gram(g.reshape(-1, D))
+
+
+def expanded_kfac(
+    a: Tensor, g: Optional[Tensor], approx: str
+) -> Tuple[Tensor, Optional[Tensor], int]:
+    """``(A_sum [C, D, D], G_sum [C, D_out, D_out] or None, count)`` for KFAC.
+
+    ``"expand"``: ``A_sum = sum_{n,s} a a^T`` over ``count = N S``, ``G_sum = sum_{k,n,s}
+    g g^T``; ``"reduce"``: the inputs meaned and the gradients summed over ``s`` first.
+    ``g`` carries the pulled vectors' axis ``[K]`` first.
+    """
+    N, S = a.shape[:2]
+    if approx == "expand" and a.shape[2] == 1:  # one group: two plain GEMMs
+        A_sum = gram(a.reshape(-1, a.shape[-1])).unsqueeze(0)
+        return A_sum, None if g is None else _positions_gram(g[..., 0, :]).unsqueeze(0), N * S
+    if approx == "expand":
+        A_sum = gram(a, "nsci,nscj->cij")
+        return A_sum, None if g is None else gram(g, "knsco,knscp->cop"), N * S
+    A_sum = gram(a.mean(1), "nci,ncj->cij")
+    if g is None:
+        return A_sum, None, N
+    return A_sum, gram(g.sum(2), "knco,kncp->cop"), N

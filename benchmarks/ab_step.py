@@ -1,0 +1,128 @@
+"""Old against new code: one optimizer's training step, both packages in one process.
+
+    git worktree add ../old <commit>          # the code to compare against
+    python benchmarks/ab_step.py --old ../old [--workload fm] [--optimizer KFAC] [--periods 31]
+
+The package of ``--old`` (its ``curvature/`` directory) is copied under another name
+(``curvature_old``, into a temporary directory: the package imports itself only
+relatively) and imported beside this checkout's ``curvature``; the same model, batch and
+options are built for each, and 20-step periods of the two alternate (the order swapped
+every period), one thread. On a noisy machine a ratio within one process is steadier
+than two processes' times; the minimum and the first quartile are the steadiest figures.
+
+Workloads: ``fm`` (the Fashion-MNIST MLP of benchmarks/training.py, 784-256-10 at batch
+256), ``mlp`` (784-512-256-10 at batch 128, issue 17's), ``cnn`` (benchmarks/optim_step.py's
+CNN at batch 64), ``vgg`` (benchmarks/gpu.py's VGG at width 16, batch 32); random inputs
+and labels. The image workloads use ``lr=1e-3, damping=0.1`` (the defaults diverge on
+random labels, and skipped steps would time something else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def workload(name: str):
+    """``(model, X, y, options)`` of a workload, after ``torch.manual_seed(0)``."""
+    torch.manual_seed(0)
+    if name == "fm":
+        model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
+        return model, torch.randn(256, 784), torch.randint(0, 10, (256,)), {}
+    if name == "mlp":
+        model = nn.Sequential(
+            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
+        return model, torch.randn(128, 784), torch.randint(0, 10, (128,)), {}
+    images = {"lr": 1e-3, "damping": 0.1}
+    if name == "cnn":
+        import optim_step
+
+        model = optim_step._cnn()
+        return model, torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)), images
+    if name == "vgg":
+        import gpu
+
+        model = gpu.vgg(16, 128)
+        return model, torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)), images
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def make_step(lib, wl: str, optimizer: str, warmup: int = 12) -> Callable[[], None]:
+    """A training step of ``lib``'s ``optimizer`` on the workload, warmed up."""
+    model, X, y, options = workload(wl)
+    opt = getattr(lib, optimizer)(model, **options)
+    loss_func = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_func(model(X), y).backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    return step
+
+
+def import_old(path: str, into: str):
+    """The package of checkout ``path`` imported as ``curvature_old`` from ``into``."""
+    src = os.path.join(path, "curvature")
+    if not os.path.isdir(src):
+        raise SystemExit(f"--old {path}: no curvature/ package there")
+    shutil.copytree(src, os.path.join(into, "curvature_old"))
+    for name in [m for m in sys.modules if m.split(".")[0] == "curvature_old"]:
+        del sys.modules[name]  # (a copy imported before, from elsewhere)
+    sys.path.insert(0, into)
+    return importlib.import_module("curvature_old")
+
+
+def quantiles(values: List[float]) -> Dict[str, float]:
+    v = sorted(values)
+    return {"min": v[0], "q25": v[len(v) // 4], "median": v[len(v) // 2]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--old", required=True, help="a checkout of the code to compare against")
+    p.add_argument("--workload", default="fm", choices=["fm", "mlp", "cnn", "vgg"])
+    p.add_argument("--optimizer", default="KFAC", help="KFAC, EKFAC, DiagonalNaturalGradient")
+    p.add_argument("--periods", type=int, default=31)
+    p.add_argument("--steps", type=int, default=20, help="steps per timed period")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    import curvature
+
+    with tempfile.TemporaryDirectory() as tmp:
+        old = import_old(args.old, tmp)
+        steps = {
+            "old": make_step(old, args.workload, args.optimizer),
+            "new": make_step(curvature, args.workload, args.optimizer),
+        }
+        times: Dict[str, List[float]] = {"old": [], "new": []}
+        for r in range(args.periods):
+            for k in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                t = time.perf_counter()
+                for _ in range(args.steps):
+                    steps[k]()
+                times[k].append((time.perf_counter() - t) / args.steps * 1e3)
+    q = {k: quantiles(v) for k, v in times.items()}
+    print(f"{args.optimizer} on {args.workload}, ms per step, {args.periods} periods:")
+    for k in ("old", "new"):
+        print(f"  {k}: " + ", ".join(f"{n} {x:.2f}" for n, x in q[k].items()))
+    print("  new / old: " + ", ".join(f"{n} {q['new'][n] / q['old'][n]:.3f}" for n in q["new"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,15 +5,17 @@
 
 The package of ``--old`` (its ``curvature/`` directory) is copied under another name
 (``curvature_old``, into a temporary directory: the package imports itself only
-relatively) and imported beside this checkout's ``curvature``; the same model, batch and
+relatively; its custom operators renamed into the namespace ``curvature_old``) and
+imported beside this checkout's ``curvature``; the same model, batch and
 options are built for each, and 20-step periods of the two alternate (the order swapped
 every period), one thread. On a noisy machine a ratio within one process is steadier
 than two processes' times; the minimum and the first quartile are the steadiest figures.
 
 Workloads: ``fm`` (the Fashion-MNIST MLP of benchmarks/training.py, 784-256-10 at batch
 256), ``mlp`` (784-512-256-10 at batch 128, issue 17's), ``cnn`` (benchmarks/optim_step.py's
-CNN at batch 64), ``vgg`` (benchmarks/gpu.py's VGG at width 16, batch 32); random inputs
-and labels. The image workloads use ``lr=1e-3, damping=0.1`` (the defaults diverge on
+CNN at batch 64), ``vgg`` (benchmarks/gpu.py's VGG at width 16, batch 32), ``resnet``
+(benchmarks/resnets.py's ResNet-18 with BatchNorm at width 16 on 1x28x28, batch 128);
+random inputs and labels. The image workloads use ``lr=1e-3, damping=0.1`` (the defaults diverge on
 random labels, and skipped steps would time something else).
 """
 
@@ -57,6 +59,11 @@ def workload(name: str):
 
         model = gpu.vgg(16, 128)
         return model, torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)), images
+    if name == "resnet":
+        from resnets import ResNet18
+
+        model = ResNet18(num_classes=10, in_channels=1, width=16)
+        return model, torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,)), images
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -81,7 +88,21 @@ def import_old(path: str, into: str):
     src = os.path.join(path, "curvature")
     if not os.path.isdir(src):
         raise SystemExit(f"--old {path}: no curvature/ package there")
-    shutil.copytree(src, os.path.join(into, "curvature_old"))
+    dst = os.path.join(into, "curvature_old")
+    shutil.copytree(src, dst)
+    # its custom operators in a namespace of their own: the same names would replace
+    # this checkout's (torch.library keeps one implementation per name)
+    for root, _, files in os.walk(dst):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                with open(path) as fh:
+                    text = fh.read()
+                new = text.replace('"curvature::', '"curvature_old::')
+                new = new.replace("torch.ops.curvature.", "torch.ops.curvature_old.")
+                if new != text:
+                    with open(path, "w") as fh:
+                        fh.write(new)
     for name in [m for m in sys.modules if m.split(".")[0] == "curvature_old"]:
         del sys.modules[name]  # (a copy imported before, from elsewhere)
     sys.path.insert(0, into)
@@ -96,7 +117,7 @@ def quantiles(values: List[float]) -> Dict[str, float]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old", required=True, help="a checkout of the code to compare against")
-    p.add_argument("--workload", default="fm", choices=["fm", "mlp", "cnn", "vgg"])
+    p.add_argument("--workload", default="fm", choices=["fm", "mlp", "cnn", "vgg", "resnet"])
     p.add_argument("--optimizer", default="KFAC", help="KFAC, EKFAC, DiagonalNaturalGradient")
     p.add_argument("--periods", type=int, default=31)
     p.add_argument("--steps", type=int, default=20, help="steps per timed period")

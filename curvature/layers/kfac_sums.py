@@ -10,7 +10,8 @@ from .precision import gram
 
 
 def _positions_gram(g: Tensor) -> Tensor:
-    """``sum g g^T`` over every axis but the last of ``g [..., S, D_out]``.
+    """``[1, D_out, D_out]``: ``sum g g^T`` over every axis but the last of ``g [..., S,
+    D_out]`` (a tensor of its own, not a view: the statistics' flush zeroes it in place).
 
     A convolution's output gradient ``[..., N, C_out, O...]`` arrives as a view with
     the channels last (stride ``S`` apart): flattening it to ``[-1, D_out]`` copies it
@@ -22,8 +23,16 @@ def _positions_gram(g: Tensor) -> Tensor:
     S, D = g.shape[-2:]
     x = g.reshape(-1, S, D) if g.dim() > 3 else g  # (leading axes merge without a copy)
     if g.dim() >= 3 and x.stride(-2) == 1 and x.stride(-1) == S and D < S:
-        return gram(x).sum(0)
-    return gram(g.reshape(-1, D))
+        return gram(x).sum(0, keepdim=True)
+    return _gram1(g.reshape(-1, D))
+
+
+def _gram1(x: Tensor) -> Tensor:
+    """``[1, D, D]``: ``x^T x`` of ``x [M, D]`` as a tensor of its own (one batched GEMM;
+    an ``unsqueeze`` of the 2-d product would be a view, which the flush selects into a
+    copy instead of zeroing in place: a 3.6 ms ``where`` on a 1152 x 1152 factor).
+    """
+    return gram(x.unsqueeze(0))
 
 
 def expanded_kfac(
@@ -37,8 +46,8 @@ def expanded_kfac(
     """
     N, S = a.shape[:2]
     if approx == "expand" and a.shape[2] == 1:  # one group: two plain GEMMs
-        A_sum = gram(a.reshape(-1, a.shape[-1])).unsqueeze(0)
-        return A_sum, None if g is None else _positions_gram(g[..., 0, :]).unsqueeze(0), N * S
+        A_sum = _gram1(a.reshape(-1, a.shape[-1]))
+        return A_sum, None if g is None else _positions_gram(g[..., 0, :]), N * S
     if approx == "expand":
         A_sum = gram(a, "nsci,nscj->cij")
         return A_sum, None if g is None else gram(g, "knsco,knscp->cop"), N * S

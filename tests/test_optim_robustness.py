@@ -164,6 +164,28 @@ def test_one_non_finite_block_is_skipped_alone(owned):
     torch.testing.assert_close(out[("2", "", 0)].values[1], good / 10, rtol=0, atol=0)
 
 
+def test_owned_contributions_of_different_sizes_are_zeroed_in_place_alone():
+    # contributions holding two values (Kronecker factors) and one value (a diagonal)
+    # in one flush (judged value by value): the library's own values of the skipped one
+    # are zeroed in place (a NaN, an inf and a finite entry alike), the others untouched
+    stats, ctx = StepStatistics(), BatchContext(samples=10)
+    bad_A = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]])
+    bad_G, good = torch.ones(2, 2), torch.ones(2, 2)
+    stats.add(("0", "", 0), [bad_A, bad_G, None], ("A", "G", "G"), ctx, rows=10, owned=True)
+    stats.add(("1", "", 0), [good.clone()], ("g",), ctx, owned=True)
+    stats.add(
+        ("2", "", 0), [good.clone(), good.clone(), None], ("A", "G", "G"), ctx, rows=10, owned=True
+    )
+    stats.flush()
+    assert stats.skipped == 1
+    assert bad_A.eq(0).all() and bad_G.eq(0).all()  # in place: the same tensors, zeros
+    assert stats.slots[("0", "", 0)].values[0] is bad_A
+    assert torch.equal(stats.slots[("1", "", 0)].values[0], good)
+    assert torch.equal(stats.slots[("2", "", 0)].values[1], good)
+    out = normalize(stats.take(), world=1, ordered=False)
+    assert not bool(out[("0", "", 0)].valid) and bool(out[("2", "", 0)].valid)
+
+
 def test_a_block_with_only_non_finite_contributions_is_not_updated():
     # judged on the device: the statistics are zeros with valid=False, and the running
     # factors select their old values without a host read

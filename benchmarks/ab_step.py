@@ -44,10 +44,9 @@ def workload(name: str):
         model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
         return model, torch.randn(256, 784), torch.randint(0, 10, (256,)), {}
     if name == "mlp":
-        model = nn.Sequential(
-            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
-        )
-        return model, torch.randn(128, 784), torch.randint(0, 10, (128,)), {}
+        import step_memory
+
+        return step_memory.mlp(), torch.randn(128, 784), torch.randint(0, 10, (128,)), {}
     images = {"lr": 1e-3, "damping": 0.1}
     if name == "cnn":
         import optim_step
@@ -69,8 +68,11 @@ def workload(name: str):
 
 def make_step(lib, wl: str, optimizer: str, warmup: int = 12) -> Callable[[], None]:
     """A training step of ``lib``'s ``optimizer`` on the workload, warmed up."""
+    cls = getattr(lib, optimizer, None)
+    if not isinstance(cls, type):
+        raise SystemExit(f"--optimizer {optimizer!r}: not an optimizer of curvature")
     model, X, y, options = workload(wl)
-    opt = getattr(lib, optimizer)(model, **options)
+    opt = cls(model, **options)
     loss_func = nn.CrossEntropyLoss()
 
     def step() -> None:

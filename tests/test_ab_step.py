@@ -46,3 +46,8 @@ def test_the_old_package_is_the_given_checkouts(tmp_path):
 def test_a_path_without_the_package_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no curvature/ package"):
         ab_step.main(["--old", str(tmp_path)])
+
+
+def test_an_unknown_optimizer_is_refused():
+    with pytest.raises(SystemExit, match="not an optimizer"):
+        ab_step.make_step(torch, "fm", "NoSuchOptimizer")

@@ -30,23 +30,24 @@ def carried_corrections(corrections: Tensor, old: Eigen, new: Eigen) -> Tensor:
     adds to the damping, in every later step's division, on the same slow path).
     """
     dtype = new.QA.dtype
+    QG_old, QA_old = old.QG.to(dtype), old.QA.to(dtype)
     if corrections.device.type not in SUBNORMAL_SLOW_DEVICES or dtype == torch.float64:
-        RA = (new.QA.mT @ old.QA.to(dtype)).pow_(2)
-        RG = (new.QG.mT @ old.QG.to(dtype)).pow_(2)
+        RA = _squared_rows(new.QA, QA_old, slice(None), dtype)
+        RG = _squared_rows(new.QG, QG_old, slice(None), dtype)
         return RG @ corrections.to(dtype) @ RA.mT
     # float64 in row chunks of the R matrices (made chunk by chunk: at most CARRY_ROWS
     # rows of an R alive, in float64), so that the refresh's peak does not grow
-    lam = corrections.to(torch.float64)
-    QG_old, QA_old = old.QG.to(dtype), old.QA.to(dtype)
+    wide = torch.float64
+    lam = corrections.to(wide)
     T = lam.new_empty(lam.shape)  # RG Lambda
     for i in range(0, lam.shape[-2], CARRY_ROWS):
         rows = slice(i, i + CARRY_ROWS)
-        T[..., rows, :] = _squared_rows(new.QG, QG_old, rows) @ lam
+        T[..., rows, :] = _squared_rows(new.QG, QG_old, rows, wide) @ lam
     del lam
     out = corrections.new_empty(corrections.shape, dtype=dtype)
     for j in range(0, T.shape[-1], CARRY_ROWS):
         cols = slice(j, j + CARRY_ROWS)
-        out[..., :, cols] = T @ _squared_rows(new.QA, QA_old, cols).mT
+        out[..., :, cols] = T @ _squared_rows(new.QA, QA_old, cols, wide).mT
     return torch.threshold(out, torch.finfo(dtype).tiny, 0.0)  # (Lambda >= 0)
 
 
@@ -54,6 +55,6 @@ def carried_corrections(corrections: Tensor, old: Eigen, new: Eigen) -> Tensor:
 CARRY_ROWS = 256
 
 
-def _squared_rows(Q_new: Tensor, Q_old: Tensor, rows: slice) -> Tensor:
-    """Rows ``rows`` of ``(Q_new^T Q_old)^2`` (elementwise), in float64."""
-    return (Q_new[..., :, rows].mT @ Q_old).to(torch.float64).pow_(2)
+def _squared_rows(Q_new: Tensor, Q_old: Tensor, rows: slice, dtype: torch.dtype) -> Tensor:
+    """Rows ``rows`` of ``(Q_new^T Q_old)^2`` (elementwise), squared in ``dtype``."""
+    return (Q_new[..., :, rows].mT @ Q_old).to(dtype).pow_(2)

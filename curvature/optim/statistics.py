@@ -258,10 +258,9 @@ class StepStatistics:
         for v in present:
             seen[id(v)] = seen.get(id(v), 0) + 1
         several = any(e[-1] and sum(v is not None for v in e[1]) > 1 for e in queue)
-        in_place = set(uniform) if several else set()
-        slot_bad = {
+        slot_bad = {  # (GPU: masked_fill_ on the negated flags)
             dev: iter(flags[dev].logical_not().unbind(0))
-            for dev in in_place
+            for dev in (uniform if several else ())
             if dev.type not in PRODUCT_ZEROING_DEVICES
         }
         products: Tuple[List[Tensor], List[Tensor]] = ([], [])  # zeroed after the loop
@@ -363,11 +362,12 @@ class StepStatistics:
 
 
 def _zeroed(v: Tensor, ok: Tensor, bad: Optional[Tensor], owned: bool) -> Tensor:
-    """``v`` if ``ok`` (0-d device bool) else zeros: in place where ``v`` is ``owned`` (by
-    ``masked_fill_`` on ``bad``, the negated flag, where given), else a new tensor.
+    """``v`` if ``ok`` (0-d device bool) else zeros: in place where ``v`` is ``owned`` (a
+    tensor of its own, not a view, that nothing else refers to; by ``masked_fill_`` on
+    ``bad``, the negated flag, where given), else a new tensor.
     """
     zero = scalar(0.0, v.dtype, v.device)
-    if not owned or v._base is not None:
+    if not owned:
         return torch.where(ok, v, zero)
     if bad is not None:
         return v.masked_fill_(bad, 0.0)

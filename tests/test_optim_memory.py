@@ -385,3 +385,26 @@ def test_a_kfac_refresh_holds_one_factor_of_temporaries():
     m = measure(lambda model: curvature.KFAC(model, lr=1e-3, inverse_every=1), "cnn")
     largest = 2049 * 2049 * 4
     assert m["peak"] - m["base"] < 2.5 * largest
+
+
+@pytest.mark.parametrize("workload", ["mlp", "cnn"])
+def test_a_kfac_refresh_writes_over_the_previous_inverses_and_snapshots(workload):
+    """A KFAC refresh after the first writes each damped copy, its Cholesky factor and
+    inverse into the previous inverse's memory and the snapshots into the previous
+    snapshot's: it allocates no more factor-sized tensors than a step without a refresh
+    (the step's own statistics; before: also a damped copy, an inverse and a snapshot
+    per factor)."""
+
+    def big_allocations(every: int) -> int:
+        sizes = []
+        largest = {"mlp": 785 * 785, "cnn": 2049 * 2049}[workload]
+        measure(
+            lambda model: curvature.KFAC(model, lr=1e-3, inverse_every=every),
+            workload,
+            on_alloc=lambda func, t: sizes.append(t.numel()) if t.numel() >= largest else None,
+        )
+        return len(sizes)
+
+    ordinary, refresh = big_allocations(10**6), big_allocations(1)
+    assert ordinary >= 1  # the statistics of the largest factor (the count sees it)
+    assert refresh == ordinary

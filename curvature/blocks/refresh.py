@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Sequence, Tuple
 
-from ..linalg import damped_inverses_or_errors, eighs
+from torch import Tensor
+
+from ..linalg import damped_inverses_or_errors, eighs, spare
 from .kronecker import KroneckerBlock
 from .onesided import OneSidedBlock, full_sides, install_sides
 from .records import DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
@@ -52,9 +54,13 @@ def snapshots(
         caller to set once the record is installed), and the values of ``also``.
 
     """
+    spares: list = []  # the previous inverses' storage, for the new ones
     for b in blocks:  # the previous inverses and products go first (a block whose refresh
         # fails keeps its record and recomputes them from it when used): not alive beside
         # the new ones
+        old = b.inverses
+        spares += [None, None] if old is None else [old.Ainv, old.Ginv]
+        del old
         b.install(b.record)
     mats, shifts, names = [], [], []
     for b in blocks:  # the running factors themselves (nothing writes them until the end)
@@ -62,20 +68,34 @@ def snapshots(
         mats += [b.A, b.G]
         shifts += [sA, sG]
         names += [f"A of '{b.label}'", f"G of '{b.label}'"]
-    results = damped_inverses_or_errors(mats, shifts, names=names, also=also)
+    results = damped_inverses_or_errors(mats, shifts, names=names, also=also, into=spares)
+    del spares
     results, extra = results[: len(mats)], results[len(mats) :]
-    # the snapshots copied after the inverses: not alive beside a factorization
-    snaps = {b: FactorSnapshot(b.A.clone(), b.G.clone()) for b in blocks}
     out, inverses = {}, {}
-    for i, (b, snap) in enumerate(snaps.items()):
+    for i, b in enumerate(blocks):
         a, g = results[2 * i], results[2 * i + 1]
         err = next((e for e in (a, g) if isinstance(e, Exception)), None)
         if err is not None:
             out[b] = failure(b, str(err))
-        else:
+        else:  # copied after the inverses (not alive beside a factorization), into the
+            # previous snapshot where it can take it (it is replaced by this one)
+            snap = FactorSnapshot(_copy(b.A, b.record, "A"), _copy(b.G, b.record, "G"))
             out[b] = Outcome(RefreshStatus.OK, snap)
             inverses[b] = DampedInverses(a, g, damping_of(b), snap, mode)
     return out, inverses, extra
+
+
+def _copy(factor: Tensor, previous: Any, side: str) -> Tensor:
+    """A copy of a running ``factor``: into the ``side`` of the ``previous`` record where that
+    is a :class:`FactorSnapshot` whose tensor can take it (not the factor's own storage:
+    before the first refresh a block's record may be its running factors themselves).
+    """
+    old = getattr(previous, side) if isinstance(previous, FactorSnapshot) else None
+    if spare(old, factor.shape, factor.dtype, factor.device) and (
+        old.untyped_storage().data_ptr() != factor.untyped_storage().data_ptr()
+    ):
+        return old.copy_(factor)
+    return factor.clone()
 
 
 def eigendecompositions(

@@ -2,6 +2,7 @@
 
     git worktree add ../old <commit>          # the code to compare against
     python benchmarks/ab_step.py --old ../old [--workload fm] [--optimizer KFAC] [--periods 31]
+        [--inverse-every 1]                   # every step a refresh
 
 The package of ``--old`` (its ``curvature/`` directory) is copied under another name
 (``curvature_old``, into a temporary directory: the package imports itself only
@@ -28,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -66,12 +67,18 @@ def workload(name: str):
     raise ValueError(f"unknown workload {name!r}")
 
 
-def make_step(lib, wl: str, optimizer: str, warmup: int = 12) -> Callable[[], None]:
-    """A training step of ``lib``'s ``optimizer`` on the workload, warmed up."""
+def make_step(
+    lib, wl: str, optimizer: str, warmup: int = 12, inverse_every: Optional[int] = None
+) -> Callable[[], None]:
+    """A training step of ``lib``'s ``optimizer`` on the workload, warmed up
+    (``inverse_every``: the optimizer's, else its default).
+    """
     cls = getattr(lib, optimizer, None)
     if not isinstance(cls, type):
         raise SystemExit(f"--optimizer {optimizer!r}: not an optimizer of curvature")
     model, X, y, options = workload(wl)
+    if inverse_every is not None:
+        options = {**options, "inverse_every": inverse_every}
     opt = cls(model, **options)
     loss_func = nn.CrossEntropyLoss()
 
@@ -123,6 +130,7 @@ def main(argv=None) -> None:
     p.add_argument("--optimizer", default="KFAC", help="KFAC, EKFAC, DiagonalNaturalGradient")
     p.add_argument("--periods", type=int, default=31)
     p.add_argument("--steps", type=int, default=20, help="steps per timed period")
+    p.add_argument("--inverse-every", type=int, default=None, help="e.g. 1: every step a refresh")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     import curvature
@@ -130,8 +138,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         old = import_old(args.old, tmp)
         steps = {
-            "old": make_step(old, args.workload, args.optimizer),
-            "new": make_step(curvature, args.workload, args.optimizer),
+            k: make_step(lib, args.workload, args.optimizer, inverse_every=args.inverse_every)
+            for k, lib in (("old", old), ("new", curvature))
         }
         times: Dict[str, List[float]] = {"old": [], "new": []}
         for r in range(args.periods):
@@ -141,7 +149,8 @@ def main(argv=None) -> None:
                     steps[k]()
                 times[k].append((time.perf_counter() - t) / args.steps * 1e3)
     q = {k: quantiles(v) for k, v in times.items()}
-    print(f"{args.optimizer} on {args.workload}, ms per step, {args.periods} periods:")
+    every = "" if args.inverse_every is None else f", inverse_every={args.inverse_every}"
+    print(f"{args.optimizer}{every} on {args.workload}, ms per step, {args.periods} periods:")
     for k in ("old", "new"):
         print(f"  {k}: " + ", ".join(f"{n} {x:.2f}" for n, x in q[k].items()))
     print("  new / old: " + ", ".join(f"{n} {q['new'][n] / q['old'][n]:.3f}" for n in q["new"]))

@@ -30,6 +30,7 @@ from .layers.base import current_shared_slots
 from .layers.norm import uses_batch_statistics
 from .layers.select import compiled_wrapper, select_layers, unwrap_model
 from .options import Unsupported, renamed
+from .subnormals import flushing
 
 #: Pulls of any capture in progress, process-wide: no capture's push hooks take their ``g``.
 _PULLS = [0]
@@ -537,11 +538,12 @@ class Capture(PerSampleQuantities, TracedCalls):
         """Compute from pulled ``g`` without building a graph; release every ``g`` after.
 
         Recording pauses inside (the ``torch.func`` replays of layer rules must not be
-        recorded as calls).
+        recorded as calls); subnormal results are flushed to zero on this thread
+        (:mod:`curvature.subnormals`).
         """
         recording, self._recording = self._recording, False  # replays must not record
         try:
-            with torch.no_grad():
+            with torch.no_grad(), flushing():
                 yield
         finally:
             self._recording = recording and bool(self._handles)

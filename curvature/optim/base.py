@@ -41,6 +41,7 @@ from ..foreach import FlatBuffer
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
 from ..options import Unsupported
 from ..rng import SamplingGenerators
+from ..subnormals import flushing
 from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
@@ -314,7 +315,7 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
+        with torch.no_grad(), flushing():  # (our CPU arithmetic: no subnormals)
             self._step(closure, loss)
         return loss
 

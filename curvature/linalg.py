@@ -382,10 +382,10 @@ def damped_inverses_or_errors(
     ``into`` (optional, one entry per matrix or fewer): storage the caller no longer needs,
     e.g. the previous inverse of the same matrix (:func:`spare`). Where an entry has the
     damped copy's shape, dtype and device, owns its storage and is contiguous, the copy is
-    written into it, factorized there and (on :data:`COLUMN_MAJOR_CHOLESKY_DEVICES`)
-    inverted there: no new ``D x D`` memory (a CPU's fresh allocations of this size
-    fault their pages in: 9.1 against 6.7 ms per ``785 x 785`` inverse, one thread).
-    Whatever it held is overwritten, also where the result is an error.
+    written into it, factorized there and (where :func:`inverts_in_place`) inverted
+    there: no new ``D x D`` memory (a CPU's fresh allocations of this size fault their
+    pages in: 9.1 against 6.7 ms per ``785 x 785`` factorization and inverse, one
+    thread). Whatever it held is overwritten, also where the result is an error.
 
     Returns:
         Per matrix its inverse (in ``M``'s dtype, at least float32) or the
@@ -475,6 +475,15 @@ def _cholesky_inverse(L: Tensor, upper: bool = False, over: bool = False) -> Opt
     if inv.device.type != "cpu":
         return symmetrize(inv)
     return inv.mT if inv.mT.is_contiguous() else inv  # (the same values: symmetric)
+
+
+def inverts_in_place(device: torch.device) -> bool:
+    """Whether :func:`damped_inverses_or_errors` writes an inverse over its ``into``
+    storage on ``device`` (:data:`COLUMN_MAJOR_CHOLESKY_DEVICES`); elsewhere only the
+    damped copy goes there and the inverse is new memory, so that storage handed in stays
+    alive beside it: pass none there.
+    """
+    return torch.device(device).type in COLUMN_MAJOR_CHOLESKY_DEVICES
 
 
 def spare(t: Optional[Tensor], shape, dtype: torch.dtype, device: torch.device) -> bool:

@@ -4,8 +4,8 @@ An x86 CPU takes a slow microcode path for arithmetic whose input or result is
 subnormal (``0 < |x| < 1.2e-38`` in float32, ``2.2e-308`` in float64). Late in training
 on a memorized batch the curvature statistics go there (squared per-sample gradients of
 a loss near zero, their running averages): a ``DiagonalNaturalGradient`` step on an MLP
-784-512-256-10 at batch 128, one thread, slowed from 8.3 to 9.7-11.0 ms after 500-700
-steps (7.2-7.5 ms flat with the flush; the same losses to three digits;
+784-512-256-10 at batch 128, one thread, slowed from 8.1 to 10.1 ms over 800 steps
+(7.2-7.7 ms after the first 100 with the flush; the same losses;
 ``python benchmarks/subnormals.py``).
 
 :func:`flushing` sets the calling thread's flush-to-zero / denormals-are-zero flags

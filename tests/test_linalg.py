@@ -406,3 +406,53 @@ def test_padded_eighs_results_hold_no_more_memory_than_their_own(monkeypatch):
     for evals, evecs in eighs(mats, ["a", "b", "c"]):
         for t in (evals, evecs):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_damped_inverses_written_into_the_given_storage(dtype):
+    """``into``: the damped copy, its factor and (on a CPU) the inverse in the storage
+    handed in, the same values as without it; storage that cannot take it is left alone."""
+    from curvature.linalg import damped_inverses_or_errors, inverts_in_place
+
+    torch.manual_seed(0)
+    X = torch.randn(40, 7, dtype=dtype)
+    M = (X.T @ X).unsqueeze(0)
+    M2 = M[:, :5, :5].clone()
+    fresh = damped_inverses_or_errors([M, M2], [1e-2, 1e-1])
+    buf = torch.full_like(M, float("nan"))
+    wrong = torch.empty(1, 6, 6, dtype=dtype)  # not M2's shape: not used
+    out = damped_inverses_or_errors([M, M2], [1e-2, 1e-1], into=[buf, wrong])
+    assert inverts_in_place(M.device)
+    assert out[0].data_ptr() == buf.data_ptr()
+    assert out[1].data_ptr() != wrong.data_ptr()
+    for a, b in zip(out, fresh):
+        assert torch.equal(a, b)
+    dense = torch.linalg.inv(M[0] + 1e-2 * torch.eye(7, dtype=dtype))
+    assert torch.allclose(out[0][0], dense, rtol=1e-4 if dtype == torch.float32 else 1e-10)
+
+
+def test_refreshes_without_in_place_inverses_take_the_same_steps(monkeypatch):
+    """Where inverses are not written in place (a GPU's path, taken here on the CPU:
+    row-major factors, no previous inverse handed in) the steps are those of the
+    in-place path up to rounding."""
+    from torch import nn
+
+    import curvature
+    from curvature import linalg
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        opt = curvature.KFAC(model, lr=0.1, inverse_every=2)
+        X, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+        for _ in range(7):
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(X), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    in_place = run()
+    monkeypatch.setattr(linalg, "COLUMN_MAJOR_CHOLESKY_DEVICES", ())
+    assert not linalg.inverts_in_place(torch.device("cpu"))
+    for a, b in zip(in_place, run()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)

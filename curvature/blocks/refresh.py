@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 
 from torch import Tensor
 
-from ..linalg import damped_inverses_or_errors, eighs, spare
+from ..linalg import damped_inverses_or_errors, eighs, inverts_in_place, spare
 from .kronecker import KroneckerBlock
 from .onesided import OneSidedBlock, full_sides, install_sides
 from .records import DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
@@ -46,7 +46,11 @@ def snapshots(
     inverses are dropped first (a block whose refresh fails keeps its record and takes
     them from it again when used), each matrix is inverted right after its factorization
     (written over its damped copy), and the snapshots are copied last: at the peak, one
-    factor's copy and inverse beside the state.
+    factor's copy and inverse beside the state. Where the inverse is written in place
+    (:func:`~curvature.linalg.inverts_in_place`: a CPU) the previous inverses' storage
+    takes the damped copies, factors and new inverses, and a block refreshed without
+    failure copies its snapshot into the previous one's storage (on every device): a
+    refresh after the first allocates no ``D x D`` matrix there.
 
     Returns:
         The outcome per block (a non-finite snapshot: :func:`failure`), the inverses of
@@ -54,12 +58,13 @@ def snapshots(
         caller to set once the record is installed), and the values of ``also``.
 
     """
-    spares: list = []  # the previous inverses' storage, for the new ones
+    spares: list = []  # the previous inverses' storage, for the new ones where in place
     for b in blocks:  # the previous inverses and products go first (a block whose refresh
         # fails keeps its record and recomputes them from it when used): not alive beside
         # the new ones
         old = b.inverses
-        spares += [None, None] if old is None else [old.Ainv, old.Ginv]
+        reuse = old is not None and inverts_in_place(old.Ainv.device)
+        spares += [old.Ainv, old.Ginv] if reuse else [None, None]
         del old
         b.install(b.record)
     mats, shifts, names = [], [], []

@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh checks OUTDIR   # ~3 min: CUDA tests, gpu.py, conv paths
 #   bash benchmarks/gpu_session.sh resnet OUTDIR   # ~5 min: ResNet-18 (width 64) to 90%
+#   bash benchmarks/gpu_session.sh profile OUTDIR  # ~1 min: where ResNet-18's KFAC step goes
 #
 # Run from the repository root. The peers (ASDL, curvlinops, BackPACK) are installed from
 # wheels in .whl/ when that folder exists; without them gpu.py's peer rows are left out.
@@ -21,8 +22,8 @@
 # GPU section, and `python benchmarks/training.py --from-json <json>` for the ResNet rows
 # (their JSON goes into benchmarks/gpu_runs/training/: gpu_runs/*.json are gpu.py runs).
 set -u -o pipefail
-mode=${1:?usage: gpu_session.sh checks|resnet OUTDIR}
-out=${2:?usage: gpu_session.sh checks|resnet OUTDIR}
+mode=${1:?usage: gpu_session.sh checks|resnet|profile OUTDIR}
+out=${2:?usage: gpu_session.sh checks|resnet|profile OUTDIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,8 +52,13 @@ resnet)
         --seeds 0 --device cuda --resnet-budget 35 --json "$out/resnet18_gpu.json" \
         2>&1 | tee "$out/resnet18.log" | tail -30
     ;;
+profile)
+    # host against device time per step (AdamW, SGD, KFAC; random data) and a profile
+    timeout 240 python3 benchmarks/resnet_step.py --device cuda --width 64 --batch 128 \
+        --out "$out" 2>&1 | tee "$out/resnet_step.log" | head -8
+    ;;
 *)
-    echo "unknown mode $mode (checks or resnet)" >&2
+    echo "unknown mode $mode (checks, resnet or profile)" >&2
     exit 2
     ;;
 esac

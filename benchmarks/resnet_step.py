@@ -1,0 +1,179 @@
+"""Where a KFAC step on ResNet-18 goes: host and device time, against AdamW and SGD.
+
+    python benchmarks/resnet_step.py [--device cuda] [--width 64] [--batch 128]
+        [--out DIR]                      # DIR/resnet_step.json and DIR/profile.txt
+
+Issue 19's ResNet-18 (benchmarks/resnets.py, 1 input channel, Fashion-MNIST's 28 x 28,
+random data: nothing to download) with BatchNorm in train mode. For AdamW, SGD (momentum
+0.9) and KFAC (defaults; ``inverse_every=10`` over 20 steps, and every step a refresh)
+it prints per training step (zero_grad, forward, loss, backward, step):
+
+* ``wall``: the step's time with the device synchronized after it (the median of 5
+  periods of ``--steps`` steps);
+* ``host``: the time until ``step()`` returns, without waiting for the device (on a GPU,
+  a host-bound step has ``host`` close to ``wall``);
+* ``aten``: aten calls per step (each a kernel launch or more on a GPU).
+
+Then a ``torch.profiler`` table of KFAC's steps (device time where there is a device,
+else CPU time; ``--out``: written to ``profile.txt``). On a CPU at a small width
+(``--width 4 --batch 4``) the step is host-bound, a proxy of a GPU's host side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Callable, Dict
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from resnets import ResNet18  # noqa: E402
+
+import curvature  # noqa: E402
+
+CE = nn.CrossEntropyLoss()
+
+
+class _Calls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def optimizers() -> Dict[str, Callable[[nn.Module], torch.optim.Optimizer]]:
+    return {
+        "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=1e-2),
+        "SGD": lambda m: torch.optim.SGD(m.parameters(), lr=0.03, momentum=0.9),
+        "KFAC": lambda m: curvature.KFAC(m),
+        "KFAC, refresh every step": lambda m: curvature.KFAC(m, inverse_every=1),
+    }
+
+
+def measure(make, device: str, width: int, batch: int, steps: int) -> Dict[str, float]:
+    torch.manual_seed(0)
+    model = ResNet18(num_classes=10, in_channels=1, width=width).to(device)
+    opt = make(model)
+    X = torch.randn(batch, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step() -> None:
+        opt.zero_grad()
+        CE(model(X), y).backward()
+        opt.step()
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        step()
+    sync()
+    with _Calls() as calls:
+        step()
+    sync()
+    walls, hosts = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        host = 0.0
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            host += time.perf_counter() - t
+        sync()
+        walls.append((time.perf_counter() - t0) / steps * 1e3)
+        hosts.append(host / steps * 1e3)
+    if hasattr(opt, "close"):
+        opt.close()
+    return {
+        "wall_ms": sorted(walls)[2],
+        "host_ms": sorted(hosts)[2],
+        "aten_calls": calls.count,
+    }
+
+
+def profile(device: str, width: int, batch: int, steps: int, rows: int) -> str:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.manual_seed(0)
+    model = ResNet18(num_classes=10, in_channels=1, width=width).to(device)
+    opt = curvature.KFAC(model)
+    X = torch.randn(batch, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step() -> None:
+        opt.zero_grad()
+        CE(model(X), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    opt.close()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages(group_by_input_shape=True).table(
+        sort_by=key, row_limit=rows, max_name_column_width=40, max_shapes_column_width=60
+    )
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20, help="steps per timed period")
+    p.add_argument("--rows", type=int, default=30, help="rows of the profile table")
+    p.add_argument("--out", default=None, help="a folder for the JSON and the profile")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"ResNet-18 width {args.width}, batch {args.batch}, {args.device} ({where})")
+    results = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BatchNorm in train mode: plain gradient
+        for name, make in optimizers().items():
+            r = measure(make, args.device, args.width, args.batch, args.steps)
+            results[name] = r
+            print(
+                f"  {name:26s} wall {r['wall_ms']:8.2f} ms  host {r['host_ms']:8.2f} ms  "
+                f"aten {r['aten_calls']:5d}"
+            )
+        table = profile(args.device, args.width, args.batch, args.steps, args.rows)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        meta = {
+            "device": where,
+            "torch": torch.__version__,
+            "width": args.width,
+            "batch": args.batch,
+            "steps": args.steps,
+        }
+        with open(os.path.join(args.out, "resnet_step.json"), "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        with open(os.path.join(args.out, "profile.txt"), "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -411,7 +411,7 @@ def damped_inverses_or_errors(
         del damped
         # the inverse at once, before the outcome is read (dropped where the factorization
         # failed): one factor alive at a time, not every matrix's factor and inverse
-        inverses.append((_cholesky_inverse(L, upper, over=buf is not None), shift))
+        inverses.append((_cholesky_inverse(L, upper), shift))
         del L
         infos.append(info.ne(0).any())
     read = host_values(flags + infos + list(also))
@@ -456,18 +456,18 @@ def _cholesky_in_place(A: Tensor) -> Tuple[Tensor, Tensor, bool]:
     return L, info, upper
 
 
-def _cholesky_inverse(L: Tensor, upper: bool = False, over: bool = False) -> Optional[Tensor]:
+def _cholesky_inverse(L: Tensor, upper: bool = False) -> Optional[Tensor]:
     """``(L L^T)^{-1}`` (``upper``: ``(L^T L)^{-1}``) from a Cholesky factor, symmetric;
     ``None`` where torch raises (a CPU's LAPACK refuses the lower factor of a failed
     factorization; the caller drops the result of one that failed anyway).
 
     Exactly symmetric on the CPU (LAPACK's potri, one triangle then a copy of the
     other; returned row-major); CUDA's solves against the identity (cuSOLVER potrs),
-    which is not: symmetrized. ``over``: written over ``L`` where ``L`` is column-major
-    (LAPACK's potri works in place; torch copies the factor into its output first, a
-    no-op there), else into new memory.
+    which is not: symmetrized. Written over ``L`` (the caller's to give up) where
+    :func:`inverts_in_place` and ``L`` is column-major (LAPACK's potri works in place;
+    torch copies the factor into its output first, a no-op there), else new memory.
     """
-    into = L if over and L.mT.is_contiguous() and L.device.type == "cpu" else None
+    into = L if inverts_in_place(L.device) and L.mT.is_contiguous() else None
     try:
         inv = torch.cholesky_inverse(L, upper=upper, out=into)
     except RuntimeError:
@@ -478,10 +478,10 @@ def _cholesky_inverse(L: Tensor, upper: bool = False, over: bool = False) -> Opt
 
 
 def inverts_in_place(device: torch.device) -> bool:
-    """Whether :func:`damped_inverses_or_errors` writes an inverse over its ``into``
-    storage on ``device`` (:data:`COLUMN_MAJOR_CHOLESKY_DEVICES`); elsewhere only the
-    damped copy goes there and the inverse is new memory, so that storage handed in stays
-    alive beside it: pass none there.
+    """Whether :func:`damped_inverses_or_errors` writes each inverse over its damped copy
+    (its ``into`` storage, where given) on ``device`` (:data:`COLUMN_MAJOR_CHOLESKY_DEVICES`);
+    elsewhere only the damped copy goes there and the inverse is new memory, so that
+    storage handed in stays alive beside it: pass none there.
     """
     return torch.device(device).type in COLUMN_MAJOR_CHOLESKY_DEVICES
 

@@ -61,7 +61,9 @@ def optimizers() -> Dict[str, Callable[[nn.Module], torch.optim.Optimizer]]:
     }
 
 
-def measure(make, device: str, width: int, batch: int, steps: int) -> Dict[str, float]:
+def training_step(make, device: str, width: int, batch: int):
+    """``(step, optimizer)``: one training step of ResNet-18 on a fixed random batch,
+    after three warm-up steps."""
     torch.manual_seed(0)
     model = ResNet18(num_classes=10, in_channels=1, width=width).to(device)
     opt = make(model)
@@ -73,12 +75,18 @@ def measure(make, device: str, width: int, batch: int, steps: int) -> Dict[str, 
         CE(model(X), y).backward()
         opt.step()
 
+    for _ in range(3):
+        step()
+    return step, opt
+
+
+def measure(make, device: str, width: int, batch: int, steps: int) -> Dict[str, float]:
+    step, opt = training_step(make, device, width, batch)
+
     def sync() -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    for _ in range(3):
-        step()
     sync()
     with _Calls() as calls:
         step()
@@ -107,19 +115,7 @@ def profile(device: str, width: int, batch: int, steps: int, rows: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    torch.manual_seed(0)
-    model = ResNet18(num_classes=10, in_channels=1, width=width).to(device)
-    opt = curvature.KFAC(model)
-    X = torch.randn(batch, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
-
-    def step() -> None:
-        opt.zero_grad()
-        CE(model(X), y).backward()
-        opt.step()
-
-    for _ in range(3):
-        step()
+    step, opt = training_step(curvature.KFAC, device, width, batch)
     cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch_profile(activities=activities, record_shapes=True) as prof:

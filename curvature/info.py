@@ -82,7 +82,6 @@ def collect() -> Dict[str, Any]:
             getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()
         ),
         "numpy": numpy.__version__,
-        "einops": version_of("einops"),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu": _cpu_model(),
@@ -109,7 +108,6 @@ def format_info(info: Optional[Dict[str, Any]] = None) -> str:
         ("torch", f"{i['torch']}, {i['torch_threads']} threads"),
         ("cuda", cuda),
         ("numpy", i["numpy"]),
-        ("einops", i["einops"] or "not installed"),
         ("platform", i["platform"]),
         ("cpu", cpus),
     ]

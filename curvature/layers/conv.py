@@ -15,7 +15,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 
 from .base import CHUNK_ELEMENTS, LayerRule, LinearFamilyRule, expanded_kfac
@@ -27,9 +26,25 @@ def unfold_patches(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
 
     ``S`` is the number of output positions, in the row-major order of the output.
     """
-    o, k = _axes("o", len(module.kernel_size)), _axes("k", len(module.kernel_size))
-    x = _windows(module, x)
-    return rearrange(x, f"n (g c) {o} {k} -> n ({o}) g (c {k})", g=module.groups)
+    return _patch_rows(_windows(module, x), module.groups)
+
+
+def _patch_rows(w: Tensor, groups: int, fold: bool = False) -> Tensor:
+    """Windows ``[N, C_in, O_1..O_d, k_1..k_d]`` as patch rows ``[N, S, G, C_in / G
+    prod(k)]`` (``fold``: ``[N G, S, C_in / G prod(k)]``), one copy of the windows.
+
+    The einops pattern ``n (g c) o.. k.. -> n (o..) g (c k..)`` written as one split of the
+    channels (a view), a permutation (a view) and a reshape (the copy): no einops call on
+    the hot path of every convolution's statistics.
+    """
+    N, C = w.shape[0], w.shape[1]
+    d = (w.dim() - 2) // 2
+    S, K = math.prod(w.shape[2 : 2 + d]), math.prod(w.shape[2 + d :])
+    w = w.unflatten(1, (groups, C // groups))  # [N, G, C / G, O.., k..]
+    outs, ks = range(3, 3 + d), range(3 + d, 3 + 2 * d)
+    if fold:  # [N, G, O.., C / G, k..]
+        return w.permute(0, 1, *outs, 2, *ks).reshape(N * groups, S, (C // groups) * K)
+    return w.permute(0, *outs, 1, 2, *ks).reshape(N, S, groups, (C // groups) * K)
 
 
 def _windows(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
@@ -47,13 +62,10 @@ def _windows(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     for i in range(d):
         k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
         # window of extent dil * (k - 1) + 1 at every stride, then keep every dil-th entry
-        x = x.unfold(2 + i, dil * (k - 1) + 1, s)[..., ::dil]
+        x = x.unfold(2 + i, dil * (k - 1) + 1, s)
+        if dil != 1:
+            x = x[..., ::dil]
     return x  # the channels split into groups as (G, C_in / G)
-
-
-def _axes(prefix: str, d: int) -> str:
-    """``"o1 o2"`` for ``("o", 2)``: names of ``d`` spatial axes in an einops pattern."""
-    return " ".join(f"{prefix}{i + 1}" for i in range(d))
 
 
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -64,10 +76,9 @@ class ConvRule(LinearFamilyRule):
         a = unfold_patches(module, call.args[0])
         if call.grads is None:  # forward-only statistics
             return a, None
-        o = _axes("o", len(module.kernel_size))
         # [..., N, C_out, O_1..O_d] -> [..., N, S, G, C_out / G] (a view, no copy)
-        g = rearrange(call.grads[0], f"... n (g c) {o} -> ... n ({o}) g c", g=module.groups)
-        return a, g
+        g = call.grads[0].flatten(-len(module.kernel_size)).transpose(-1, -2)
+        return a, g.unflatten(-1, (module.groups, -1))
 
     def kfac_factors(self, module, calls, approx, with_g=True):
         """KFAC statistics from the unfolded patches ``P`` without a bias column copied.
@@ -330,14 +341,12 @@ def patch_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, sh
     graph = torch.is_grad_enabled() and (x.requires_grad or g.requires_grad)
     out = None if chunk >= N or graph else g.new_empty(N * G, gm.shape[1], D)
     parts = []
-    o, k = _axes("o", d), _axes("k", d)
     with torch.autocast(x.device.type, enabled=False):
         for n0 in range(0, N, chunk):
             n = min(chunk, N - n0)
             xc = x if n == N else x.narrow(0, n0, n)
-            P = rearrange(  # [n G, S, C_in / G prod(k)]: one copy of the windows
-                _windows(module, xc.to(g.dtype)), f"n (g c) {o} {k} -> (n g) ({o}) (c {k})", g=G
-            )
+            # [n G, S, C_in / G prod(k)]: one copy of the windows
+            P = _patch_rows(_windows(module, xc.to(g.dtype)), G, fold=True)
             rows = slice(n0 * G, (n0 + n) * G)
             if out is None:
                 parts.append(torch.bmm(gm[rows], P))

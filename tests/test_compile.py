@@ -221,3 +221,36 @@ def test_inductor_gives_the_eager_numbers(fisher):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(got[1], want[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+def test_a_compiled_training_step_that_calls_step(fisher):
+    """``torch.compile`` of a whole training step (zero_grad, forward, backward and
+    ``optim.step()``, as torch.optim's tutorials compile a step): the optimizer's step runs
+    eagerly (``torch.compiler.disable``), the rest compiled; the same factors and
+    parameters as eager, bit for bit with ``aot_eager``. Before, dynamo traced into the
+    step and failed on its buffers' views ("does not yet handle non-differentiable view
+    input mutations")."""
+
+    def run(compiled):
+        torch.manual_seed(0)
+        model = mlp()
+        kw = {"loss_func": CE} if fisher == "mc" else {}
+        optim = curvature.KFAC(model, lr=1e-2, damping=1e-3, fisher=fisher, **kw)
+        X, y = torch.randn(16, 20), torch.randint(0, 4, (16,))
+
+        def train_step():
+            optim.zero_grad()
+            loss = CE(model(X), y)
+            loss.backward()
+            optim.step()
+            return loss
+
+        step = torch.compile(train_step, backend="aot_eager") if compiled else train_step
+        for _ in range(3):
+            step()
+        factors = optim.factors()
+        optim.close()
+        return factors, [p.detach().clone() for p in model.parameters()]
+
+    assert_equal(run(True), run(False))

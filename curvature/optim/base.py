@@ -289,6 +289,7 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         self._collector.register_output(output, loss_func, target)
 
     # -- the step -------------------------------------------------------------------------
+    @torch.compiler.disable
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:
         """One update. ``closure`` (optional) re-evaluates the loss, as in ``torch.optim``.
 

@@ -31,25 +31,15 @@ from typing import Callable, Dict
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from resnets import ResNet18  # noqa: E402
+from step_counts import AtenCalls  # noqa: E402
 
 import curvature  # noqa: E402
 
 CE = nn.CrossEntropyLoss()
-
-
-class _Calls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def optimizers() -> Dict[str, Callable[[nn.Module], torch.optim.Optimizer]]:
@@ -88,7 +78,7 @@ def measure(make, device: str, width: int, batch: int, steps: int) -> Dict[str, 
             torch.cuda.synchronize()
 
     sync()
-    with _Calls() as calls:
+    with AtenCalls() as calls:
         step()
     sync()
     walls, hosts = [], []

@@ -12,14 +12,20 @@ to the flushed values, far below the printed digits).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 import warnings
 
 import torch
 from torch import nn
 
-import curvature
-import curvature.subnormals as subnormals
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from step_memory import mlp  # noqa: E402
+
+import curvature  # noqa: E402
+import curvature.subnormals as subnormals  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -34,9 +40,7 @@ def main(argv=None) -> None:
     runs = []
     for enabled in (True, False):
         torch.manual_seed(0)
-        model = nn.Sequential(
-            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
-        )
+        model = mlp()
         X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
         opt = getattr(curvature, args.optimizer)(model)
         runs.append((enabled, model, opt, X, y))

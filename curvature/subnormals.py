@@ -27,6 +27,12 @@ from typing import Iterator
 
 import torch
 
+#: Device types whose float arithmetic slows down on subnormal numbers (x86 and ARM CPUs:
+#: about 100x per operation). EKFAC carries its eigenvalue corrections into a new basis
+#: in float64 there (:func:`curvature.blocks.carry.carried_corrections`: on every thread,
+#: which the flags of :func:`flushing` do not reach).
+SUBNORMAL_SLOW_DEVICES = ("cpu",)
+
 _SMALLEST = sys.float_info.min  # the smallest normal float64
 _HALF = 0.5
 
@@ -54,4 +60,4 @@ def flushing() -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
-__all__ = ["flushed", "flushing"]
+__all__ = ["SUBNORMAL_SLOW_DEVICES", "flushed", "flushing"]

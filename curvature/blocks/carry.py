@@ -5,12 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..subnormals import SUBNORMAL_SLOW_DEVICES
 from .records import Eigen
-
-#: Device types whose float arithmetic slows down on subnormal numbers (x86 and ARM CPUs:
-#: about 100x per operation); EKFAC carries its eigenvalue corrections into a new basis
-#: in float64 there (:func:`carried_corrections`).
-SUBNORMAL_SLOW_DEVICES = ("cpu",)
 
 
 def carried_corrections(corrections: Tensor, old: Eigen, new: Eigen) -> Tensor:
@@ -22,12 +18,13 @@ def carried_corrections(corrections: Tensor, old: Eigen, new: Eigen) -> Tensor:
     ``Lambda`` entries fall below ``torch.finfo(torch.float32).tiny`` (about
     ``1.2e-38``), where a CPU computes about 100x slower: on the MLP 784-512-256-10
     (one thread, after 400 steps on one batch) the ``[512, 785] x [785, 785]`` product
-    took 540-577 ms instead of 4 ms. On :data:`SUBNORMAL_SLOW_DEVICES` the squares and
-    products are taken in float64 (no subnormal float32 products; about 2x the float32
-    GEMM time, once per refresh), the R matrices made :data:`CARRY_ROWS` rows at a time
-    (the refresh's peak memory stays that of the float32 formula or below), and the
-    result's entries below ``tiny`` are set to 0 (a ``Lambda`` entry that small only
-    adds to the damping, in every later step's division, on the same slow path).
+    took 540-577 ms instead of 4 ms. On
+    :data:`~curvature.subnormals.SUBNORMAL_SLOW_DEVICES` the squares and products are
+    taken in float64 (no subnormal float32 products; about 2x the float32 GEMM time,
+    once per refresh), the R matrices made :data:`CARRY_ROWS` rows at a time (the
+    refresh's peak memory stays that of the float32 formula or below), and the result's
+    entries below ``tiny`` are set to 0 (a ``Lambda`` entry that small only adds to the
+    damping, in every later step's division, on the same slow path).
     """
     dtype = new.QA.dtype
     QG_old, QA_old = old.QG.to(dtype), old.QA.to(dtype)

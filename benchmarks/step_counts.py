@@ -94,16 +94,20 @@ class HostReads(TorchFunctionMode):
 
 @contextmanager
 def as_on_cuda():
-    """Group the eigendecompositions of a CPU run as on CUDA (padded sizes in one call:
-    ``curvature.linalg.PAD_EIGH_DEVICES``), so that ``HostReads(checked=True)`` counts
-    the synchronizations a GPU would see."""
+    """Run the decompositions of a CPU run as on CUDA, so that ``HostReads(checked=True)``
+    counts the synchronizations a GPU would see: eigendecompositions grouped (padded
+    sizes in one call: ``curvature.linalg.PAD_EIGH_DEVICES``), Cholesky inverses in new
+    memory (not written over the previous ones: ``COLUMN_MAJOR_CHOLESKY_DEVICES``, which
+    costs a CPU refresh without a snapshot one more host read, no synchronization)."""
     linalg = importlib.import_module("curvature.linalg")
-    devices = linalg.PAD_EIGH_DEVICES
+    devices, in_place = linalg.PAD_EIGH_DEVICES, linalg.COLUMN_MAJOR_CHOLESKY_DEVICES
     linalg.PAD_EIGH_DEVICES = (*devices, "cpu")
+    linalg.COLUMN_MAJOR_CHOLESKY_DEVICES = tuple(d for d in in_place if d != "cpu")
     try:
         yield
     finally:
         linalg.PAD_EIGH_DEVICES = devices
+        linalg.COLUMN_MAJOR_CHOLESKY_DEVICES = in_place
 
 
 class AtenCalls(TorchDispatchMode):

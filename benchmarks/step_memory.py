@@ -216,6 +216,13 @@ def lm() -> nn.Module:
     return LM(LM_VOCAB, 64, 2, heads=2, context=LM_T)
 
 
+def vgg() -> nn.Module:
+    """benchmarks/gpu.py's VGG-like CNN (64-128-256 channels, 3x32x32) at its GPU batch."""
+    from gpu import vgg as gpu_vgg  # (gpu.py imports this module)
+
+    return gpu_vgg()
+
+
 LM_VOCAB, LM_T = 1024, 32
 
 #: name to (model, input shape, batch size); the LM's inputs are tokens ``[N, T]``
@@ -225,6 +232,12 @@ WORKLOADS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...], int]] = {
     "lm": (lm, (LM_T,), 8),
 }
 
+#: Workloads measured on request only (``--workloads``), not in the generated table:
+#: the GPU benchmark's VGG at its GPU batch (about 30 s per optimizer and mode here).
+EXTRA_WORKLOADS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...], int]] = {
+    "vgg": (vgg, (3, 32, 32), 256),
+}
+
 #: Optimizer options per workload: the LM's head (``G`` of 1024) over ``max_factor_size``
 #: like the GPU workload's (vocabulary 8192 over the default 4096): a one-sided block.
 OPTIONS: Dict[str, Dict[str, Any]] = {"lm": {"max_factor_size": 512}}
@@ -232,7 +245,7 @@ OPTIONS: Dict[str, Dict[str, Any]] = {"lm": {"max_factor_size": 512}}
 
 def batch(workload: str) -> Tuple[Tensor, Tensor]:
     """``(X, y)`` of a workload (after ``torch.manual_seed``): inputs and class labels."""
-    _, shape, N = WORKLOADS[workload]
+    _, shape, N = {**WORKLOADS, **EXTRA_WORKLOADS}[workload]
     if workload == "lm":
         tokens = torch.randint(0, LM_VOCAB, (N, shape[0] + 1))
         return tokens[:, :-1], tokens[:, 1:].reshape(-1)
@@ -267,7 +280,7 @@ def measure(
         ``params`` (the parameters' bytes).
 
     """
-    build = WORKLOADS[workload][0]
+    build = {**WORKLOADS, **EXTRA_WORKLOADS}[workload][0]
     with warnings.catch_warnings(), LiveBytes() as live:
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
@@ -374,9 +387,23 @@ HEADER = [
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-doc", action="store_true")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of {', '.join([*WORKLOADS, *EXTRA_WORKLOADS])} (the "
+        "docs' table: the default; another choice implies --no-doc)",
+    )
     args = parser.parse_args(argv)
+    chosen = args.workloads.split(",")
+    known = {**WORKLOADS, **EXTRA_WORKLOADS}
+    for w in chosen:
+        if w not in known:
+            parser.error(f"unknown workload {w!r}; choose from {', '.join(known)}")
+    if chosen != list(WORKLOADS):
+        args.no_doc = True
     tables = []
-    for workload, (_, shape, N) in WORKLOADS.items():
+    for workload in chosen:
+        _, shape, N = known[workload]
         for every, what in ((1000, "no refresh"), (1, "a refresh step")):
             title = f"{workload} (batch {N}, input {list(shape)}), {what}"
             tables.append(f"{title}:\n\n" + common.markdown_table(HEADER, rows(workload, every)))
@@ -396,8 +423,11 @@ def main(argv=None):
         "besides the parameters' `.grad` (0: statistics buffers allocated once, nothing kept "
         "that the next step does not need); tests/test_optim_memory.py checks it and the "
         "absence of `[N, *p.shape]` per-sample tensors in the step. A refresh step replaces "
-        "the snapshot and inverses (KFAC) or eigenbases (EKFAC) with new tensors: that is "
-        "its `kept`. Workload `lm`: benchmarks/gpu.py's transformer LM at a CPU size (d=64, "
+        "the inverses (KFAC; on a CPU written over the previous ones) or eigenbases "
+        "(EKFAC) with new tensors: that is its `kept`. "
+        "`python benchmarks/step_memory.py --workloads vgg` measures benchmarks/gpu.py's "
+        "VGG at batch 256 (not in this table). Workload `lm`: benchmarks/gpu.py's "
+        "transformer LM at a CPU size (d=64, "
         "2 layers, T=32, vocabulary 1024, tokens `[8, 32]`), `max_factor_size=512` for KFAC "
         "and EKFAC so that its head is a one-sided block as at the GPU size.\n\n"
         + "\n\n".join(tables)

@@ -1,8 +1,9 @@
 """``inverse_warmup``: the first steps refresh every step, then every ``inverse_every``.
 
-A refresh of KFAC (pi damping, Cholesky) or EKFAC reads the device once (the factors'
-finiteness and the decompositions' outcomes), a step without one never: the reads of
-steps 1, 2, ... show the schedule (step 0 always refreshes). Off by default (the public
+A refresh of KFAC (pi damping, Cholesky) or EKFAC reads the device once as on a GPU
+(the factors' finiteness and the decompositions' outcomes; counted with
+``step_counts.as_on_cuda``), a step without one never: the reads of steps 1, 2, ... show
+the schedule (step 0 always refreshes). Off by default (the public
 contract's ``inverse_every=10`` schedule); docs/optimizers.md ("Defaults and a safe
 start") has the measurements.
 """
@@ -20,7 +21,7 @@ from torch import nn
 import curvature
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from step_counts import HostReads  # noqa: E402
+from step_counts import HostReads, as_on_cuda  # noqa: E402
 
 CE = nn.CrossEntropyLoss()
 
@@ -39,7 +40,7 @@ def reads_per_step(opt, model, steps=6):
     counts = []
     for _ in range(steps):
         X, y = torch.randn(5, 6, generator=g), torch.randint(0, 4, (5,), generator=g)
-        with HostReads() as reads:
+        with as_on_cuda(), HostReads() as reads:
             opt.zero_grad()
             CE(model(X), y).backward()
             opt.step()

@@ -817,7 +817,8 @@ def test_float64_model_keeps_float64_factors():
 
 # -- damped inverses by Cholesky (KFAC, pi damping) ------------------------------------------------
 def _records(opt):
-    """The kinds of the blocks' refresh records: FactorSnapshot (Cholesky) or Eigen."""
+    """The kinds of the blocks' refresh records: CurrentFactors (Cholesky), FactorSnapshot
+    (Cholesky where the damping adapts) or Eigen."""
     return {type(b.record).__name__ for b in opt.blocks.values()}
 
 
@@ -845,7 +846,7 @@ def _run_kfac(steps=12, cholesky=True, **kw):
 def test_cholesky_inverses_give_the_steps_of_the_eigendecomposition(adaptive):
     kw = dict(adaptive_damping=True, damping_adaptation_interval=2) if adaptive else {}
     fast, opt = _run_kfac(**kw)
-    assert _records(opt) == {"FactorSnapshot"}
+    assert _records(opt) == {"FactorSnapshot" if adaptive else "CurrentFactors"}
     slow, ref = _run_kfac(cholesky=False, **kw)
     assert _records(ref) == {"Eigen"}
     for p, q in zip(fast.parameters(), slow.parameters()):
@@ -878,22 +879,51 @@ def test_cholesky_and_eigendecomposition_agree_on_other_layers(arch):
         opt = _type2_kfac(model, cholesky, lr=0.1, damping=1e-2, inverse_every=2)
         for _ in range(5):
             train_step(opt, model, X, y)
-        assert _records(opt) == ({"FactorSnapshot"} if cholesky else {"Eigen"})
+        assert _records(opt) == ({"CurrentFactors"} if cholesky else {"Eigen"})
         runs.append(model)
         opt.close()
     for p, q in zip(runs[0].parameters(), runs[1].parameters()):
         torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-8)
 
 
-def test_a_failed_inversion_keeps_the_previous_one_then_a_first_failure_raises(monkeypatch):
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive damping"])
+def test_a_failed_inversion_keeps_the_previous_one(adaptive):
     model, (X, y) = mlp(), batch()
-    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE, inverse_every=2)
+    kw = dict(adaptive_damping=True, damping_adaptation_interval=100) if adaptive else {}
+    opt = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE, inverse_every=2, **kw)
+
+    def closure():
+        opt.zero_grad()
+        loss = CE(model(X), y)
+        loss.backward()
+        return loss
+
+    def step():
+        opt.step(closure) if adaptive else train_step(opt, model, X, y)
+
     for _ in range(3):
-        train_step(opt, model, X, y)
+        step()
     kept = {k: b.record for k, b in opt.blocks.items()}
+    assert {type(r).__name__ for r in kept.values()} == {
+        "FactorSnapshot" if adaptive else "CurrentFactors"
+    }
     v = [torch.randn(p.shape, dtype=p.dtype) for p in model.parameters()]
     before = opt.inverse_matvec(v)
+    for b in opt.blocks.values():  # running factors gone non-finite (e.g. an overflow)
+        b.A.view(-1)[0] = float("nan")
+    with pytest.warns(UserWarning, match="keeping the previous one"):
+        for _ in range(2):  # one of them refreshes
+            step()
+    assert all(opt.blocks[k].record is r for k, r in kept.items())
+    assert finite(model)
+    # the previous inverses themselves (without a snapshot: a CPU refresh wrote no new
+    # inverse over them), or taken again from the kept snapshots
+    for a, b in zip(opt.inverse_matvec(v), before):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
 
+
+def test_a_first_failed_inversion_raises(monkeypatch):
+    model, (X, y) = mlp(), batch()
     real = curvature.blocks.refresh.damped_inverses_or_errors
 
     def broken(mats, shifts, *, names, also=(), **kw):  # every factor reads as non-finite
@@ -902,15 +932,6 @@ def test_a_failed_inversion_keeps_the_previous_one_then_a_first_failure_raises(m
         return errors + out[len(mats) :]
 
     monkeypatch.setattr(curvature.blocks.refresh, "damped_inverses_or_errors", broken)
-    with pytest.warns(UserWarning, match="keeping the previous one"):
-        for _ in range(2):  # one of them refreshes
-            train_step(opt, model, X, y)
-    assert all(opt.blocks[k].record is r for k, r in kept.items())
-    assert finite(model)
-    # the refresh dropped the previous inverses first; taken again from the kept records
-    for a, b in zip(opt.inverse_matvec(v), before):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
-    model = mlp()
     fresh = KFAC(model, lr=0.1, damping=1e-2, fisher="type-2", loss_func=CE)
     with pytest.raises(RuntimeError, match="failed repeatedly.*non-finite entries"):
         train_step(fresh, model, X, y)

@@ -19,9 +19,10 @@ at once.
 
 from .diagonal import DiagonalBlock
 from .gather import AllBlocks, BlockGather, BlockViews, inverse_into
-from .kronecker import EigenCorrectedBlock, KroneckerBlock, ema, mean_diagonal
+from .kronecker import EigenCorrectedBlock, KroneckerBlock
 from .onesided import OneSidedBlock, onesided_sides, refresh_blocks
 from .records import (
+    CurrentFactors,
     DampedInverses,
     Eigen,
     FactorSnapshot,
@@ -31,12 +32,14 @@ from .records import (
     RefreshStatus,
 )
 from .refresh import block_state, eigendecompositions, restore_block, snapshots
+from .running import ema, mean_diagonal
 from .sum import KroneckerSumBlock
 
 __all__ = [
     "AllBlocks",
     "BlockGather",
     "BlockViews",
+    "CurrentFactors",
     "DampedInverses",
     "DiagonalBlock",
     "Eigen",

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from .kronecker import ema, update_weight
+from .running import ema, update_weight
 
 
 class DiagonalBlock:

@@ -19,162 +19,22 @@ and ``G`` its dense curvature (``curvature.layer_stats.exact_factors``).
 
 from __future__ import annotations
 
-import struct
-import threading
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..linalg import damped_inverses, eigh, kron, pi_factor
 from .carry import carried_corrections
-from .records import DampedInverses, Eigen, FactorSnapshot, Record
-
-_PENDING = threading.local()  # the lerps deferred by ``batched_ema`` (per thread)
-
-
-@contextmanager
-def batched_ema() -> Iterator[None]:
-    """Defer the in-place running updates of :func:`ema` with a device weight and run
-    them at the end as one ``torch._foreach_lerp_`` (the same values as one ``lerp_``
-    each; one call, one launch of the fused kernel on a GPU). The running values must
-    not be read inside the block.
-    """
-    outer = getattr(_PENDING, "lerps", None)
-    _PENDING.lerps = lerps = ([], [], [])
-    try:
-        yield
-    finally:
-        _PENDING.lerps = outer
-        if lerps[0]:
-            torch._foreach_lerp_(*lerps)
-
-
-def ema(
-    old: Optional[Tensor], new: Tensor, decay: float, weight: Optional[Tensor] = None
-) -> Tensor:
-    """``decay old + (1 - decay) new`` in place of ``old``; ``new`` itself if no ``old``.
-
-    ``weight`` (a 0-d tensor from :func:`update_weight`) replaces ``1 - decay``:
-    ``old + weight (new - old)`` in place, computed without reading the weight (at the
-    end of an enclosing :func:`batched_ema`).
-    """
-    if old is None:
-        return new
-    if weight is not None:  # (in the running value's dtype, as mul_/add_ would)
-        lerps = getattr(_PENDING, "lerps", None)
-        if lerps is None:
-            return old.lerp_(new.to(old.dtype), weight.to(old.dtype))
-        for pending, x in zip(lerps, (old, new.to(old.dtype), weight.to(old.dtype))):
-            pending.append(x)
-        return old
-    return old.mul_(decay).add_(new, alpha=1 - decay)
-
-
-def update_weight(
-    valid: Optional[Tensor],
-    fresh: Optional[Tensor],
-    decay: float,
-    dtype: torch.dtype = torch.float64,
-) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """The weight of the new value in a running update, and the running value's new flag.
-
-    ``valid`` (0-d device bool, ``None``: true) says whether the new statistics hold a
-    finite contribution (else they are zeros); ``fresh`` (``None``: false) whether the
-    running value has never had one. The weight (``dtype``, that of the running value) is
-    ``0`` for invalid statistics, ``1`` for the first valid ones, else ``1 - decay``
-    (``None`` when that is known on the host): no host synchronization.
-    """
-    if valid is None:
-        return (None if fresh is None else torch.where(fresh, 1.0, 1 - decay).to(dtype)), None
-    one, rate, zero = _constants(decay, dtype, valid.device)
-    if fresh is None:  # (exactly valid.to(dtype) * (1 - decay), in one call)
-        return torch.where(valid, rate, zero), None
-    # the weight is valid * (1 if fresh else 1 - decay); still fresh: fresh and not valid
-    return torch.where(valid, torch.where(fresh, one, rate), zero), fresh > valid
-
-
-_CONSTANTS: Dict[Tuple[float, torch.dtype, torch.device], Tuple[Tensor, Tensor, Tensor]] = {}
-
-
-def _constants(decay: float, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, ...]:
-    """0-d ``1``, ``1 - decay``, ``0`` in ``dtype`` on ``device``: made once, never written,
-    filled there (no copy from the host, which would synchronize a GPU).
-    """
-    key = (decay, dtype, device)
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = tuple(
-            torch.full((), v, dtype=dtype, device=device) for v in (1.0, 1 - decay, 0.0)
-        )
-    return _CONSTANTS[key]
-
-
-def _rounds_to_one(x: float, dtype: torch.dtype) -> bool:
-    """Whether the number ``x`` is ``1`` in ``dtype`` (float32 or float64; else assumed)."""
-    if dtype == torch.float64:
-        return x == 1.0
-    if dtype == torch.float32:
-        return struct.unpack("f", struct.pack("f", x))[0] == 1.0
-    return True
-
-
-def mean_diagonal(M: Tensor) -> Tensor:
-    """``[C]``: the mean diagonal entry of ``M [C, D, D]`` (its mean eigenvalue), >= 0."""
-    return M.diagonal(dim1=-2, dim2=-1).clamp_min(0).mean(-1)
-
-
-class RunningFactors:
-    """Running factors ``A``, ``G`` of a block, folded in on the device.
-
-    The statistics half shared by :class:`KroneckerBlock` and
-    :class:`~curvature.blocks.OneSidedBlock`: ``name``, ``index [C, D_out, D]``, the
-    factors ``A`` / ``G`` (whatever shapes the block keeps) and :attr:`fresh`.
-    """
-
-    name: str
-    index: Tensor
-    A: Optional[Tensor]
-    G: Optional[Tensor]
-    #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
-    fresh: Optional[Tensor] = None
-
-    @property
-    def label(self) -> str:
-        """The name shown in messages (``<model>`` for the root module)."""
-        return self.name or "<model>"
-
-    @property
-    def shape(self) -> torch.Size:
-        """``[C, D_out, D]``."""
-        return self.index.shape
-
-    def update(
-        self, A: Tensor, G: Tensor, decay: float = 0.0, valid: Optional[Tensor] = None
-    ) -> None:
-        """Fold new factors into the running ones: ``X <- decay X + (1 - decay) X_new``.
-
-        The first update takes the new factors as they are (copied). ``valid`` (0-d
-        device bool; ``None``: true): whether the new factors count; false ones are zeros
-        and leave the running factors unchanged (selected on the device: see
-        :attr:`fresh` for a block that has only had such updates).
-        """
-        if self.A is None:
-            self.A, self.G = A.clone(), G.clone()
-            self.fresh = None if valid is None else ~valid
-            return
-        w, self.fresh = update_weight(valid, self.fresh, decay, self.A.dtype)
-        self.A = ema(self.A, A, decay, w)
-        self.G = ema(self.G, G, decay, w)
-
-    def flags(self) -> List[Tensor]:
-        """The 0-d device flags the block waits to read (:meth:`read_flags`)."""
-        return [] if self.fresh is None else [self.fresh]
-
-    def read_flags(self, values: List[bool]) -> None:
-        """The host values of :meth:`flags`."""
-        if self.fresh is not None and not values[0]:
-            self.fresh = None
+from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Record
+from .running import (
+    RunningFactors,
+    decay_constants,
+    ema,
+    mean_diagonal,
+    rounds_to_one,
+    update_weight,
+)
 
 
 class KroneckerBlock(RunningFactors):
@@ -185,7 +45,8 @@ class KroneckerBlock(RunningFactors):
         index: ``[C, D_out, D]`` flat positions of the entries.
         A: ``[C, D, D]`` input factor (running estimate in an optimizer), or ``None``.
         G: ``[C, D_out, D_out]`` output-gradient factor, or ``None``.
-        record: The last refresh's :class:`Eigen` or :class:`FactorSnapshot`, or ``None``.
+        record: The last refresh's :class:`Eigen`, :class:`FactorSnapshot` (a copy of the
+            factors) or :class:`CurrentFactors` (none), or ``None``.
         inverses: Cached :class:`DampedInverses` (pi or per-factor damping), or ``None``.
 
     """
@@ -286,10 +147,10 @@ class KroneckerBlock(RunningFactors):
             Ginv = (r.QG / (r.lG + sG[..., None])[..., None, :]) @ r.QG.mT
         else:
             if self.record is None:
-                self.install(FactorSnapshot(self.A, self.G))
-            snap = self.record
+                self.install(CurrentFactors())
+            src = self.record if isinstance(self.record, FactorSnapshot) else self
             Ainv, Ginv = damped_inverses(
-                [snap.A, snap.G], [sA, sG], names=[f"A of '{self.label}'", f"G of '{self.label}'"]
+                [src.A, src.G], [sA, sG], names=[f"A of '{self.label}'", f"G of '{self.label}'"]
             )
         self.inverses = DampedInverses(Ainv, Ginv, damping, self.record, mode)
         return self.inverses
@@ -378,12 +239,26 @@ class KroneckerBlock(RunningFactors):
 
     # -- state ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Factors and record (cloned); the cached inverses are derived, not saved."""
-        return {
+        """Factors and record (cloned). The cached inverses are derived from the record and
+        not saved, except those of a :class:`CurrentFactors` record: taken from factors
+        that have moved on since, they cannot be derived again (saved, so that a resumed
+        run continues bit for bit).
+        """
+        state = {
             "A": None if self.A is None else self.A.clone(),
             "G": None if self.G is None else self.G.clone(),
             "record": None if self.record is None else self.record.state(),
         }
+        inv = self.inverses
+        live = isinstance(self.record, CurrentFactors)
+        if live and inv is not None and inv.source is self.record:
+            state["inverses"] = {
+                "Ainv": inv.Ainv.clone(),
+                "Ginv": inv.Ginv.clone(),
+                "damping": inv.damping,
+                "mode": inv.mode,
+            }
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -391,6 +266,11 @@ class KroneckerBlock(RunningFactors):
         self.G = None if state["G"] is None else state["G"].clone()
         rec = state.get("record")
         self.install(None if rec is None else Record.from_state(rec))
+        inv = state.get("inverses")
+        if inv is not None and isinstance(self.record, CurrentFactors):
+            self.inverses = DampedInverses(
+                inv["Ainv"].clone(), inv["Ginv"].clone(), inv["damping"], self.record, inv["mode"]
+            )
 
 
 class _WeightTurns:
@@ -457,7 +337,7 @@ class EigenCorrectedBlock(KroneckerBlock):
             return None
         if self._fresh is not None:
             return self._fresh
-        one = _constants(0.0, self.corrections_weight.dtype, self.corrections_weight.device)[0]
+        one = decay_constants(0.0, self.corrections_weight.dtype, self.corrections_weight.device)[0]
         return self.corrections_weight == one
 
     def update_corrections(
@@ -473,11 +353,11 @@ class EigenCorrectedBlock(KroneckerBlock):
         if self.corrections is None:
             self.corrections = corrections
             if valid is not None:  # not valid: KFAC's eigenvalues in its place
-                one, rate, _ = _constants(decay, dtype, valid.device)
+                one, rate, _ = decay_constants(decay, dtype, valid.device)
                 self.corrections = torch.where(valid, corrections, self._kfac_eigenvalues(dtype))
                 self._weights = _WeightTurns(torch.where(valid, rate, one), rate)
                 self.corrections_weight = self._weights.u
-                self._fresh = ~valid if _rounds_to_one(1 - decay, dtype) else None
+                self._fresh = ~valid if rounds_to_one(1 - decay, dtype) else None
             return
         u = self.corrections_weight
         if u is None:
@@ -485,7 +365,7 @@ class EigenCorrectedBlock(KroneckerBlock):
         elif valid is None:  # valid, known on the host: the weight is u, then 1 - decay
             w, self.corrections_weight, self._fresh = u, None, None
         else:
-            _, rate, _ = _constants(decay, dtype, valid.device)
+            _, rate, _ = decay_constants(decay, dtype, valid.device)
             turns = self._weights
             if turns is None or turns.u is not u or turns.rate is not rate:  # (after a load)
                 turns = self._weights = _WeightTurns(u, rate)

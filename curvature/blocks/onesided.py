@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import eigh_unchecked, eighs_unchecked, kron, pi_factor
-from .kronecker import RunningFactors
+from .running import RunningFactors
 
 TYPE = "OneSidedBlock"
 

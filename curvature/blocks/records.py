@@ -90,6 +90,19 @@ class FactorSnapshot(Record):
 
 
 @dataclass(frozen=True)
+class CurrentFactors(Record):
+    """A Cholesky refresh that kept no copy of the factors: its inverses (held beside the
+    record, saved with it) were taken from the running factors of that moment, and
+    inverses at another damping are taken from the running factors of *their* moment.
+
+    The record of :func:`~curvature.blocks.refresh.snapshots` where the damping does not
+    change between refreshes by design (no ``adaptive_damping``, quadratic rule or
+    greedy factor damping): a copy of every factor (a third of KFAC's curvature memory)
+    would only serve a damping the user changes by hand.
+    """
+
+
+@dataclass(frozen=True)
 class GeneralizedEigen(Record):
     """A sum of two Kronecker products, simultaneously diagonalized at one damping.
 
@@ -124,7 +137,7 @@ class DampedInverses:
     mode: str = "pi"
 
 
-RECORDS = {cls.__name__: cls for cls in (Eigen, FactorSnapshot, GeneralizedEigen)}
+RECORDS = {cls.__name__: cls for cls in (CurrentFactors, Eigen, FactorSnapshot, GeneralizedEigen)}
 
 
 def _clone(x: Any) -> Any:

@@ -15,10 +15,17 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 
 from torch import Tensor
 
-from ..linalg import damped_inverses_or_errors, eighs, inverts_in_place, spare
+from ..linalg import (
+    damped_inverses_or_errors,
+    eighs,
+    finite_flags,
+    inverts_in_place,
+    non_finite_message,
+    spare,
+)
 from .kronecker import KroneckerBlock
 from .onesided import OneSidedBlock, full_sides, install_sides
-from .records import DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
+from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
 from .sum import KroneckerSumBlock
 
 
@@ -33,31 +40,45 @@ def snapshots(
     damping_of: Callable[[object], float],
     mode: str = "pi",
     also: Sequence[Any] = (),
+    keep: bool = True,
 ) -> Tuple[Dict[KroneckerBlock, Outcome], Dict[KroneckerBlock, DampedInverses], list]:
-    """:class:`FactorSnapshot` records of the blocks' factors and their damped inverses,
-    in one host read.
+    """The blocks' damped inverses by Cholesky and their records, in one host read.
 
     Pi damping needs only ``(A + pi sqrt(lambda) I)^{-1}`` and ``(G + sqrt(lambda)/pi
     I)^{-1}``, which are taken by Cholesky (:func:`~curvature.linalg.damped_inverses_or_errors`)
     at the damping of the moment, from the running factors (``mode``: ``"pi"`` or
-    ``"per_factor"``, :meth:`KroneckerBlock.shifts`), which the snapshots copy after
-    (the same values). The factors' finiteness, the factorizations' outcomes and the
-    values of the tensors ``also`` are read at once. Memory: the blocks' previous
-    inverses are dropped first (a block whose refresh fails keeps its record and takes
-    them from it again when used), each matrix is inverted right after its factorization
-    (written over its damped copy), and the snapshots are copied last: at the peak, one
-    factor's copy and inverse beside the state. Where the inverse is written in place
-    (:func:`~curvature.linalg.inverts_in_place`: a CPU) the previous inverses' storage
-    takes the damped copies, factors and new inverses, and a block refreshed without
-    failure copies its snapshot into the previous one's storage (on every device): a
-    refresh after the first allocates no ``D x D`` matrix there.
+    ``"per_factor"``, :meth:`KroneckerBlock.shifts`). The factors' finiteness, the
+    factorizations' outcomes and the values of the tensors ``also`` are read at once.
+
+    ``keep`` (where the damping changes between refreshes by design: adaptive damping,
+    the quadratic rule): the record is a :class:`FactorSnapshot`, a copy of the factors,
+    from which inverses at another damping are taken until the next refresh. Memory: the
+    blocks' previous inverses are dropped first (a block whose refresh fails keeps its
+    record and takes them from it again when used), each matrix is inverted right after
+    its factorization (written over its damped copy), and the snapshots are copied last:
+    at the peak, one factor's copy and inverse beside the state. Where the inverse is
+    written in place (:func:`~curvature.linalg.inverts_in_place`: a CPU) the previous
+    inverses' storage takes the damped copies, factors and new inverses, and a block
+    refreshed without failure copies its snapshot into the previous one's storage (on
+    every device): a refresh after the first allocates no ``D x D`` matrix there.
+
+    Without ``keep``: the record is a :class:`CurrentFactors` (no copy: a third of the
+    curvature memory less between refreshes; inverses at another damping come from the
+    running factors of that moment). A block whose refresh fails keeps its previous
+    inverses themselves, so they stay alive until the outcomes are read (on a GPU, new
+    memory beside them: the same peak as with the snapshots, which they replace). Where
+    the inverse is written in place, the previous inverses take the new ones (no ``D x
+    D`` allocation) only for blocks whose factors are finite, which is read first: one
+    host read more there (a CPU, where it costs no synchronization).
 
     Returns:
-        The outcome per block (a non-finite snapshot: :func:`failure`), the inverses of
-        the blocks whose outcome is ``OK`` (their ``source`` the new snapshot: for the
+        The outcome per block (a non-finite factor: :func:`failure`), the inverses of
+        the blocks whose outcome is ``OK`` (their ``source`` the new record: for the
         caller to set once the record is installed), and the values of ``also``.
 
     """
+    if not keep:
+        return _current(blocks, damping_of, mode, also)
     spares: list = []  # the previous inverses' storage, for the new ones where in place
     for b in blocks:  # the previous inverses and products go first (a block whose refresh
         # fails keeps its record and recomputes them from it when used): not alive beside
@@ -67,12 +88,7 @@ def snapshots(
         spares += [old.Ainv, old.Ginv] if reuse else [None, None]
         del old
         b.install(b.record)
-    mats, shifts, names = [], [], []
-    for b in blocks:  # the running factors themselves (nothing writes them until the end)
-        sA, sG = b.shifts(damping_of(b), mode, record=FactorSnapshot(b.A, b.G))
-        mats += [b.A, b.G]
-        shifts += [sA, sG]
-        names += [f"A of '{b.label}'", f"G of '{b.label}'"]
+    mats, shifts, names = _damped(blocks, damping_of, mode)
     results = damped_inverses_or_errors(mats, shifts, names=names, also=also, into=spares)
     del spares
     results, extra = results[: len(mats)], results[len(mats) :]
@@ -87,6 +103,54 @@ def snapshots(
             snap = FactorSnapshot(_copy(b.A, b.record, "A"), _copy(b.G, b.record, "G"))
             out[b] = Outcome(RefreshStatus.OK, snap)
             inverses[b] = DampedInverses(a, g, damping_of(b), snap, mode)
+    return out, inverses, extra
+
+
+def _damped(blocks: Sequence[KroneckerBlock], damping_of, mode: str):
+    """The running factors of ``blocks``, their shifts at the damping of the moment, names."""
+    mats, shifts, names = [], [], []
+    for b in blocks:  # the running factors themselves (nothing writes them until the end)
+        sA, sG = b.shifts(damping_of(b), mode, record=CurrentFactors())
+        mats += [b.A, b.G]
+        shifts += [sA, sG]
+        names += [f"A of '{b.label}'", f"G of '{b.label}'"]
+    return mats, shifts, names
+
+
+def _current(blocks: Sequence[KroneckerBlock], damping_of, mode: str, also: Sequence[Any]):
+    """:func:`snapshots` without ``keep``: :class:`CurrentFactors` records."""
+    out: Dict[KroneckerBlock, Outcome] = {}
+    reuse = {
+        id(b) for b in blocks if b.inverses is not None and inverts_in_place(b.inverses.Ainv.device)
+    }
+    if reuse:  # (a CPU) the factors' finiteness first: which previous inverses may take
+        # the new ones (a non-finite block keeps them, untouched)
+        finite = finite_flags([t for b in blocks for t in (b.A, b.G)])
+        for i, b in enumerate(blocks):
+            if not (finite[2 * i] and finite[2 * i + 1]):
+                name = f"{'A' if not finite[2 * i] else 'G'} of '{b.label}'"
+                out[b] = failure(b, non_finite_message(f"damped_inverse({name})"))
+        blocks = [b for b in blocks if b not in out]
+    spares = []
+    for b in blocks:
+        old = b.inverses if id(b) in reuse else None
+        spares += [None, None] if old is None else [old.Ainv, old.Ginv]
+    mats, shifts, names = _damped(blocks, damping_of, mode)
+    results = damped_inverses_or_errors(
+        mats, shifts, names=names, also=also, into=spares, check_finite=not reuse
+    )
+    del spares
+    results, extra = results[: len(mats)], results[len(mats) :]
+    inverses = {}
+    for i, b in enumerate(blocks):
+        a, g = results[2 * i], results[2 * i + 1]
+        err = next((e for e in (a, g) if isinstance(e, Exception)), None)
+        if err is not None:
+            out[b] = failure(b, str(err))
+        else:
+            record = CurrentFactors()
+            out[b] = Outcome(RefreshStatus.OK, record)
+            inverses[b] = DampedInverses(a, g, damping_of(b), record, mode)
     return out, inverses, extra
 
 

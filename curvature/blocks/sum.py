@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from ..linalg import generalized_eigh, pi_factor
-from .kronecker import KroneckerBlock, ema, mean_diagonal, update_weight
+from .kronecker import KroneckerBlock
 from .records import GeneralizedEigen, Record
+from .running import ema, mean_diagonal, update_weight
 
 
 class KroneckerSumBlock:

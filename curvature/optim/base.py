@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..blocks.gather import BlockGather
-from ..blocks.kronecker import batched_ema
+from ..blocks.running import batched_ema
 from ..capture import compiled_wrapper, unwrap_model
 from ..foreach import FlatBuffer
 from ..layout import DeviceIndices, ParamLayout, ParamSharing

@@ -151,6 +151,14 @@ class CurvatureConfig:
     comm_timeout: float = 300.0
     bucket_mb: float = 25.0
 
+    @property
+    def adapts_damping(self) -> bool:
+        """Whether the damping changes between refreshes by design (Levenberg-Marquardt
+        or the quadratic rule): the Cholesky refresh then keeps a copy of the factors, for
+        the inverses at each new damping (:func:`~curvature.blocks.snapshots`).
+        """
+        return self.adaptive_damping or self.update_rule == "quadratic"
+
     def check_closure(self, closure: Any) -> None:
         """A ``ValueError`` if the settings need a closure for ``step()`` and it is ``None``."""
         if self.line_search_grid is not None and closure is None:

@@ -491,7 +491,9 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             )
         used = [self._blocks[k] for k in local if self._uses(k)]
         mode = self.config.damping_mode.value
-        snaps, inverses, extra = snapshots(used, damping_of.get, mode, [] if shared else also)
+        snaps, inverses, extra = snapshots(
+            used, damping_of.get, mode, [] if shared else also, keep=self.config.adapts_damping
+        )
         read = read if shared else extra
         read_flags(waiting, read[len(deferred) :])
         for k in local:
@@ -502,7 +504,8 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             if getattr(self._blocks[key], "fresh", None) is None:  # else: no statistics yet
                 self._install(key, outcomes[key])
         # the Cholesky blocks' damped inverses at the damping of the moment, taken with
-        # their snapshots (a block that kept its previous record recomputes them when used)
+        # their records (a block that kept its previous record keeps its inverses, or
+        # recomputes them from its snapshot when used)
         for block, inv in inverses.items():
             if block.record is inv.source:
                 block.inverses = inv

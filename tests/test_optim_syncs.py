@@ -200,8 +200,8 @@ def aten_calls_per_step(make, steps=2):
 
 
 #: aten calls per training step against ``AdamW(foreach=True)`` (75 with torch 2.13): issue
-#: 17's targets (KFAC empirical 112 calls, 1.49x; mc 134, 1.79x; EKFAC 149, 1.99x;
-#: DiagonalNaturalGradient 97, 1.29x), so that a regression fails
+#: 17's targets (on the benchmark's MLP: KFAC empirical 110 calls, 1.47x; mc 132, 1.76x;
+#: EKFAC 147, 1.96x; DiagonalNaturalGradient 97, 1.29x), so that a regression fails
 #: (benchmarks/step_counts.py, docs/benchmarks.md).
 ATEN_RATIO = {
     "KFAC-empirical": (lambda m: curvature.KFAC(m, loss_func=CE, inverse_every=1000), 1.5),

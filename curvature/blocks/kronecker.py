@@ -130,7 +130,8 @@ class KroneckerBlock(RunningFactors):
         """``(A + sA I)^{-1}`` and ``(G + sG I)^{-1}`` with the :meth:`shifts` (cached).
 
         From the eigendecompositions when the record has them, else by Cholesky of the
-        snapshot's factors (:func:`~curvature.linalg.damped_inverses`).
+        snapshot's factors, or of the running ones for a :class:`CurrentFactors` record
+        (:func:`~curvature.linalg.damped_inverses`).
         """
         cached = self.inverses
         if (

@@ -42,7 +42,8 @@ def snapshots(
     also: Sequence[Any] = (),
     keep: bool = True,
 ) -> Tuple[Dict[KroneckerBlock, Outcome], Dict[KroneckerBlock, DampedInverses], list]:
-    """The blocks' damped inverses by Cholesky and their records, in one host read.
+    """The blocks' damped inverses by Cholesky and their records, in one host read (two
+    on a CPU without ``keep``, below).
 
     Pi damping needs only ``(A + pi sqrt(lambda) I)^{-1}`` and ``(G + sqrt(lambda)/pi
     I)^{-1}``, which are taken by Cholesky (:func:`~curvature.linalg.damped_inverses_or_errors`)

@@ -74,9 +74,37 @@ def update_weight(
         return (None if fresh is None else torch.where(fresh, 1.0, 1 - decay).to(dtype)), None
     one, rate, zero = decay_constants(decay, dtype, valid.device)
     if fresh is None:  # (exactly valid.to(dtype) * (1 - decay), in one call)
-        return torch.where(valid, rate, zero), None
+        shared = _shared_weight(valid, rate, zero)
+        return (torch.where(valid, rate, zero) if shared is None else shared), None
     # the weight is valid * (1 if fresh else 1 - decay); still fresh: fresh and not valid
     return torch.where(valid, torch.where(fresh, one, rate), zero), fresh > valid
+
+
+_SHARED = threading.local()  # the last flags vector's weights (per thread)
+
+
+def _shared_weight(valid: Tensor, rate: Tensor, zero: Tensor) -> Optional[Tensor]:
+    """``torch.where(valid, rate, zero)`` taken from one ``where`` over the whole flags
+    vector that ``valid`` is an entry of (the flush hands out one 0-d view per block of a
+    ``[K]`` vector): two calls per step for ``K`` blocks instead of ``K`` (the same
+    values). ``None`` where ``valid`` is not such a view, or the vector has fewer than
+    three entries (no call saved).
+    """
+    base = valid._base
+    if (
+        base is None
+        or valid.dim() != 0
+        or base.dim() != 1
+        or base.numel() < 3
+        or base.dtype != torch.bool
+        or base.stride() != (1,)
+    ):
+        return None
+    hit = getattr(_SHARED, "last", None)
+    if hit is None or hit[0] is not base or hit[1] is not rate:  # the next step's vector
+        hit = (base, rate, torch.where(base, rate, zero).unbind(0))
+        _SHARED.last = hit
+    return hit[2][valid.storage_offset() - base.storage_offset()]
 
 
 _DECAY_CONSTANTS: Dict[Tuple[float, torch.dtype, torch.device], Tuple[Tensor, Tensor, Tensor]] = {}

@@ -408,3 +408,16 @@ def test_a_kfac_refresh_writes_over_the_previous_inverses_and_snapshots(workload
     ordinary, refresh = big_allocations(10**6), big_allocations(1)
     assert ordinary >= 1  # the statistics of the largest factor (the count sees it)
     assert refresh == ordinary
+
+
+def test_the_vgg_workload_is_measured_on_request_only(capsys):
+    """``benchmarks/step_memory.py --workloads vgg``: benchmarks/gpu.py's VGG at its GPU
+    batch, outside the generated table; an unknown workload is refused by name."""
+    import step_memory
+
+    X, y = step_memory.batch("vgg")
+    assert X.shape == (256, 3, 32, 32) and y.shape == (256,)
+    assert "vgg" not in step_memory.WORKLOADS  # (not in the docs' table)
+    with pytest.raises(SystemExit):
+        step_memory.main(["--workloads", "mlp,nope"])
+    assert "unknown workload 'nope'" in capsys.readouterr().err

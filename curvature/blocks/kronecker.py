@@ -80,11 +80,18 @@ class KroneckerBlock(RunningFactors):
             self.install(self.decompose())
         return self.record  # type: ignore[return-value]
 
+    def factors_of(self, record: Optional[Record] = None) -> Tuple[Tensor, Tensor]:
+        """``(A, G)`` that ``record`` (default: the installed one) inverts at another
+        damping: a :class:`FactorSnapshot`'s copy, else the running factors.
+        """
+        record = self.record if record is None else record
+        src = record if isinstance(record, FactorSnapshot) else self
+        return src.A, src.G
+
     def decompose(self, A: Optional[Tensor] = None, G: Optional[Tensor] = None) -> Eigen:
         """Eigendecompositions of the factors (of the snapshot's, after a Cholesky refresh)."""
         if A is None:
-            src = self.record if isinstance(self.record, FactorSnapshot) else self
-            A, G = src.A, src.G
+            A, G = self.factors_of()
         lA, QA = eigh(A, name=f"A of '{self.label}'")
         lG, QG = eigh(G, name=f"G of '{self.label}'")
         return Eigen(lA, QA, lG, QG)
@@ -109,8 +116,8 @@ class KroneckerBlock(RunningFactors):
             r = record
             pi = pi_factor(r.lA.sum(-1) / r.lA.shape[-1], r.lG.sum(-1) / r.lG.shape[-1])
         else:
-            src = record if isinstance(record, FactorSnapshot) else self
-            pi = pi_factor(mean_diagonal(src.A), mean_diagonal(src.G))
+            A, G = self.factors_of(record)
+            pi = pi_factor(mean_diagonal(A), mean_diagonal(G))
         return pi * root, root / pi
 
     def shifts(self, damping: float, mode: str = "pi", record: Optional[Record] = None) -> tuple:
@@ -149,9 +156,10 @@ class KroneckerBlock(RunningFactors):
         else:
             if self.record is None:
                 self.install(CurrentFactors())
-            src = self.record if isinstance(self.record, FactorSnapshot) else self
             Ainv, Ginv = damped_inverses(
-                [src.A, src.G], [sA, sG], names=[f"A of '{self.label}'", f"G of '{self.label}'"]
+                list(self.factors_of()),
+                [sA, sG],
+                names=[f"A of '{self.label}'", f"G of '{self.label}'"],
             )
         self.inverses = DampedInverses(Ainv, Ginv, damping, self.record, mode)
         return self.inverses

@@ -92,19 +92,13 @@ def snapshots(
     mats, shifts, names = _damped(blocks, damping_of, mode)
     results = damped_inverses_or_errors(mats, shifts, names=names, also=also, into=spares)
     del spares
-    results, extra = results[: len(mats)], results[len(mats) :]
-    out, inverses = {}, {}
-    for i, b in enumerate(blocks):
-        a, g = results[2 * i], results[2 * i + 1]
-        err = next((e for e in (a, g) if isinstance(e, Exception)), None)
-        if err is not None:
-            out[b] = failure(b, str(err))
-        else:  # copied after the inverses (not alive beside a factorization), into the
-            # previous snapshot where it can take it (it is replaced by this one)
-            snap = FactorSnapshot(_copy(b.A, b.record, "A"), _copy(b.G, b.record, "G"))
-            out[b] = Outcome(RefreshStatus.OK, snap)
-            inverses[b] = DampedInverses(a, g, damping_of(b), snap, mode)
-    return out, inverses, extra
+
+    def snapshot(b: KroneckerBlock) -> FactorSnapshot:
+        # copied after the inverses (not alive beside a factorization), into the previous
+        # snapshot where it can take it (it is replaced by this one)
+        return FactorSnapshot(_copy(b.A, b.record, "A"), _copy(b.G, b.record, "G"))
+
+    return _outcomes(blocks, results, damping_of, mode, snapshot, {})
 
 
 def _damped(blocks: Sequence[KroneckerBlock], damping_of, mode: str):
@@ -141,7 +135,16 @@ def _current(blocks: Sequence[KroneckerBlock], damping_of, mode: str, also: Sequ
         mats, shifts, names=names, also=also, into=spares, check_finite=not reuse
     )
     del spares
-    results, extra = results[: len(mats)], results[len(mats) :]
+    return _outcomes(blocks, results, damping_of, mode, lambda b: CurrentFactors(), out)
+
+
+def _outcomes(blocks, results: list, damping_of, mode: str, record_of, out: dict):
+    """Per block (two matrices each in ``results``, then the values of ``also``) its
+    outcome in ``out`` (a failure, or ``OK`` with ``record_of(block)``) and the inverses
+    of the ``OK`` ones; returns ``(out, inverses, also's values)``.
+    """
+    n = 2 * len(blocks)
+    results, extra = results[:n], results[n:]
     inverses = {}
     for i, b in enumerate(blocks):
         a, g = results[2 * i], results[2 * i + 1]
@@ -149,7 +152,7 @@ def _current(blocks: Sequence[KroneckerBlock], damping_of, mode: str, also: Sequ
         if err is not None:
             out[b] = failure(b, str(err))
         else:
-            record = CurrentFactors()
+            record = record_of(b)
             out[b] = Outcome(RefreshStatus.OK, record)
             inverses[b] = DampedInverses(a, g, damping_of(b), record, mode)
     return out, inverses, extra

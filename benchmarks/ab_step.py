@@ -3,6 +3,7 @@
     git worktree add ../old <commit>          # the code to compare against
     python benchmarks/ab_step.py --old ../old [--workload fm] [--optimizer KFAC] [--periods 31]
         [--inverse-every 1]                   # every step a refresh
+        [--fisher mc]                         # the optimizer's curvature type
 
 The package of ``--old`` (its ``curvature/`` directory) is copied under another name
 (``curvature_old``, into a temporary directory: the package imports itself only
@@ -68,10 +69,15 @@ def workload(name: str):
 
 
 def make_step(
-    lib, wl: str, optimizer: str, warmup: int = 12, inverse_every: Optional[int] = None
+    lib,
+    wl: str,
+    optimizer: str,
+    warmup: int = 12,
+    inverse_every: Optional[int] = None,
+    fisher: Optional[str] = None,
 ) -> Callable[[], None]:
     """A training step of ``lib``'s ``optimizer`` on the workload, warmed up
-    (``inverse_every``: the optimizer's, else its default).
+    (``inverse_every``, ``fisher``: the optimizer's, else its defaults).
     """
     cls = getattr(lib, optimizer, None)
     if not isinstance(cls, type):
@@ -79,8 +85,10 @@ def make_step(
     model, X, y, options = workload(wl)
     if inverse_every is not None:
         options = {**options, "inverse_every": inverse_every}
-    opt = cls(model, **options)
     loss_func = nn.CrossEntropyLoss()
+    if fisher is not None:
+        options = {**options, "fisher": fisher, "loss_func": loss_func}
+    opt = cls(model, **options)
 
     def step() -> None:
         opt.zero_grad()
@@ -131,6 +139,7 @@ def main(argv=None) -> None:
     p.add_argument("--periods", type=int, default=31)
     p.add_argument("--steps", type=int, default=20, help="steps per timed period")
     p.add_argument("--inverse-every", type=int, default=None, help="e.g. 1: every step a refresh")
+    p.add_argument("--fisher", default=None, help="e.g. mc (default: the optimizer's)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     import curvature
@@ -138,7 +147,13 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         old = import_old(args.old, tmp)
         steps = {
-            k: make_step(lib, args.workload, args.optimizer, inverse_every=args.inverse_every)
+            k: make_step(
+                lib,
+                args.workload,
+                args.optimizer,
+                inverse_every=args.inverse_every,
+                fisher=args.fisher,
+            )
             for k, lib in (("old", old), ("new", curvature))
         }
         times: Dict[str, List[float]] = {"old": [], "new": []}
@@ -150,6 +165,7 @@ def main(argv=None) -> None:
                 times[k].append((time.perf_counter() - t) / args.steps * 1e3)
     q = {k: quantiles(v) for k, v in times.items()}
     every = "" if args.inverse_every is None else f", inverse_every={args.inverse_every}"
+    every += "" if args.fisher is None else f", fisher={args.fisher}"
     print(f"{args.optimizer}{every} on {args.workload}, ms per step, {args.periods} periods:")
     for k in ("old", "new"):
         print(f"  {k}: " + ", ".join(f"{n} {x:.2f}" for n, x in q[k].items()))

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from .capture_hooks import HookedCall, make_commit_hook, make_prehook
 from .capture_quantities import PerSampleQuantities
 from .capture_traced import TracedCalls, outside_graph
-from .edges import CheckedView, WeakHook, assign_grads, leaves, output_edge
+from .early_fold import EarlyFolds, Fold
+from .edges import WeakHook, assign_grads, check_views, leaves, output_edge
 from .layers import Call, LayerRule
 from .layers.base import current_shared_slots
 from .layers.norm import uses_batch_statistics
@@ -441,6 +442,8 @@ class Capture(PerSampleQuantities, TracedCalls):
         is_grads_batched: bool = False,
         retain_graph: bool = True,
         unreached: str = "zeros",
+        fold: Optional[Fold] = None,
+        take_folded: bool = False,
     ) -> None:
         """Backpropagate through the captured graph and store ``g`` on every call.
 
@@ -457,14 +460,17 @@ class Capture(PerSampleQuantities, TracedCalls):
             retain_graph: Keep the graph for further pulls or a later ``backward()``.
             unreached: Calls that ``outputs`` do not depend on get zero gradients
                 (``"zeros"``) or keep ``grads=None`` (``"skip"``).
+            fold: ``fold(name, module, rule, calls)`` inside the backward, for each layer
+                whose ``grads`` arrive before the pull ends (:mod:`curvature.early_fold`;
+                one vector, ``unreached="skip"``); it must release them.
+            take_folded: Remove the calls handed to ``fold`` from the capture.
 
         """
+        if fold is not None and unreached != "skip":
+            raise ValueError("Capture.pull(fold=...) needs unreached='skip'")
         active = self.active()
         if not active:
             _ = self.batch_size  # raises the "no forward was recorded" error
-        calls = [c for _, _, _, cs in active for c in cs if not c.tickets]
-        traced = [c for _, _, _, cs in active for c in cs if c.tickets]  # compiled forwards
-        edges = [e for c in calls for e in c.out_edges]
         lead: Tuple[int, ...] = ()
         vmapped = is_grads_batched
         if is_grads_batched:
@@ -477,11 +483,17 @@ class Capture(PerSampleQuantities, TracedCalls):
                     grad_outputs = [None if g is None else g[0] for g in grad_outputs]
                 else:
                     grad_outputs = grad_outputs[0]
+        drop = self._drop if take_folded else None
+        early = EarlyFolds(active, fold if lead in ((), (1,)) else None, lead, drop)
+        calls = [c for _, _, _, cs in active for c in cs if not c.tickets and not early.takes(c)]
+        traced = [c for _, _, _, cs in active for c in cs if c.tickets]  # compiled forwards
+        edges = [e for c in calls for e in c.out_edges]
         self._recording = False
         self._pushing = False
         _PULLS[0] += 1
+        handles, grads = [], ()
         try:
-            grads = ()
+            handles = [node.register_prehook(hook) for node, hook in early.prehooks()]
             if edges:
                 grads = torch.autograd.grad(
                     outputs,
@@ -491,6 +503,8 @@ class Capture(PerSampleQuantities, TracedCalls):
                     allow_unused=True,
                     is_grads_batched=vmapped,
                 )
+            _remove_handles(handles)
+            early.raise_errors()
             if traced:
                 grads = (
                     *grads,
@@ -507,19 +521,12 @@ class Capture(PerSampleQuantities, TracedCalls):
                 ) from err
             raise
         finally:
+            _remove_handles(handles)
             _PULLS[0] -= 1
             self._recording = bool(self._handles)
             self._pushing = True
-        for c in calls:
-            for view in c.out_views:
-                if isinstance(view, CheckedView) and view.modified():
-                    raise RuntimeError(
-                        "A layer output that is a view of another tensor was modified in "
-                        "place after the layer (e.g. ReLU(inplace=True) on a reshaped "
-                        "output), which detaches the recorded gradient edge. Use an "
-                        "out-of-place op after this layer."
-                    )
-        if all(g is None for g in grads):
+        check_views(calls + early.folded)
+        if all(g is None for g in grads) and not early.folded:
             raise ValueError(
                 "The given outputs do not depend on the captured forward: compute them "
                 "from the output of the model run inside `with capture(model)`."
@@ -532,6 +539,10 @@ class Capture(PerSampleQuantities, TracedCalls):
                 c.grads = None
                 continue
             assign_grads(c, gs, lead)
+
+    def _drop(self, name: str, calls: List[Call]) -> None:
+        """Remove ``calls`` of layer ``name`` from the capture (handed to a pull's fold)."""
+        self._calls[name] = [c for c in self._calls[name] if c not in calls]
 
     @contextmanager
     def computing(self) -> Iterator[None]:

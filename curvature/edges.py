@@ -76,6 +76,19 @@ def assign_grads(c: Call, grads: Sequence[Optional[Tensor]], lead: Tuple[int, ..
         c.grads.append(g)
 
 
+def check_views(calls: Sequence[Call]) -> None:
+    """Raise if a recorded output view of ``calls`` was modified in place (after a pull)."""
+    for c in calls:
+        for view in c.out_views:
+            if isinstance(view, CheckedView) and view.modified():
+                raise RuntimeError(
+                    "A layer output that is a view of another tensor was modified in "
+                    "place after the layer (e.g. ReLU(inplace=True) on a reshaped "
+                    "output), which detaches the recorded gradient edge. Use an "
+                    "out-of-place op after this layer."
+                )
+
+
 def output_edge(t: Tensor, base_ok: bool):
     """The gradient edge to record for output ``t`` and how to map its gradient back.
 

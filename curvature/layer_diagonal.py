@@ -33,6 +33,14 @@ DIAGONAL_CHUNK_SHARE = 1.0
 #: Cutting such a batch saves little memory and costs one full ``D x D`` GEMM output per
 #: chunk (a ResNet-18 layer with 1x1 maps: three ``1152 x 1152`` products instead of one).
 KFAC_CHUNK_ELEMENTS = 2**20
+#: The share of the Kronecker statistics' bound (:func:`kfac_chunk`): their patches take
+#: at most ``KFAC_CHUNK_SHARE * (numel(x) + numel(g))`` elements. Half of the diagonal's
+#: share: a curvature backward of its own (MC, type-2) folds the layers while the
+#: forward's whole graph is alive, where a chunk the size of a large layer's input and
+#: output gradient was a fifth of the step's peak (benchmarks/gpu.py's VGG at batch 256,
+#: KFAC mc: 683 -> 609 MB counted on the CPU; its patches, 604 MB at once, in 10 chunks
+#: instead of 5: the same GEMMs, each on 28 samples' 28,672 rows instead of 56's).
+KFAC_CHUNK_SHARE = 0.5
 #: The floor of EKFAC's eigenvalue corrections' bound (:func:`correction_chunk`), in
 #: elements: a sample's temporaries include its rotated per-sample gradient
 #: ``K C D_out D``, so under the diagonal's floor (``2**16``) a layer with ``D_out D``
@@ -96,9 +104,11 @@ def samples_per_chunk(
     calls: Sequence[Call],
     per_sample,
     floor: Optional[int] = None,
+    share: Optional[float] = None,
 ):
-    """Samples per chunk under the bound ``max(floor, DIAGONAL_CHUNK_SHARE * (numel(x) +
-    numel(g)))`` (``floor`` default :data:`DIAGONAL_CHUNK_ELEMENTS`),
+    """Samples per chunk under the bound ``max(floor, share * (numel(x) + numel(g)))``
+    (``floor`` default :data:`DIAGONAL_CHUNK_ELEMENTS`, ``share`` default
+    :data:`DIAGONAL_CHUNK_SHARE`),
     ``per_sample(S, C, D, D_out, K)`` the temporaries of one sample (elements) from the
     rule's :meth:`~curvature.layers.LayerRule.expanded_shape` and the pulled vectors
     ``K``; at least one; ``None`` when the whole batch fits or the rule cannot say.
@@ -110,7 +120,7 @@ def samples_per_chunk(
     N, S, C, D, D_out = shape
     x, g = calls[0].args[0], calls[0].grads[0]
     K = g.shape[: g.dim() - x.dim()].numel()
-    chunk = max(1, _bound(calls, floor) // max(1, per_sample(S, C, D, D_out, K)))
+    chunk = max(1, _bound(calls, floor, share) // max(1, per_sample(S, C, D, D_out, K)))
     return chunk if chunk < N else None
 
 
@@ -132,13 +142,16 @@ def direct_diagonal(rule: LayerRule, module: nn.Module, calls: Sequence[Call]):
     return None if d is None else {"": d}
 
 
-def _bound(calls: Sequence[Call], floor: Optional[int] = None) -> int:
-    """``max(floor, DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``, ``floor`` default
-    :data:`DIAGONAL_CHUNK_ELEMENTS`.
+def _bound(
+    calls: Sequence[Call], floor: Optional[int] = None, share: Optional[float] = None
+) -> int:
+    """``max(floor, share * (numel(x) + numel(g)))``, ``floor`` default
+    :data:`DIAGONAL_CHUNK_ELEMENTS`, ``share`` default :data:`DIAGONAL_CHUNK_SHARE`.
     """
     held = sum(c.args[0].numel() + c.grads[0].numel() for c in calls)
     floor = DIAGONAL_CHUNK_ELEMENTS if floor is None else floor
-    return max(floor, int(DIAGONAL_CHUNK_SHARE * held))
+    share = DIAGONAL_CHUNK_SHARE if share is None else share
+    return max(floor, int(share * held))
 
 
 def _sample_slice(calls: Sequence[Call], start: int, stop: int) -> List[Call]:
@@ -181,13 +194,18 @@ def kfac_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Opt
     The statistics need no per-sample gradients: a sample's temporaries are its unfolded
     patches, ``S C D`` (a convolution's rule adds the bias column without copying them;
     other rules' copies with the bias column fit within the bound's factor 2); the bound is
-    ``max(KFAC_CHUNK_ELEMENTS, DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``: the
-    statistics at most double the memory of the layer's own inputs and output gradients,
+    ``max(KFAC_CHUNK_ELEMENTS, KFAC_CHUNK_SHARE * (numel(x) + numel(g)))``: the
+    statistics add at most half the memory of the layer's own inputs and output gradients,
     or take at most :data:`KFAC_CHUNK_ELEMENTS` elements (the patches of a small layer's
     whole batch, one GEMM).
     """
     return samples_per_chunk(
-        rule, module, calls, lambda S, C, D, D_out, K: S * C * D, floor=KFAC_CHUNK_ELEMENTS
+        rule,
+        module,
+        calls,
+        lambda S, C, D, D_out, K: S * C * D,
+        floor=KFAC_CHUNK_ELEMENTS,
+        share=KFAC_CHUNK_SHARE,
     )
 
 

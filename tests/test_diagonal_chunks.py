@@ -105,6 +105,7 @@ def chunk_bound(monkeypatch, bound):
     """Chunks bounded by ``bound`` elements alone (no share of the free memory; the
     Kronecker statistics' and EKFAC's corrections' floors too)."""
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_SHARE", 0.0)
+    monkeypatch.setattr(layer_diagonal, "KFAC_CHUNK_SHARE", 0.0)
     monkeypatch.setattr(layer_diagonal, "DIAGONAL_CHUNK_ELEMENTS", bound)
     monkeypatch.setattr(layer_diagonal, "KFAC_CHUNK_ELEMENTS", bound)
     monkeypatch.setattr(layer_diagonal, "CORRECTION_CHUNK_ELEMENTS", bound)

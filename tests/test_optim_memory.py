@@ -421,3 +421,35 @@ def test_the_vgg_workload_is_measured_on_request_only(capsys):
     with pytest.raises(SystemExit):
         step_memory.main(["--workloads", "mlp,nope"])
     assert "unknown workload 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_kfac_statistics_unfold_at_most_their_share_of_the_layer(share, monkeypatch):
+    """A KFAC step's unfolded patches of one chunk hold at most ``KFAC_CHUNK_SHARE`` times
+    the layer's input and output gradient (and one sample more), a conv 16 -> 32 (3x3,
+    32x32 maps) at batch 64: its whole patches are 9.4M elements, its input and output
+    gradient 3.1M (the floor ``KFAC_CHUNK_ELEMENTS``, 1M, below either share's bound)."""
+    monkeypatch.setattr(layer_diagonal, "KFAC_CHUNK_SHARE", share)
+    per_sample = 1024 * 16 * 9
+    seen = []
+
+    def on_alloc(func, t):
+        if t.shape[-3:] == (16, 3, 3) and t.numel() % per_sample == 0:
+            seen.append(t.numel())
+
+    model = nn.Sequential(
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+    X, y = torch.randn(64, 16, 32, 32), torch.randint(0, 10, (64,))
+    opt = curvature.KFAC(model, fisher="mc", **KW)
+    with LiveBytes(on_alloc):
+        opt.zero_grad()
+        CE(model(X), y).backward()
+        opt.step()
+    held = 64 * 16 * 1024 + 64 * 32 * 1024
+    assert seen and max(seen) <= share * held + per_sample, (max(seen), share * held)
+    assert max(seen) > share * held - per_sample  # the bound is what cuts

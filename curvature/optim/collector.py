@@ -392,20 +392,27 @@ class StatisticsCollector:
         """
         if output.dim() and output.shape[0] == 0:  # an empty batch: no statistics
             return
-        # a non-finite output gives non-finite statistics, which the flush skips (and
-        # counts) without a host synchronization of its own
         stats = self.stats if stats is None else stats
         ignored = ignored_targets(loss_func, target)
         if ignored is not None:  # read at the next refresh (the statistics are skipped)
             stats.require_false(ignored, ignored_targets_message(loss_func))
         kw = dict(mc_samples=self.mc_samples, generator=self.generator, check_targets=False)
         V = backprop_sources(loss_func, output, target, self.fisher.value, **kw)
-        self.capture.pull(output, V, is_grads_batched=True, retain_graph=True, unreached="skip")
-        del V  # alive as long as the calls' g that alias it (each goes once folded)
         N = output.shape[0] if output.dim() else 1
         reduction = getattr(loss_func, "reduction", "mean")
         # G-like sums are kept as raw per-sample sums: the sources carry sqrt(R(N)).
         context = BatchContext(N, reduction, 1.0 / reduction_scale(loss_func, N))
+
+        def fold(name, module, rule, calls):  # inside the pull (curvature.early_fold)
+            self._consume([(name, module, rule, calls)], context, flush=False, stats=stats)
+
+        how = dict(retain_graph=True, unreached="skip", fold=fold, take_folded=not keep_calls)
+        try:
+            self.capture.pull(output, V, is_grads_batched=True, **how)
+        except BaseException:
+            stats.drop_queue()
+            raise
+        del V  # alive as long as the calls' g that alias it (each goes once folded)
         self._consume(self.capture.reached(take=not keep_calls), context, stats=stats)
         if isinstance(stats, PendingStatistics):
             stats.watch(output)  # after the pull, whose own backward would fire the hook

@@ -1,0 +1,166 @@
+"""Fold a layer's statistics while a pull is still running, as its gradient arrives.
+
+A pull (:meth:`curvature.capture.Capture.pull`) asks :func:`torch.autograd.grad` for
+the gradients of every recorded layer output at once; autograd holds each one until the
+call returns, so the output gradients of all layers are alive together (on a VGG-like
+CNN at batch 256, 168 MB: as much as a third of the saved activations). A caller that
+only reduces each layer's gradients to small statistics (the optimizers' Kronecker
+factors) can instead take them one layer at a time, while autograd runs:
+
+- an edge whose autograd node reaches another recorded layer's node further down the
+  graph (:func:`split_edges`) is not requested from autograd; a one-shot node pre-hook
+  (:meth:`EarlyFolds.prehooks`, registered by the capture for the pull) receives its
+  gradient when the node runs (its input buffer then holds the sum over every consumer
+  of the output) and hands the call to the caller at once; the gradient goes when the
+  node has run;
+- the other edges (the lowest recorded layers, and calls this does not cover) are
+  requested as before. Every hooked node then lies on a path from the outputs to a
+  requested edge, so autograd runs it (a node that the outputs do not reach runs as
+  little as before: its call keeps ``grads=None``, "unreached").
+
+The numbers are those of the plain pull (the same gradients, folded in another order;
+one contribution per layer, so no sum changes its order). Covered: one-vector pulls
+(no ``vmap``), layers with one call in the pull, calls with one recorded edge, eager
+calls (not ``torch.compile``-traced ones).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from torch import Tensor
+from torch.autograd.graph import Node
+
+from .edges import assign_grads
+from .layers import Call
+
+#: Fold early where possible (``False``: every pull requests every edge, as before; for
+#: comparisons)
+ENABLED = True
+
+#: ``fold(name, module, rule, calls)``: the caller's handler of a layer whose gradients
+#: arrived (``grads`` set on each call)
+Fold = Callable[[str, Any, Any, List[Call]], None]
+
+
+def split_edges(layers: Sequence[Tuple[str, Any, Any, List[Call]]]) -> Set[int]:
+    """The ``id`` of each call whose gradient can be taken from a node pre-hook.
+
+    A call qualifies when its layer has only this call, it has exactly one recorded
+    edge, and that edge's node reaches (through ``next_functions``) the node of another
+    recorded edge: autograd runs it on the way there. One walk over the graph below the
+    recorded nodes, each node visited once.
+    """
+    recorded: Set[Node] = set()
+    for _, _, _, calls in layers:
+        for c in calls:
+            recorded.update(e.node for e in c.out_edges)
+    below: Dict[Node, bool] = {}  # node -> a recorded node lies strictly below it
+
+    def reaches(start: Node) -> bool:  # (autograd graphs have no cycles)
+        stack = [start]
+        while stack:
+            node = stack[-1]
+            if node in below:
+                stack.pop()
+                continue
+            children = [c for c, _ in node.next_functions if c is not None]
+            pending = [c for c in children if c not in recorded and c not in below]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            below[node] = any(c in recorded or below[c] for c in children)
+        return below[start]
+
+    early: Set[int] = set()
+    if not ENABLED:
+        return early
+    for _, _, _, calls in layers:
+        if len(calls) != 1:
+            continue
+        c = calls[0]
+        if c.tickets or len(c.out_edges) != 1:
+            continue
+        if reaches(c.out_edges[0].node):
+            early.add(id(c))
+    return early
+
+
+class EarlyFolds:
+    """One pull's early folds: which calls, their one-shot node pre-hooks, what came of them.
+
+    Args:
+        layers: The pull's ``(name, module, rule, calls)``.
+        fold: The caller's handler, or ``None`` (nothing is taken early).
+        lead: ``(1,)`` for a pull of one batched vector (the gradients handed out get
+            that axis), ``()`` for a plain one.
+        drop: ``drop(name, calls)`` before ``fold`` sees them: remove them from the
+            capture (``None``: they stay).
+
+    Attributes:
+        folded: The calls handed to ``fold`` so far.
+
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Tuple[str, Any, Any, List[Call]]],
+        fold: Optional[Fold],
+        lead: Tuple[int, ...],
+        drop: Optional[Callable[[str, List[Call]], None]] = None,
+    ):
+        self.layers = layers
+        self.fold = fold
+        self.lead = lead
+        self.drop = drop
+        self.early = split_edges(layers) if fold is not None else set()
+        self.folded: List[Call] = []
+        self._errors: List[BaseException] = []
+
+    def takes(self, call: Call) -> bool:
+        """Whether ``call``'s gradient comes from a pre-hook (not requested from autograd)."""
+        return id(call) in self.early
+
+    def _hand(self, name: str, module: Any, rule: Any, call: Call, g: Tensor) -> None:
+        assign_grads(call, [g.unsqueeze(0) if self.lead else g], self.lead)
+        self.folded.append(call)
+        if self.drop is not None:
+            self.drop(name, [call])
+        self.fold(name, module, rule, [call])
+
+    def prehooks(self) -> List[Tuple[Node, Callable[..., None]]]:
+        """``(node, hook)``: the one-shot pre-hooks of the early calls' nodes, for the
+        capture to register for the pull and remove after it.
+
+        An exception inside ``fold`` is kept (:meth:`raise_errors` raises it once autograd
+        has returned) and later hooks do nothing.
+        """
+
+        def make(name: str, module: Any, rule: Any, call: Call, output_nr: int):
+            def prehook(grad_outputs: Sequence[Optional[Tensor]]) -> None:
+                g = grad_outputs[output_nr]
+                if g is None or self._errors:
+                    return
+                try:
+                    self._hand(name, module, rule, call, g)
+                except BaseException as err:  # raised once autograd returns
+                    self._errors.append(err)
+
+            return prehook
+
+        out = []
+        for name, module, rule, calls in self.layers:
+            for c in calls:
+                if self.takes(c):
+                    edge = c.out_edges[0]
+                    out.append((edge.node, make(name, module, rule, c, edge.output_nr)))
+        return out
+
+    def raise_errors(self) -> None:
+        """Raise the first exception of ``fold`` inside the pull, if any."""
+        if self._errors:
+            raise self._errors[0]
+
+
+__all__ = ["ENABLED", "EarlyFolds", "Fold", "split_edges"]

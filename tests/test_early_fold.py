@@ -1,0 +1,210 @@
+"""Layers folded during a pull, as their gradients arrive (``Capture.pull(fold=...)``).
+
+The optimizers' MC / type-2 / Rademacher curvature backward hands each layer's pulled
+output gradients to the statistics while autograd still runs, so that they are not all
+alive together (a VGG-like CNN at batch 256: 168 MB of them, benchmarks/step_memory.py
+``--workloads vgg``). Checked here: the gradients handed out are those of the plain pull,
+bit for bit, on graphs with branches, a residual sum, a shared layer and an unreached
+head; the calls that cannot be taken early come back as before; an error inside ``fold``
+reaches the caller; and the MC step's peak no longer holds every layer's gradients.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+import curvature.early_fold as early_fold
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from step_memory import LiveBytes  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
+
+
+class Branchy(nn.Module):
+    """A trunk, a residual block, a layer called twice, two heads (one unused by ``out``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.res = nn.Linear(8, 8)
+        self.twice = nn.Linear(8, 8)
+        self.left = nn.Linear(8, 6)
+        self.right = nn.Linear(8, 6)
+        self.side = nn.Linear(8, 3)  # not in ``out``: unreached by a pull of ``out``
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = h + torch.tanh(self.res(h))  # the residual sum: inp's output gets two terms
+        h = self.twice(torch.tanh(self.twice(h)))  # two calls of one layer
+        out = self.head(torch.tanh(self.left(h)) * torch.sigmoid(self.right(h)))
+        return out, self.side(h)
+
+
+def _pulled(cap, out, V, fold=None):
+    """``{(name, call index): g}`` after a pull of ``out`` with ``V`` (plain or folding)."""
+    got = {}
+
+    def keep(name, module, rule, calls):
+        for c in calls:
+            got[(name, cap_calls[name].index(c))] = [g.clone() for g in c.grads]
+            c.grads = None
+
+    cap_calls = cap.calls
+    cap.pull(
+        out,
+        V,
+        is_grads_batched=True,
+        retain_graph=True,
+        unreached="skip",
+        fold=keep if fold else None,
+    )
+    early = set(got)
+    for name, calls in cap.calls.items():
+        for i, c in enumerate(calls):
+            if c.grads is not None:
+                assert (name, i) not in got
+                got[(name, i)] = [g.clone() for g in c.grads]
+    return got, early
+
+
+def test_folded_gradients_equal_the_plain_pull():
+    torch.manual_seed(0)
+    model = Branchy()
+    x = torch.randn(7, 5)
+    with curvature.capture(model) as cap:
+        out, _ = model(x)
+    V = torch.randn(1, *out.shape)
+    plain, none_early = _pulled(cap, out, V)
+    folded, early = _pulled(cap, out, V, fold=True)
+    assert not none_early
+    assert set(plain) == set(folded)
+    for k in plain:
+        for a, b in zip(plain[k], folded[k]):
+            assert torch.equal(a, b), k
+    # the layers above another recorded layer with one call are handed out early; the
+    # lowest one (inp), the shared one (twice) and the unreached one (side) are not
+    assert early == {("res", 0), ("left", 0), ("right", 0), ("head", 0)}
+    assert ("side", 0) not in plain
+
+
+def test_a_pull_that_folds_needs_skip_for_unreached_calls():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    with curvature.capture(model) as cap:
+        out = model(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="unreached='skip'"):
+        cap.pull(out, torch.ones(1, 4, 2), is_grads_batched=True, fold=lambda *a: None)
+
+
+def test_an_error_inside_fold_reaches_the_caller_and_the_hooks_go():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    with curvature.capture(model) as cap:
+        out = model(torch.randn(4, 3))
+
+    def boom(*args):
+        raise KeyError("inside fold")
+
+    kw = dict(is_grads_batched=True, unreached="skip")
+    with pytest.raises(KeyError, match="inside fold"):
+        cap.pull(out, torch.ones(1, 4, 2), fold=boom, **kw)
+    cap.pull(out, torch.ones(1, 4, 2), **kw)  # no hook left: a plain pull sets every call
+    assert all(c.grads is not None for calls in cap.calls.values() for c in calls)
+
+
+def _train(fisher, model, steps=3):
+    CE = nn.CrossEntropyLoss()
+    opt = curvature.KFAC(model, fisher=fisher, loss_func=CE, lr=0.1, inverse_every=2, seed=3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        X, y = torch.randn(10, 6, generator=g), torch.randint(0, 4, (10,), generator=g)
+        opt.zero_grad()
+        out = model(X)
+        CE(out if out.dim() == 2 else out[0], y).backward()
+        opt.step()
+    return opt
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h + self.body[2](h))  # a layer called twice: not folded early
+
+
+@pytest.mark.parametrize("fisher", ["mc", "type-2", "rademacher"])
+@pytest.mark.parametrize("make", ["chain", "shared"])
+def test_optimizer_steps_equal_those_without_early_folding(fisher, make, monkeypatch):
+    """Factors and parameters after three KFAC steps, bit for bit, with and without
+    :data:`curvature.early_fold.ENABLED`."""
+
+    def build():
+        torch.manual_seed(0)
+        if make == "chain":
+            return nn.Sequential(
+                nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)
+            )
+        return TwoHeads()
+
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(early_fold, "ENABLED", enabled)
+        model = build()
+        opt = _train(fisher, model)
+        runs.append((model, opt.factors()))
+    (m1, f1), (m2, f2) = runs
+    assert f1.keys() == f2.keys() and f1
+    for k in f1:
+        for a, b in zip(f1[k], f2[k]):
+            assert torch.equal(a, b), k
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+
+
+def _chain(width=64, depth=8):
+    layers = [nn.Linear(16, width), nn.Tanh()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def test_mc_pull_does_not_hold_every_layers_gradients():
+    """A chain of 8 layers of width 64 at batch 4096: each output gradient is 1 MiB, the
+    factors 17 KiB. The MC curvature backward (at the loss call) grows the live memory by
+    about two layers' gradients (the one being folded and its input's), not eight."""
+    CE = nn.CrossEntropyLoss()
+    N = 4096
+    with LiveBytes() as live:
+        torch.manual_seed(0)
+        model = _chain()
+        opt = curvature.KFAC(model, fisher="mc", loss_func=CE, lr=1e-3)
+        X, y = torch.randn(N, 16), torch.randint(0, 10, (N,))
+        for _ in range(2):
+            opt.zero_grad()
+            CE(model(X), y).backward()
+            opt.step()
+        opt.zero_grad()
+        out = model(X)
+        base = live.mark()
+        loss = CE(out, y)  # the curvature backward runs here
+        grown = live.peak - base
+        del loss, out
+    one = N * 64 * 4
+    assert grown < 4 * one, grown / one
+
+
+def test_the_memory_test_sees_held_gradients(monkeypatch):
+    """Without early folding the same pull holds all eight layers' gradients."""
+    monkeypatch.setattr(early_fold, "ENABLED", False)
+    with pytest.raises(AssertionError):
+        test_mc_pull_does_not_hold_every_layers_gradients()

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .capture_hooks import HookedCall, make_commit_hook, make_prehook
 from .capture_quantities import PerSampleQuantities
 from .capture_traced import TracedCalls, outside_graph
-from .early_fold import EarlyFolds, Fold
+from .early_fold import EarlyFolds, FoldPlan
 from .edges import WeakHook, assign_grads, check_views, leaves, output_edge
 from .layers import Call, LayerRule
 from .layers.base import current_shared_slots
@@ -442,8 +442,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         is_grads_batched: bool = False,
         retain_graph: bool = True,
         unreached: str = "zeros",
-        fold: Optional[Fold] = None,
-        take_folded: bool = False,
+        fold: Optional[FoldPlan] = None,
     ) -> None:
         """Backpropagate through the captured graph and store ``g`` on every call.
 
@@ -460,10 +459,9 @@ class Capture(PerSampleQuantities, TracedCalls):
             retain_graph: Keep the graph for further pulls or a later ``backward()``.
             unreached: Calls that ``outputs`` do not depend on get zero gradients
                 (``"zeros"``) or keep ``grads=None`` (``"skip"``).
-            fold: ``fold(name, module, rule, calls)`` inside the backward, for each layer
-                whose ``grads`` arrive before the pull ends (:mod:`curvature.early_fold`;
-                one vector, ``unreached="skip"``); it must release them.
-            take_folded: Remove the calls handed to ``fold`` from the capture.
+            fold: A :class:`~curvature.early_fold.FoldPlan`: its ``fold(name, module,
+                rule, calls)`` runs inside the backward for the layers whose ``grads``
+                arrive before the pull ends (one vector, ``unreached="skip"`` only).
 
         """
         if fold is not None and unreached != "skip":
@@ -483,8 +481,7 @@ class Capture(PerSampleQuantities, TracedCalls):
                     grad_outputs = [None if g is None else g[0] for g in grad_outputs]
                 else:
                     grad_outputs = grad_outputs[0]
-        drop = self._drop if take_folded else None
-        early = EarlyFolds(active, fold if lead in ((), (1,)) else None, lead, drop)
+        early = EarlyFolds(active, fold if lead in ((), (1,)) else None, lead, self._drop)
         calls = [c for _, _, _, cs in active for c in cs if not c.tickets and not early.takes(c)]
         traced = [c for _, _, _, cs in active for c in cs if c.tickets]  # compiled forwards
         edges = [e for c in calls for e in c.out_edges]

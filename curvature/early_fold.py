@@ -26,6 +26,7 @@ calls (not ``torch.compile``-traced ones).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch import Tensor
@@ -43,13 +44,36 @@ ENABLED = True
 Fold = Callable[[str, Any, Any, List[Call]], None]
 
 
-def split_edges(layers: Sequence[Tuple[str, Any, Any, List[Call]]]) -> Set[int]:
+@dataclass(frozen=True)
+class FoldPlan:
+    """What a pull may hand out early (``Capture.pull(fold=...)``).
+
+    Attributes:
+        fold: Called inside the backward with the layer's calls, ``grads`` set; it must
+            release them (their memory goes as soon as it returns).
+        take: Remove the calls handed to ``fold`` from the capture (else they stay, as
+            the calls that a pull reaches).
+        worth: ``worth(name, module, rule, call)``: whether taking this call early pays
+            (e.g. its output gradient is larger than what ``fold`` keeps of it until the
+            pull ends); ``None``: every call that can be.
+
+    """
+
+    fold: Fold
+    take: bool = False
+    worth: Optional[Callable[[str, Any, Any, Call], bool]] = None
+
+
+def split_edges(
+    layers: Sequence[Tuple[str, Any, Any, List[Call]]],
+    worth: Optional[Callable[[str, Any, Any, Call], bool]] = None,
+) -> Set[int]:
     """The ``id`` of each call whose gradient can be taken from a node pre-hook.
 
     A call qualifies when its layer has only this call, it has exactly one recorded
-    edge, and that edge's node reaches (through ``next_functions``) the node of another
-    recorded edge: autograd runs it on the way there. One walk over the graph below the
-    recorded nodes, each node visited once.
+    edge, ``worth`` (if given) accepts it, and that edge's node reaches (through
+    ``next_functions``) the node of another recorded edge: autograd runs it on the way
+    there. One walk over the graph below the recorded nodes, each node visited once.
     """
     recorded: Set[Node] = set()
     for _, _, _, calls in layers:
@@ -76,11 +100,13 @@ def split_edges(layers: Sequence[Tuple[str, Any, Any, List[Call]]]) -> Set[int]:
     early: Set[int] = set()
     if not ENABLED:
         return early
-    for _, _, _, calls in layers:
+    for name, module, rule, calls in layers:
         if len(calls) != 1:
             continue
         c = calls[0]
         if c.tickets or len(c.out_edges) != 1:
+            continue
+        if worth is not None and not worth(name, module, rule, c):
             continue
         if reaches(c.out_edges[0].node):
             early.add(id(c))
@@ -92,11 +118,11 @@ class EarlyFolds:
 
     Args:
         layers: The pull's ``(name, module, rule, calls)``.
-        fold: The caller's handler, or ``None`` (nothing is taken early).
+        plan: The caller's :class:`FoldPlan`, or ``None`` (nothing is taken early).
         lead: ``(1,)`` for a pull of one batched vector (the gradients handed out get
             that axis), ``()`` for a plain one.
-        drop: ``drop(name, calls)`` before ``fold`` sees them: remove them from the
-            capture (``None``: they stay).
+        drop: ``drop(name, calls)``: remove them from the capture (called before
+            ``plan.fold`` where ``plan.take``).
 
     Attributes:
         folded: The calls handed to ``fold`` so far.
@@ -106,15 +132,15 @@ class EarlyFolds:
     def __init__(
         self,
         layers: Sequence[Tuple[str, Any, Any, List[Call]]],
-        fold: Optional[Fold],
+        plan: Optional[FoldPlan],
         lead: Tuple[int, ...],
-        drop: Optional[Callable[[str, List[Call]], None]] = None,
+        drop: Callable[[str, List[Call]], None],
     ):
         self.layers = layers
-        self.fold = fold
+        self.plan = plan
         self.lead = lead
         self.drop = drop
-        self.early = split_edges(layers) if fold is not None else set()
+        self.early = split_edges(layers, plan.worth) if plan is not None else set()
         self.folded: List[Call] = []
         self._errors: List[BaseException] = []
 
@@ -125,9 +151,9 @@ class EarlyFolds:
     def _hand(self, name: str, module: Any, rule: Any, call: Call, g: Tensor) -> None:
         assign_grads(call, [g.unsqueeze(0) if self.lead else g], self.lead)
         self.folded.append(call)
-        if self.drop is not None:
+        if self.plan.take:
             self.drop(name, [call])
-        self.fold(name, module, rule, [call])
+        self.plan.fold(name, module, rule, [call])
 
     def prehooks(self) -> List[Tuple[Node, Callable[..., None]]]:
         """``(node, hook)``: the one-shot pre-hooks of the early calls' nodes, for the
@@ -163,4 +189,4 @@ class EarlyFolds:
             raise self._errors[0]
 
 
-__all__ = ["ENABLED", "EarlyFolds", "Fold", "split_edges"]
+__all__ = ["ENABLED", "EarlyFolds", "Fold", "FoldPlan", "split_edges"]

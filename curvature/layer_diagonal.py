@@ -38,7 +38,7 @@ KFAC_CHUNK_ELEMENTS = 2**20
 #: share: a curvature backward of its own (MC, type-2) folds the layers while the
 #: forward's whole graph is alive, where a chunk the size of a large layer's input and
 #: output gradient was a fifth of the step's peak (benchmarks/gpu.py's VGG at batch 256,
-#: KFAC mc: 683 -> 609 MB counted on the CPU; its patches, 604 MB at once, in 10 chunks
+#: KFAC mc: 683.21 -> 612.30 MiB counted on the CPU; its patches, 604 MB at once, in 10 chunks
 #: instead of 5: the same GEMMs, each on 28 samples' 28,672 rows instead of 56's).
 KFAC_CHUNK_SHARE = 0.5
 #: The floor of EKFAC's eigenvalue corrections' bound (:func:`correction_chunk`), in

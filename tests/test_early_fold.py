@@ -64,7 +64,7 @@ def _pulled(cap, out, V, fold=None):
         is_grads_batched=True,
         retain_graph=True,
         unreached="skip",
-        fold=keep if fold else None,
+        fold=early_fold.FoldPlan(keep) if fold else None,
     )
     early = set(got)
     for name, calls in cap.calls.items():
@@ -100,7 +100,8 @@ def test_a_pull_that_folds_needs_skip_for_unreached_calls():
     with curvature.capture(model) as cap:
         out = model(torch.randn(4, 3))
     with pytest.raises(ValueError, match="unreached='skip'"):
-        cap.pull(out, torch.ones(1, 4, 2), is_grads_batched=True, fold=lambda *a: None)
+        plan = early_fold.FoldPlan(lambda *a: None)
+        cap.pull(out, torch.ones(1, 4, 2), is_grads_batched=True, fold=plan)
 
 
 def test_an_error_inside_fold_reaches_the_caller_and_the_hooks_go():
@@ -113,7 +114,7 @@ def test_an_error_inside_fold_reaches_the_caller_and_the_hooks_go():
 
     kw = dict(is_grads_batched=True, unreached="skip")
     with pytest.raises(KeyError, match="inside fold"):
-        cap.pull(out, torch.ones(1, 4, 2), fold=boom, **kw)
+        cap.pull(out, torch.ones(1, 4, 2), fold=early_fold.FoldPlan(boom), **kw)
     cap.pull(out, torch.ones(1, 4, 2), **kw)  # no hook left: a plain pull sets every call
     assert all(c.grads is not None for calls in cap.calls.values() for c in calls)
 
@@ -208,3 +209,19 @@ def test_the_memory_test_sees_held_gradients(monkeypatch):
     monkeypatch.setattr(early_fold, "ENABLED", False)
     with pytest.raises(AssertionError):
         test_mc_pull_does_not_hold_every_layers_gradients()
+
+
+def test_early_when_the_gradient_outweighs_the_statistics():
+    """``early_pays``: a convolution's large output gradient is folded early, a
+    classifier's small one (against its 2049^2 + 128^2 statistics) is requested, its
+    statistics made after the pull (on the optimizers' CNN the other order would keep
+    that 16.8 MB Gram alive through the convolutions' folds)."""
+    from curvature.optim.statistics import early_pays
+
+    conv, head = nn.Conv2d(64, 64, 3, padding=1), nn.Linear(2048, 128)
+    model = nn.Sequential(conv, nn.Flatten(), nn.AdaptiveAvgPool1d(2048), head)
+    with curvature.capture(model) as cap:
+        model(torch.randn(8, 64, 32, 32))
+    calls, rules = cap.calls, {n: r for n, _, r in cap.layers}
+    assert early_pays("0", conv, rules["0"], calls["0"][0])  # 8 * 64 * 1024 > 577^2 + 64^2
+    assert not early_pays("3", head, rules["3"], calls["3"][0])  # 8 * 128 < 2049^2 + 128^2

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import Capture
+from ..early_fold import FoldPlan
 from ..losses import (
     backprop_sources,
     check_loss,
@@ -43,7 +44,7 @@ from .distributed import (
     start_statistics_reduction,
 )
 from .pending import PendingPulls, PendingStatistics, absorb, count_loss
-from .statistics import BatchContext, StepStatistics, normalize, promote
+from .statistics import BatchContext, StepStatistics, early_pays, normalize, promote
 
 Accumulate = Callable[..., None]
 
@@ -406,9 +407,9 @@ class StatisticsCollector:
         def fold(name, module, rule, calls):  # inside the pull (curvature.early_fold)
             self._consume([(name, module, rule, calls)], context, flush=False, stats=stats)
 
-        how = dict(retain_graph=True, unreached="skip", fold=fold, take_folded=not keep_calls)
+        plan = FoldPlan(fold, take=not keep_calls, worth=early_pays)
         try:
-            self.capture.pull(output, V, is_grads_batched=True, **how)
+            self.capture.pull(output, V, is_grads_batched=True, unreached="skip", fold=plan)
         except BaseException:
             stats.drop_queue()
             raise

@@ -461,11 +461,9 @@ class Capture(PerSampleQuantities, TracedCalls):
                 (``"zeros"``) or keep ``grads=None`` (``"skip"``).
             fold: A :class:`~curvature.early_fold.FoldPlan`: its ``fold(name, module,
                 rule, calls)`` runs inside the backward for the layers whose ``grads``
-                arrive before the pull ends (one vector, ``unreached="skip"`` only).
+                arrive before the pull ends (one vector; not the unreached ones).
 
         """
-        if fold is not None and unreached != "skip":
-            raise ValueError("Capture.pull(fold=...) needs unreached='skip'")
         active = self.active()
         if not active:
             _ = self.batch_size  # raises the "no forward was recorded" error
@@ -536,6 +534,10 @@ class Capture(PerSampleQuantities, TracedCalls):
                 c.grads = None
                 continue
             assign_grads(c, gs, lead)
+        for c in early.missed():  # taken early, but the outputs do not depend on them
+            c.grads = None
+            if unreached == "zeros":
+                assign_grads(c, [None], lead)
 
     def _drop(self, name: str, calls: List[Call]) -> None:
         """Remove ``calls`` of layer ``name`` from the capture (handed to a pull's fold)."""

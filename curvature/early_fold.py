@@ -26,10 +26,12 @@ calls (not ``torch.compile``-traced ones).
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import Node
 
 from .edges import assign_grads
@@ -49,8 +51,8 @@ class FoldPlan:
     """What a pull may hand out early (``Capture.pull(fold=...)``).
 
     Attributes:
-        fold: Called inside the backward with the layer's calls, ``grads`` set; it must
-            release them (their memory goes as soon as it returns).
+        fold: Called inside the backward with the layer's calls, ``grads`` set (taken
+            back when it returns: their memory goes then).
         take: Remove the calls handed to ``fold`` from the capture (else they stay, as
             the calls that a pull reaches).
         worth: ``worth(name, module, rule, call)``: whether taking this call early pays
@@ -113,6 +115,30 @@ def split_edges(
     return early
 
 
+#: a layer's Kronecker statistics' elements (:func:`early_pays`), per module
+_STAT_NUMEL: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def early_pays(name: str, module: nn.Module, rule: Any, call: Any) -> bool:
+    """Whether a curvature backward should hand this layer's output gradient to the
+    statistics while autograd runs (a :class:`FoldPlan`'s ``worth``).
+
+    Taken early, the gradient goes at once but the layer's statistics wait for the end of
+    the pull (the flush), alive through the folds of the layers below; requested as
+    before, the gradient waits and the statistics are made after. So: early when the
+    gradient has at least as many elements as the layer's Kronecker statistics
+    (``sum_blocks C (D_out^2 + D^2)`` of ``rule.kfac_shapes``; every call where the rule
+    cannot say). A VGG convolution's ``[256, 64, 32, 32]`` gradient against its ``577^2 +
+    64^2`` statistics: early; a classifier's ``[64, 128]`` against ``2049^2 + 128^2``: not.
+    """
+    numel = _STAT_NUMEL.get(module)
+    if numel is None:
+        shapes = getattr(rule, "kfac_shapes", lambda m: None)(module)
+        numel = 0 if shapes is None else sum(C * (Do * Do + D * D) for C, Do, D in shapes.values())
+        _STAT_NUMEL[module] = numel
+    return math.prod(call.out_meta[0][0]) >= numel
+
+
 class EarlyFolds:
     """One pull's early folds: which calls, their one-shot node pre-hooks, what came of them.
 
@@ -153,7 +179,10 @@ class EarlyFolds:
         self.folded.append(call)
         if self.plan.take:
             self.drop(name, [call])
-        self.plan.fold(name, module, rule, [call])
+        try:
+            self.plan.fold(name, module, rule, [call])
+        finally:  # the gradient and what the rule made of it go now
+            call.grads = call.plain = call.expanded = None
 
     def prehooks(self) -> List[Tuple[Node, Callable[..., None]]]:
         """``(node, hook)``: the one-shot pre-hooks of the early calls' nodes, for the
@@ -183,10 +212,15 @@ class EarlyFolds:
                     out.append((edge.node, make(name, module, rule, c, edge.output_nr)))
         return out
 
+    def missed(self) -> List[Call]:
+        """The early calls whose node did not run (the outputs do not depend on them)."""
+        done = {id(c) for c in self.folded}
+        return [c for *_, cs in self.layers for c in cs if self.takes(c) and id(c) not in done]
+
     def raise_errors(self) -> None:
         """Raise the first exception of ``fold`` inside the pull, if any."""
         if self._errors:
             raise self._errors[0]
 
 
-__all__ = ["ENABLED", "EarlyFolds", "Fold", "FoldPlan", "split_edges"]
+__all__ = ["ENABLED", "EarlyFolds", "Fold", "FoldPlan", "early_pays", "split_edges"]

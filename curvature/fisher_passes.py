@@ -21,6 +21,7 @@ import torch
 
 from .capture import capture, isolated
 from .dense import batch_weights, batches, empty_batch
+from .early_fold import FoldPlan, early_pays
 from .losses import (
     backprop_sources,
     check_ignored,
@@ -38,13 +39,21 @@ from .rng import SamplingGenerators
 MAX_SOURCES_NUMEL = 1 << 26
 
 
-def fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False):
+def fisher_passes(
+    model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False, fold=None
+):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
 
     Empty batches (``N = 0``) are skipped; data without any sample is a ``ValueError``.
     ``chunked`` (type-2, for sums over the vectors): yield once per chunk of at most
     :data:`MAX_SOURCES_NUMEL` entries of vectors. Empirical: one backward from ``sum_n
     l_n`` seeded with ``sqrt(R)``. Ignored targets (mean CE) are read once, at the end.
+
+    ``fold(weight, capture, name, module, rule, calls)``: with it, a layer whose output
+    gradient outweighs its statistics is handed to it inside the pull (its gradients set,
+    the calls removed from the capture; :mod:`curvature.early_fold`), the others stay for
+    the caller (:meth:`~curvature.capture.Capture.reached`; layers with a tied parameter
+    always). Chunked pulls take nothing early (the calls serve every chunk).
     """
     draws = fisher in (FisherType.MC, FisherType.RADEMACHER)  # on out's device, seeded
     generator = SamplingGenerators(torch.Generator().manual_seed(seed)) if draws else None
@@ -59,6 +68,7 @@ def fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac
         with capture(model) as cap, isolated(cap):
             out = model(X)
         require_tensor_output(out, caller)
+        plan = None if fold is None else _plan(fold, w, cap)
         ignored.append(ignored_targets(loss_func, y))
         many = out.dim() > 0 and math.prod(out.shape[1:]) * out.numel() > MAX_SOURCES_NUMEL
         if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
@@ -69,11 +79,23 @@ def fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller="kfac
         if fisher == FisherType.EMPIRICAL:  # one backward from the losses: no V formed
             total = per_sample_losses(loss_func, out, y, **kw).sum()
             seed_ = total.new_full((1,), reduction_scale(loss_func, out.shape[0]) ** 0.5)
-            cap.pull(total, seed_, is_grads_batched=True, retain_graph=False)
+            how = dict(fold=plan) if plan is not None else {}
+            cap.pull(total, seed_, is_grads_batched=True, retain_graph=False, **how)
         elif fisher != FisherType.FORWARD_ONLY:
             V = backprop_sources(
                 loss_func, out, y, fisher.value, mc_samples=mc_samples, **kw, generator=generator
             )
-            cap.pull(out, V, is_grads_batched=True, retain_graph=False)
+            how = dict(fold=plan) if plan is not None else {}
+            cap.pull(out, V, is_grads_batched=True, retain_graph=False, **how)
         yield w, cap
     check_ignored(loss_func, [] if fisher == FisherType.FORWARD_ONLY else ignored)
+
+
+def _plan(fold, w, cap) -> FoldPlan:
+    """The :class:`FoldPlan` of one batch's pull: early where it pays and ``fold`` takes it."""
+    sharing = cap.sharing()
+
+    def worth(name, module, rule, call) -> bool:
+        return not sharing.tied(name) and early_pays(name, module, rule, call)
+
+    return FoldPlan(lambda *layer: fold(w, cap, *layer), take=True, worth=worth)

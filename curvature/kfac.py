@@ -325,47 +325,69 @@ def _kfac(
     forward_only = fisher == FisherType.FORWARD_ONLY
     tied: Dict[str, str] = {}
     caller = "ekfac" if cls is EigenCorrectedBlock else "kfac"
-    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, caller):
+
+    def fold_layer(w, name, module, rule, calls) -> None:  # (a layer without a tied parameter)
+        layers[name] = (module, rule)
+        if name not in large:  # from the shapes: no index built here
+            large[name] = large_blocks(module, rule, max_factor_size)
+        if large[name]:  # the large factors are never formed
+            args = (name, layout, large[name], kfac_approx.value, not forward_only, w)
+            sided = {s: onesided_sides(ix, max_factor_size) for s, ix in large[name].items()}
+            sided = sided if large_factors == "diagonal_factor" else None
+            res = large_statistics(rule, module, calls, *args, diag_stats, sided)
+            if res is None:
+                skipped[name] = f"factor > max_factor_size={max_factor_size}, forward-only"
+                return
+        else:
+            res = chunked_kfac_factors(  # convolutions: a chunk of samples at a time
+                rule, module, calls, kfac_approx.value, not forward_only
+            )
+        if res is None:
+            n_params = layer_numel(module, rule)
+            if forward_only or n_params > MAX_EXACT_BLOCK:
+                skipped[name] = (
+                    "no Kronecker rule"
+                    + (" (forward-only)" if forward_only else "")
+                    + f", {n_params} parameters"
+                )
+                return
+            res = exact_factors(rule, module, calls)
+        for suffix, (A_sum, G_sum, count) in res.items():
+            s = stats.setdefault((name, suffix), [None, None, 0])
+            s[0] = A_sum if s[0] is None else s[0] + A_sum  # (no 0 + A_sum copy)
+            if G_sum is not None:  # (w = 1, one batch: no product, the same bits)
+                wG = G_sum if w == 1 else w * G_sum
+                s[1] = wG if s[1] is None else s[1] + wG
+            s[2] += count
+
+    def early(w, cap, name, module, rule, calls) -> None:  # inside the pull
+        with cap.computing():
+            fold_layer(w, name, module, rule, calls)
+
+    passes = fisher_passes(
+        model,
+        loss_func,
+        data,
+        fisher,
+        mc_samples,
+        seed,
+        caller,
+        fold=None if forward_only else early,
+    )
+    order: Dict[str, int] = {}
+    for w, cap in passes:
+        order = order or {name: i for i, (name, *_) in enumerate(cap.layers)}
         sharing = cap.sharing()
         tied.update(sharing.tie_reasons())
         with cap.computing():
-            for name, module, rule, calls in cap.active():
-                if sharing.tied(name):  # no Kronecker block for a layer with a tied parameter
-                    continue
-                layers[name] = (module, rule)
-                if name not in large:  # from the shapes: no index built here
-                    large[name] = large_blocks(module, rule, max_factor_size)
-                if large[name]:  # the large factors are never formed
-                    args = (name, layout, large[name], kfac_approx.value, not forward_only, w)
-                    sided = {
-                        s: onesided_sides(ix, max_factor_size) for s, ix in large[name].items()
-                    }
-                    sided = sided if large_factors == "diagonal_factor" else None
-                    res = large_statistics(rule, module, calls, *args, diag_stats, sided)
-                    if res is None:
-                        skipped[name] = f"factor > max_factor_size={max_factor_size}, forward-only"
-                        continue
-                else:
-                    res = chunked_kfac_factors(  # convolutions: a chunk of samples at a time
-                        rule, module, calls, kfac_approx.value, not forward_only
-                    )
-                if res is None:
-                    n_params = layer_numel(module, rule)
-                    if forward_only or n_params > MAX_EXACT_BLOCK:
-                        skipped[name] = (
-                            "no Kronecker rule"
-                            + (" (forward-only)" if forward_only else "")
-                            + f", {n_params} parameters"
-                        )
-                        continue
-                    res = exact_factors(rule, module, calls)
-                for suffix, (A_sum, G_sum, count) in res.items():
-                    s = stats.setdefault((name, suffix), [None, None, 0])
-                    s[0] = A_sum if s[0] is None else s[0] + A_sum  # (no 0 + A_sum copy)
-                    if G_sum is not None:  # (w = 1, one batch: no product, the same bits)
-                        wG = G_sum if w == 1 else w * G_sum
-                        s[1] = wG if s[1] is None else s[1] + wG
-                    s[2] += count
+            for name, module, rule, calls in cap.active() if forward_only else cap.reached():
+                if not sharing.tied(name):  # no Kronecker block for a layer with a tied parameter
+                    fold_layer(w, name, module, rule, calls)
+    # the blocks in the model's layer order (the layers taken early came top-down)
+    stats, diag_stats = (
+        dict(sorted(d.items(), key=lambda kv: order[kv[0][0]])) for d in (stats, diag_stats)
+    )
+    layers = dict(sorted(layers.items(), key=lambda kv: order[kv[0]]))
     blocks = []
     index_of = BlockIndices(layers, layout)
     for (name, suffix), (A_sum, G_sum, count) in stats.items():

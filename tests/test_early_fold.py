@@ -95,13 +95,23 @@ def test_folded_gradients_equal_the_plain_pull():
     assert ("side", 0) not in plain
 
 
-def test_a_pull_that_folds_needs_skip_for_unreached_calls():
-    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+def test_an_unreached_call_of_a_folding_pull_gets_zeros_or_nothing():
+    """``side`` reaches ``inp`` (taken early) but ``out`` does not depend on it: its node
+    never runs; ``unreached="zeros"`` gives it zero gradients, ``"skip"`` none."""
+    torch.manual_seed(0)
+    model = Branchy()
     with curvature.capture(model) as cap:
-        out = model(torch.randn(4, 3))
-    with pytest.raises(ValueError, match="unreached='skip'"):
-        plan = early_fold.FoldPlan(lambda *a: None)
-        cap.pull(out, torch.ones(1, 4, 2), is_grads_batched=True, fold=plan)
+        out, _ = model(torch.randn(3, 5))
+    plan = early_fold.FoldPlan(lambda *a: None)
+    for unreached in ("zeros", "skip"):
+        cap.pull(
+            out, torch.ones(1, *out.shape), is_grads_batched=True, unreached=unreached, fold=plan
+        )
+        side = cap.calls["side"][0]
+        if unreached == "zeros":
+            assert torch.equal(side.grads[0], torch.zeros(1, 3, 3))
+        else:
+            assert side.grads is None
 
 
 def test_an_error_inside_fold_reaches_the_caller_and_the_hooks_go():
@@ -216,7 +226,7 @@ def test_early_when_the_gradient_outweighs_the_statistics():
     classifier's small one (against its 2049^2 + 128^2 statistics) is requested, its
     statistics made after the pull (on the optimizers' CNN the other order would keep
     that 16.8 MB Gram alive through the convolutions' folds)."""
-    from curvature.optim.statistics import early_pays
+    from curvature.early_fold import early_pays
 
     conv, head = nn.Conv2d(64, 64, 3, padding=1), nn.Linear(2048, 128)
     model = nn.Sequential(conv, nn.Flatten(), nn.AdaptiveAvgPool1d(2048), head)
@@ -225,3 +235,66 @@ def test_early_when_the_gradient_outweighs_the_statistics():
     calls, rules = cap.calls, {n: r for n, _, r in cap.layers}
     assert early_pays("0", conv, rules["0"], calls["0"][0])  # 8 * 64 * 1024 > 577^2 + 64^2
     assert not early_pays("3", head, rules["3"], calls["3"][0])  # 8 * 128 < 2049^2 + 128^2
+
+
+@pytest.mark.parametrize("fn", ["kfac", "ekfac"])
+@pytest.mark.parametrize("fisher", ["mc", "type-2", "empirical"])
+def test_curvature_functions_equal_those_without_early_folding(fn, fisher, monkeypatch):
+    """``curvature.kfac`` / ``ekfac`` on two batches of a graph with a residual sum, a layer
+    called twice and a head the loss does not reach: the same blocks in the model's
+    order, bit for bit."""
+    torch.manual_seed(0)
+    model = Branchy()
+
+    def loss(out_side, y):
+        return nn.functional.cross_entropy(out_side, y)
+
+    class Head(nn.Module):  # the loss sees the first output only
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            return self.net(x)[0]
+
+    g = torch.Generator().manual_seed(2)
+    data = [
+        (torch.randn(6, 5, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(2)
+    ]
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(early_fold, "ENABLED", enabled)
+        runs.append(getattr(curvature, fn)(Head(), nn.CrossEntropyLoss(), data, fisher=fisher))
+    a, b = runs
+    names = ["net.inp", "net.res", "net.twice", "net.left", "net.right", "net.side", "net.head"]
+    assert [x.name for x in a.blocks] == [x.name for x in b.blocks] == names  # the layer order
+    # 'side', which the loss does not reach (taken early, its node never ran), has zero G
+    side = next(x for x in a.blocks if x.name == "net.side")
+    assert not side.G.any()
+    v = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+    for x, y in zip(a.matvec(v), b.matvec(v)):
+        assert torch.equal(x, y)
+
+
+def test_kfac_function_does_not_hold_every_layers_gradients():
+    """``curvature.kfac(fisher="mc")`` on the chain of 8 layers at batch 4096: its peak
+    (above the data and the model) holds fewer than 4 layers' gradients of 1 MiB; all of
+    them with ``ENABLED = False``."""
+
+    def peak():
+        with LiveBytes() as live:
+            torch.manual_seed(0)
+            model = _chain()
+            X, y = torch.randn(4096, 16), torch.randint(0, 10, (4096,))
+            base = live.mark()
+            curvature.kfac(model, nn.CrossEntropyLoss(), (X, y), fisher="mc")
+            return live.peak - base
+
+    early = peak()
+    early_fold.ENABLED = False
+    try:
+        held = peak()
+    finally:
+        early_fold.ENABLED = True
+    one = 4096 * 64 * 4
+    assert held - early > 3 * one, (early / one, held / one)

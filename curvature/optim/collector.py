@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import Capture
-from ..early_fold import FoldPlan
+from ..early_fold import FoldPlan, early_pays
 from ..losses import (
     backprop_sources,
     check_loss,
@@ -44,7 +44,7 @@ from .distributed import (
     start_statistics_reduction,
 )
 from .pending import PendingPulls, PendingStatistics, absorb, count_loss
-from .statistics import BatchContext, StepStatistics, early_pays, normalize, promote
+from .statistics import BatchContext, StepStatistics, normalize, promote
 
 Accumulate = Callable[..., None]
 

@@ -22,12 +22,11 @@ skip a step's update without reading it.
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..foreach import finite_flags, scalar
 from ..linalg import host_values
@@ -360,30 +359,6 @@ class StepStatistics:
         """The slots (this step's statistics), leaving this object empty."""
         slots, self.slots = self.slots, {}
         return slots
-
-
-#: a layer's Kronecker statistics' elements (:func:`early_pays`), per module
-_STAT_NUMEL: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-
-
-def early_pays(name: str, module: nn.Module, rule: Any, call: Any) -> bool:
-    """Whether a curvature backward should hand this layer's output gradient to the
-    statistics while autograd runs (:class:`curvature.early_fold.FoldPlan`'s ``worth``).
-
-    Taken early, the gradient goes at once but the layer's statistics wait for the end of
-    the pull (the flush), alive through the folds of the layers below; requested as
-    before, the gradient waits and the statistics are made after. So: early when the
-    gradient has at least as many elements as the layer's Kronecker statistics
-    (``sum_blocks C (D_out^2 + D^2)`` of ``rule.kfac_shapes``; every call where the rule
-    cannot say). A VGG convolution's ``[256, 64, 32, 32]`` gradient against its ``577^2 +
-    64^2`` statistics: early; a classifier's ``[64, 128]`` against ``2049^2 + 128^2``: not.
-    """
-    numel = _STAT_NUMEL.get(module)
-    if numel is None:
-        shapes = getattr(rule, "kfac_shapes", lambda m: None)(module)
-        numel = 0 if shapes is None else sum(C * (Do * Do + D * D) for C, Do, D in shapes.values())
-        _STAT_NUMEL[module] = numel
-    return math.prod(call.out_meta[0][0]) >= numel
 
 
 def _zeroed(v: Tensor, ok: Tensor, bad: Optional[Tensor], owned: bool) -> Tensor:

@@ -16,7 +16,8 @@ factors) can instead take them one layer at a time, while autograd runs:
 - the other edges (the lowest recorded layers, and calls this does not cover) are
   requested as before. Every hooked node then lies on a path from the outputs to a
   requested edge, so autograd runs it (a node that the outputs do not reach runs as
-  little as before: its call keeps ``grads=None``, "unreached").
+  little as before: its call is unreached, with zero gradients or none as the pull's
+  ``unreached`` says).
 
 The numbers are those of the plain pull (the same gradients, folded in another order;
 one contribution per layer, so no sum changes its order). Covered: one-vector pulls

@@ -56,6 +56,7 @@ from .layer_stats import (
     layer_positions,
     tied_fisher_diagonal,
 )
+from .layers.registry import library_method
 from .layout import ParamLayout, tie_hint
 from .losses import check_fisher, check_loss
 from .options import (
@@ -342,6 +343,8 @@ def _kfac(
             res = chunked_kfac_factors(  # convolutions: a chunk of samples at a time
                 rule, module, calls, kfac_approx.value, not forward_only
             )
+        # new tensors of this call where the library made them (divided in place below)
+        owned = res is not None and not large[name] and library_method(rule, "kfac_factors")
         if res is None:
             n_params = layer_numel(module, rule)
             if forward_only or n_params > MAX_EXACT_BLOCK:
@@ -353,7 +356,8 @@ def _kfac(
                 return
             res = exact_factors(rule, module, calls)
         for suffix, (A_sum, G_sum, count) in res.items():
-            s = stats.setdefault((name, suffix), [None, None, 0])
+            s = stats.setdefault((name, suffix), [None, None, 0, owned])
+            s[3] = s[3] or s[0] is not None  # a sum of two is a new tensor
             s[0] = A_sum if s[0] is None else s[0] + A_sum  # (no 0 + A_sum copy)
             if G_sum is not None:  # (w = 1, one batch: no product, the same bits)
                 wG = G_sum if w == 1 else w * G_sum
@@ -390,9 +394,9 @@ def _kfac(
     layers = dict(sorted(layers.items(), key=lambda kv: order[kv[0]]))
     blocks = []
     index_of = BlockIndices(layers, layout)
-    for (name, suffix), (A_sum, G_sum, count) in stats.items():
+    for (name, suffix), (A_sum, G_sum, count, owned) in stats.items():
         index = index_of(name, suffix, A_sum.device)
-        A = A_sum / count
+        A = A_sum.div_(count) if owned else A_sum / count  # (in place: a pass, no allocation)
         if G_sum is None:
             G = torch.eye(index.shape[1], dtype=A.dtype, device=A.device)
             G = G.expand(index.shape[0], -1, -1).clone()

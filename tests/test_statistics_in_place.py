@@ -159,3 +159,25 @@ def test_a_non_finite_step_leaves_the_fisher_diagonals_as_they_were():
     moved = diagonals()
     assert all(torch.isfinite(d).all() for d in moved.values())
     assert any(not torch.equal(before[k], moved[k]) for k in before)
+
+
+def test_kfac_function_divides_only_the_librarys_sums_in_place():
+    """``curvature.kfac()`` divides ``A_sum`` by the count in place where a built-in rule
+    made it (one pass, no allocation) and into a new tensor for a rule of one's own: the
+    kept tensor stays the sum, and two calls give the same ``A`` (the in-place twin would
+    divide it twice)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(CachedLinear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    X, y = _data(0)
+    first = curvature.kfac(model, CE, (X, y), fisher="empirical")
+    rule = registered_rule(model[0])
+    kept = rule.kept[id(model[0])].clone()
+    second = curvature.kfac(model, CE, (X, y), fisher="empirical")
+    assert torch.equal(rule.kept[id(model[0])], kept)  # never written
+    for a, b in zip(first.blocks, second.blocks):
+        assert torch.equal(a.A, b.A)
+    # the built-in rule's sum: A equals the dense mean of [x | 1] [x | 1]^T over the batch
+    with torch.no_grad():
+        h = torch.tanh(model[0](X))
+    a = torch.cat([h, torch.ones(16, 1)], 1)
+    torch.testing.assert_close(first.blocks[1].A[0], a.T @ a / 16)

@@ -51,3 +51,19 @@ def test_a_path_without_the_package_is_refused(tmp_path):
 def test_an_unknown_optimizer_is_refused():
     with pytest.raises(SystemExit, match="not an optimizer"):
         ab_step.make_step(torch, "fm", "NoSuchOptimizer")
+
+
+def test_the_fisher_option_reaches_the_optimizer(monkeypatch):
+    import curvature
+
+    made = []
+
+    class Spy(curvature.KFAC):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("fisher"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(curvature, "KFAC", Spy)
+    ab_step.make_step(curvature, "fm", "KFAC", warmup=1, fisher="mc")
+    ab_step.make_step(curvature, "fm", "KFAC", warmup=1)
+    assert made == ["mc", None]

@@ -40,7 +40,16 @@ MAX_SOURCES_NUMEL = 1 << 26
 
 
 def fisher_passes(
-    model, loss_func, data, fisher, mc_samples, seed, caller="kfac", chunked=False, fold=None
+    model,
+    loss_func,
+    data,
+    fisher,
+    mc_samples,
+    seed,
+    caller="kfac",
+    chunked=False,
+    fold=None,
+    pays=early_pays,
 ):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
 
@@ -49,11 +58,12 @@ def fisher_passes(
     :data:`MAX_SOURCES_NUMEL` entries of vectors. Empirical: one backward from ``sum_n
     l_n`` seeded with ``sqrt(R)``. Ignored targets (mean CE) are read once, at the end.
 
-    ``fold(weight, capture, name, module, rule, calls)``: with it, a layer whose output
-    gradient outweighs its statistics is handed to it inside the pull (its gradients set,
-    the calls removed from the capture; :mod:`curvature.early_fold`), the others stay for
-    the caller (:meth:`~curvature.capture.Capture.reached`; layers with a tied parameter
-    always). Chunked pulls take nothing early (the calls serve every chunk).
+    ``fold(weight, capture, name, module, rule, calls)``: with it, a layer that ``pays``
+    accepts (default :func:`~curvature.early_fold.early_pays`: its output gradient
+    outweighs its Kronecker statistics) is handed to it inside the pull (its gradients
+    set, the calls removed from the capture; :mod:`curvature.early_fold`), the others stay
+    for the caller (:meth:`~curvature.capture.Capture.reached`; layers with a tied
+    parameter always). Chunked pulls take nothing early (the calls serve every chunk).
     """
     draws = fisher in (FisherType.MC, FisherType.RADEMACHER)  # on out's device, seeded
     generator = SamplingGenerators(torch.Generator().manual_seed(seed)) if draws else None
@@ -68,7 +78,7 @@ def fisher_passes(
         with capture(model) as cap, isolated(cap):
             out = model(X)
         require_tensor_output(out, caller)
-        plan = None if fold is None else _plan(fold, w, cap)
+        plan = None if fold is None else _plan(fold, pays, w, cap)
         ignored.append(ignored_targets(loss_func, y))
         many = out.dim() > 0 and math.prod(out.shape[1:]) * out.numel() > MAX_SOURCES_NUMEL
         if chunked and fisher == FisherType.TYPE2 and many:  # [K, *out] would not fit
@@ -91,11 +101,11 @@ def fisher_passes(
     check_ignored(loss_func, [] if fisher == FisherType.FORWARD_ONLY else ignored)
 
 
-def _plan(fold, w, cap) -> FoldPlan:
+def _plan(fold, pays, w, cap) -> FoldPlan:
     """The :class:`FoldPlan` of one batch's pull: early where it pays and ``fold`` takes it."""
     sharing = cap.sharing()
 
     def worth(name, module, rule, call) -> bool:
-        return not sharing.tied(name) and early_pays(name, module, rule, call)
+        return not sharing.tied(name) and pays(name, module, rule, call)
 
     return FoldPlan(lambda *layer: fold(w, cap, *layer), take=True, worth=worth)

@@ -43,6 +43,7 @@ from .blocks import (
     onesided_sides,
 )
 from .dense import Data, batches
+from .early_fold import large_gradient
 from .fisher_passes import MAX_SOURCES_NUMEL, fisher_passes  # noqa: F401 (re-export)
 from .layer_diagonal import chunked_corrections, chunked_kfac_factors
 from .layer_stats import (
@@ -554,25 +555,35 @@ def diag_ggn(
     flat = layout.params[0].new_zeros(layout.numel)
     if fisher == FisherType.TYPE2:  # the same GGN with the positions as samples, C vectors
         data, _ = fold_positions(model, loss_func, batches(data))
-    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True):
+
+    def fold_layer(w, name, module, rule, calls) -> None:  # (a layer without a tied parameter)
+        kron, parts = fisher_diagonal(rule, module, calls)
+        parts = {k: (d if w == 1 else w * d).to(flat) for k, d in parts.items()}
+        offsets = layer_offsets(layout, name, rule) if kron else None
+        if kron and add_linear_block(flat, rule, module, offsets, parts):
+            return  # the built-in Linear family: two strided adds, no index
+        if kron:  # the index built on flat's device: no host copy
+            index = block_index(rule, module, offsets, flat.device)
+        else:
+            with torch.device(flat.device):
+                index = {"": layer_positions(layout, name, module, rule)}
+        for suffix, d in parts.items():
+            flat.index_add_(0, index[suffix].reshape(-1), d.reshape(-1))
+
+    def early(w, cap, name, module, rule, calls) -> None:  # inside the pull: each layer's
+        with cap.computing():  # diagonal goes into flat at once, its gradient after
+            fold_layer(w, name, module, rule, calls)
+
+    passes = fisher_passes(
+        model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True, early, large_gradient
+    )
+    for w, cap in passes:
         sharing = cap.sharing()
         with cap.computing():
-            tied = [layer for layer in cap.active() if sharing.tied(layer[0])]
+            tied = [layer for layer in cap.reached() if sharing.tied(layer[0])]
             for name, d in (tied_fisher_diagonal(tied, sharing.names) if tied else {}).items():
                 flat[layout.span(name)] += w * d.reshape(-1).to(flat)
-            for name, module, rule, calls in cap.active():
-                if sharing.tied(name):
-                    continue
-                kron, parts = fisher_diagonal(rule, module, calls)
-                parts = {k: (d if w == 1 else w * d).to(flat) for k, d in parts.items()}
-                offsets = layer_offsets(layout, name, rule) if kron else None
-                if kron and add_linear_block(flat, rule, module, offsets, parts):
-                    continue  # the built-in Linear family: two strided adds, no index
-                if kron:  # the index built on flat's device: no host copy
-                    index = block_index(rule, module, offsets, flat.device)
-                else:
-                    with torch.device(flat.device):
-                        index = {"": layer_positions(layout, name, module, rule)}
-                for suffix, d in parts.items():
-                    flat.index_add_(0, index[suffix].reshape(-1), d.reshape(-1))
+            for name, module, rule, calls in cap.reached():
+                if not sharing.tied(name):
+                    fold_layer(w, name, module, rule, calls)
     return layout.unflatten_dict(flat)

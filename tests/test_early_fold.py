@@ -48,6 +48,22 @@ class Branchy(nn.Module):
         return out, self.side(h)
 
 
+def count_hooks(monkeypatch) -> list:
+    """Floor 0 (the tiny test layers may be taken early) and a count of the early calls'
+    pre-hooks each pull registers (so that a comparison cannot pass without any)."""
+    monkeypatch.setattr(early_fold, "EARLY_FOLD_ELEMENTS", 0)
+    counts = []
+    real = early_fold.EarlyFolds.prehooks
+
+    def spy(self):
+        hooks = real(self)
+        counts.append(len(hooks))
+        return hooks
+
+    monkeypatch.setattr(early_fold.EarlyFolds, "prehooks", spy)
+    return counts
+
+
 def _pulled(cap, out, V, fold=None):
     """``{(name, call index): g}`` after a pull of ``out`` with ``V`` (plain or folding)."""
     got = {}
@@ -134,7 +150,7 @@ def _train(fisher, model, steps=3):
     opt = curvature.KFAC(model, fisher=fisher, loss_func=CE, lr=0.1, inverse_every=2, seed=3)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        X, y = torch.randn(10, 6, generator=g), torch.randint(0, 4, (10,), generator=g)
+        X, y = torch.randn(32, 6, generator=g), torch.randint(0, 4, (32,), generator=g)
         opt.zero_grad()
         out = model(X)
         CE(out if out.dim() == 2 else out[0], y).backward()
@@ -167,12 +183,15 @@ def test_optimizer_steps_equal_those_without_early_folding(fisher, make, monkeyp
             )
         return TwoHeads()
 
+    counts = count_hooks(monkeypatch)
     runs = []
     for enabled in (True, False):
         monkeypatch.setattr(early_fold, "ENABLED", enabled)
         model = build()
         opt = _train(fisher, model)
         runs.append((model, opt.factors()))
+        assert (sum(counts) > 0) == (enabled and fisher != "type-2")  # (type-2 of CE: vmap)
+        counts.clear()
     (m1, f1), (m2, f2) = runs
     assert f1.keys() == f2.keys() and f1
     for k in f1:
@@ -259,12 +278,15 @@ def test_curvature_functions_equal_those_without_early_folding(fn, fisher, monke
 
     g = torch.Generator().manual_seed(2)
     data = [
-        (torch.randn(6, 5, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(2)
+        (torch.randn(32, 5, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(2)
     ]
+    counts = count_hooks(monkeypatch)
     runs = []
     for enabled in (True, False):
         monkeypatch.setattr(early_fold, "ENABLED", enabled)
         runs.append(getattr(curvature, fn)(Head(), nn.CrossEntropyLoss(), data, fisher=fisher))
+        assert (sum(counts) > 0) == (enabled and fisher != "type-2")  # (type-2 of CE: vmap)
+        counts.clear()
     a, b = runs
     names = ["net.inp", "net.res", "net.twice", "net.left", "net.right", "net.side", "net.head"]
     assert [x.name for x in a.blocks] == [x.name for x in b.blocks] == names  # the layer order
@@ -298,3 +320,90 @@ def test_kfac_function_does_not_hold_every_layers_gradients():
         early_fold.ENABLED = True
     one = 4096 * 64 * 4
     assert held - early > 3 * one, (early / one, held / one)
+
+
+@pytest.mark.parametrize("fisher", ["mc", "empirical", "type-2"])
+def test_diag_ggn_equals_the_one_without_early_folding(fisher, monkeypatch):
+    """``diag_ggn`` on two batches of the branchy graph (a layer called twice, a head the
+    loss does not reach): the same diagonal, bit for bit."""
+    torch.manual_seed(0)
+    model = Branchy()
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            return self.net(x)[0]
+
+    g = torch.Generator().manual_seed(2)
+    data = [
+        (torch.randn(32, 5, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(2)
+    ]
+    counts = count_hooks(monkeypatch)
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(early_fold, "ENABLED", enabled)
+        runs.append(curvature.diag_ggn(Head(), nn.CrossEntropyLoss(), data, fisher=fisher))
+        assert (sum(counts) > 0) == (enabled and fisher != "type-2"), counts  # (type-2: vmap)
+        counts.clear()
+    a, b = runs
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not a["net.side.weight"].any()  # unreached: zero, as without early folds
+
+
+def test_diag_ggn_does_not_hold_every_layers_gradients():
+    """``diag_ggn(fisher="empirical")`` on the chain of 8 layers at batch 4096 holds
+    fewer layers' gradients at its peak than without early folds (all 8 then)."""
+
+    def peak():
+        with LiveBytes() as live:
+            torch.manual_seed(0)
+            model = _chain()
+            X, y = torch.randn(4096, 16), torch.randint(0, 10, (4096,))
+            base = live.mark()
+            curvature.diag_ggn(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
+            return live.peak - base
+
+    early = peak()
+    early_fold.ENABLED = False
+    try:
+        held = peak()
+    finally:
+        early_fold.ENABLED = True
+    one = 4096 * 64 * 4
+    assert held - early > 3 * one, (early / one, held / one)
+
+
+def test_type2_steps_of_one_output_fold_early_and_equal_those_without(monkeypatch):
+    """Type-2 with ``MSELoss`` on one output (one vector: no ``vmap``, as a PINN's): the
+    layers are taken early, and the factors and parameters after three steps are those
+    without early folds, bit for bit."""
+    counts = count_hooks(monkeypatch)
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(early_fold, "ENABLED", enabled)
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)
+        )
+        mse = nn.MSELoss()
+        opt = curvature.KFAC(model, fisher="type-2", loss_func=mse, lr=0.1, inverse_every=2)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            X, y = torch.randn(32, 3, generator=g), torch.randn(32, 1, generator=g)
+            opt.zero_grad()
+            mse(model(X), y).backward()
+            opt.step()
+        assert (sum(counts) > 0) == enabled
+        counts.clear()
+        runs.append((model, opt.factors()))
+    (m1, f1), (m2, f2) = runs
+    for k in f1:
+        for a, b in zip(f1[k], f2[k]):
+            assert torch.equal(a, b), k
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)

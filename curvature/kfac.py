@@ -369,16 +369,8 @@ def _kfac(
         with cap.computing():
             fold_layer(w, name, module, rule, calls)
 
-    passes = fisher_passes(
-        model,
-        loss_func,
-        data,
-        fisher,
-        mc_samples,
-        seed,
-        caller,
-        fold=None if forward_only else early,
-    )
+    run = (model, loss_func, data, fisher, mc_samples, seed, caller)
+    passes = fisher_passes(*run, fold=None if forward_only else early)
     order: Dict[str, int] = {}
     for w, cap in passes:
         order = order or {name: i for i, (name, *_) in enumerate(cap.layers)}

@@ -64,6 +64,37 @@ def count_hooks(monkeypatch) -> list:
     return counts
 
 
+class Head(nn.Module):
+    """``Branchy`` seen through its first output (the loss does not reach ``side``)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)[0]
+
+
+def with_and_without(fn, fisher, monkeypatch):
+    """``(model, [result with early folds, result without])`` of ``fn(Head, CE, data,
+    fisher=fisher)`` on two batches of 32, asserting that early folds happened exactly
+    where they apply (not for type-2 of CE: vmapped)."""
+    torch.manual_seed(0)
+    model = Branchy()
+    g = torch.Generator().manual_seed(2)
+    data = [
+        (torch.randn(32, 5, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(2)
+    ]
+    counts = count_hooks(monkeypatch)
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(early_fold, "ENABLED", enabled)
+        runs.append(fn(Head(model), nn.CrossEntropyLoss(), data, fisher=fisher))
+        assert (sum(counts) > 0) == (enabled and fisher != "type-2"), counts
+        counts.clear()
+    return model, runs
+
+
 def _pulled(cap, out, V, fold=None):
     """``{(name, call index): g}`` after a pull of ``out`` with ``V`` (plain or folding)."""
     got = {}
@@ -262,46 +293,23 @@ def test_curvature_functions_equal_those_without_early_folding(fn, fisher, monke
     """``curvature.kfac`` / ``ekfac`` on two batches of a graph with a residual sum, a layer
     called twice and a head the loss does not reach: the same blocks in the model's
     order, bit for bit."""
-    torch.manual_seed(0)
-    model = Branchy()
-
-    def loss(out_side, y):
-        return nn.functional.cross_entropy(out_side, y)
-
-    class Head(nn.Module):  # the loss sees the first output only
-        def __init__(self):
-            super().__init__()
-            self.net = model
-
-        def forward(self, x):
-            return self.net(x)[0]
-
-    g = torch.Generator().manual_seed(2)
-    data = [
-        (torch.randn(32, 5, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(2)
-    ]
-    counts = count_hooks(monkeypatch)
-    runs = []
-    for enabled in (True, False):
-        monkeypatch.setattr(early_fold, "ENABLED", enabled)
-        runs.append(getattr(curvature, fn)(Head(), nn.CrossEntropyLoss(), data, fisher=fisher))
-        assert (sum(counts) > 0) == (enabled and fisher != "type-2")  # (type-2 of CE: vmap)
-        counts.clear()
-    a, b = runs
+    model, (a, b) = with_and_without(getattr(curvature, fn), fisher, monkeypatch)
     names = ["net.inp", "net.res", "net.twice", "net.left", "net.right", "net.side", "net.head"]
     assert [x.name for x in a.blocks] == [x.name for x in b.blocks] == names  # the layer order
     # 'side', which the loss does not reach (taken early, its node never ran), has zero G
     side = next(x for x in a.blocks if x.name == "net.side")
     assert not side.G.any()
+    g = torch.Generator().manual_seed(3)
     v = [torch.randn(p.shape, generator=g) for p in model.parameters()]
     for x, y in zip(a.matvec(v), b.matvec(v)):
         assert torch.equal(x, y)
 
 
-def test_kfac_function_does_not_hold_every_layers_gradients():
-    """``curvature.kfac(fisher="mc")`` on the chain of 8 layers at batch 4096: its peak
-    (above the data and the model) holds fewer than 4 layers' gradients of 1 MiB; all of
-    them with ``ENABLED = False``."""
+@pytest.mark.parametrize("fn,fisher", [("kfac", "mc"), ("diag_ggn", "empirical")])
+def test_curvature_functions_do_not_hold_every_layers_gradients(fn, fisher):
+    """``curvature.kfac(fisher="mc")`` and ``diag_ggn(fisher="empirical")`` on the chain of
+    8 layers at batch 4096: their peak (above the data and the model) holds more than 3
+    layers' gradients of 1 MiB fewer than with ``ENABLED = False`` (all 8 then)."""
 
     def peak():
         with LiveBytes() as live:
@@ -309,7 +317,7 @@ def test_kfac_function_does_not_hold_every_layers_gradients():
             model = _chain()
             X, y = torch.randn(4096, 16), torch.randint(0, 10, (4096,))
             base = live.mark()
-            curvature.kfac(model, nn.CrossEntropyLoss(), (X, y), fisher="mc")
+            getattr(curvature, fn)(model, nn.CrossEntropyLoss(), (X, y), fisher=fisher)
             return live.peak - base
 
     early = peak()
@@ -326,56 +334,11 @@ def test_kfac_function_does_not_hold_every_layers_gradients():
 def test_diag_ggn_equals_the_one_without_early_folding(fisher, monkeypatch):
     """``diag_ggn`` on two batches of the branchy graph (a layer called twice, a head the
     loss does not reach): the same diagonal, bit for bit."""
-    torch.manual_seed(0)
-    model = Branchy()
-
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = model
-
-        def forward(self, x):
-            return self.net(x)[0]
-
-    g = torch.Generator().manual_seed(2)
-    data = [
-        (torch.randn(32, 5, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(2)
-    ]
-    counts = count_hooks(monkeypatch)
-    runs = []
-    for enabled in (True, False):
-        monkeypatch.setattr(early_fold, "ENABLED", enabled)
-        runs.append(curvature.diag_ggn(Head(), nn.CrossEntropyLoss(), data, fisher=fisher))
-        assert (sum(counts) > 0) == (enabled and fisher != "type-2"), counts  # (type-2: vmap)
-        counts.clear()
-    a, b = runs
+    _, (a, b) = with_and_without(curvature.diag_ggn, fisher, monkeypatch)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert not a["net.side.weight"].any()  # unreached: zero, as without early folds
-
-
-def test_diag_ggn_does_not_hold_every_layers_gradients():
-    """``diag_ggn(fisher="empirical")`` on the chain of 8 layers at batch 4096 holds
-    fewer layers' gradients at its peak than without early folds (all 8 then)."""
-
-    def peak():
-        with LiveBytes() as live:
-            torch.manual_seed(0)
-            model = _chain()
-            X, y = torch.randn(4096, 16), torch.randint(0, 10, (4096,))
-            base = live.mark()
-            curvature.diag_ggn(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
-            return live.peak - base
-
-    early = peak()
-    early_fold.ENABLED = False
-    try:
-        held = peak()
-    finally:
-        early_fold.ENABLED = True
-    one = 4096 * 64 * 4
-    assert held - early > 3 * one, (early / one, held / one)
 
 
 def test_type2_steps_of_one_output_fold_early_and_equal_those_without(monkeypatch):

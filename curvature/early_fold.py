@@ -143,7 +143,7 @@ def early_pays(name: str, module: nn.Module, rule: Any, call: Any) -> bool:
         return False
     numel = _STAT_NUMEL.get(module)
     if numel is None:
-        shapes = getattr(rule, "kfac_shapes", lambda m: None)(module)
+        shapes = rule.kfac_shapes(module)
         numel = 0 if shapes is None else sum(C * (Do * Do + D * D) for C, Do, D in shapes.values())
         _STAT_NUMEL[module] = numel
     return math.prod(call.out_meta[0][0]) >= numel

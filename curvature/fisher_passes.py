@@ -89,14 +89,12 @@ def fisher_passes(
         if fisher == FisherType.EMPIRICAL:  # one backward from the losses: no V formed
             total = per_sample_losses(loss_func, out, y, **kw).sum()
             seed_ = total.new_full((1,), reduction_scale(loss_func, out.shape[0]) ** 0.5)
-            how = dict(fold=plan) if plan is not None else {}
-            cap.pull(total, seed_, is_grads_batched=True, retain_graph=False, **how)
+            cap.pull(total, seed_, is_grads_batched=True, retain_graph=False, fold=plan)
         elif fisher != FisherType.FORWARD_ONLY:
             V = backprop_sources(
                 loss_func, out, y, fisher.value, mc_samples=mc_samples, **kw, generator=generator
             )
-            how = dict(fold=plan) if plan is not None else {}
-            cap.pull(out, V, is_grads_batched=True, retain_graph=False, **how)
+            cap.pull(out, V, is_grads_batched=True, retain_graph=False, fold=plan)
         yield w, cap
     check_ignored(loss_func, [] if fisher == FisherType.FORWARD_ONLY else ignored)
 

@@ -479,7 +479,7 @@ class Capture(PerSampleQuantities, TracedCalls):
                     grad_outputs = [None if g is None else g[0] for g in grad_outputs]
                 else:
                     grad_outputs = grad_outputs[0]
-        early = EarlyFolds(active, fold if lead in ((), (1,)) else None, lead, self._drop)
+        early = EarlyFolds(active, fold, lead, self._drop)
         calls = [c for _, _, _, cs in active for c in cs if not c.tickets and not early.takes(c)]
         traced = [c for _, _, _, cs in active for c in cs if c.tickets]  # compiled forwards
         edges = [e for c in calls for e in c.out_edges]

@@ -163,7 +163,8 @@ class EarlyFolds:
 
     Args:
         layers: The pull's ``(name, module, rule, calls)``.
-        plan: The caller's :class:`FoldPlan`, or ``None`` (nothing is taken early).
+        plan: The caller's :class:`FoldPlan`, or ``None`` (nothing is taken early; nor
+            from a vmapped pull of several vectors).
         lead: ``(1,)`` for a pull of one batched vector (the gradients handed out get
             that axis), ``()`` for a plain one.
         drop: ``drop(name, calls)``: remove them from the capture (called before
@@ -181,11 +182,18 @@ class EarlyFolds:
         lead: Tuple[int, ...],
         drop: Callable[[str, List[Call]], None],
     ):
+        if plan is not None and not isinstance(plan, FoldPlan):
+            raise TypeError(
+                f"Capture.pull(fold=...): a curvature.early_fold.FoldPlan, not "
+                f"{type(plan).__name__} (FoldPlan(fold) wraps a function "
+                "fold(name, module, rule, calls))."
+            )
         self.layers = layers
         self.plan = plan
         self.lead = lead
         self.drop = drop
-        self.early = split_edges(layers, plan.worth) if plan is not None else set()
+        one = plan is not None and lead in ((), (1,))  # (not a vmapped pull)
+        self.early = split_edges(layers, plan.worth) if one else set()
         self.folded: List[Call] = []
         self._errors: List[BaseException] = []
 

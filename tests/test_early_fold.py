@@ -370,3 +370,12 @@ def test_type2_steps_of_one_output_fold_early_and_equal_those_without(monkeypatc
             assert torch.equal(a, b), k
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_fold_that_is_not_a_plan_is_refused():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    with curvature.capture(model) as cap:
+        out = model(torch.randn(4, 3))
+    for K in (1, 3):  # (also where a vmapped pull would take nothing early)
+        with pytest.raises(TypeError, match="FoldPlan"):
+            cap.pull(out, torch.ones(K, 4, 2), is_grads_batched=True, fold=lambda *a: None)

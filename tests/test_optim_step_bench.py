@@ -114,9 +114,15 @@ def updates(model, X, y, loss_func, damping, steps, use_asdl):
         )
     else:
         opt = curvature.KFAC(
-            model, lr=1.0, damping=damping, fisher="empirical", loss_func=loss_func,
-            factor_decay=0.0, inverse_every=optim_step.PERIOD,
-        )  # fmt: skip
+            model,
+            lr=1.0,
+            damping=damping,
+            fisher="empirical",
+            loss_func=loss_func,
+            factor_decay=0.0,
+            inverse_every=optim_step.PERIOD,
+            stale_clip=None,
+        )  # fmt: skip  (ASDL has no stale clip)
 
         def step():
             opt.zero_grad()

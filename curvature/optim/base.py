@@ -50,6 +50,8 @@ from .deferred import DeferredReads
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
 from .groups import ParamGroups
 from .quadratic import QuadraticRule
+from .stale_clip import StaleClip
+from .stale_clip import check_state as check_stale_state
 from .ties import TiedLayers
 from .updates import (
     ParamSlot,
@@ -69,6 +71,10 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
     (decompositions), :meth:`_precondition` (gradients to update directions) and the
     state methods.
     """
+
+    #: Whether the preconditioner ages between refreshes (``KFAC``, ``EKFAC``): then the
+    #: config's ``stale_clip`` bounds the directions in between (:mod:`.stale_clip`).
+    stale_inverses = False
 
     def __init__(
         self,
@@ -107,6 +113,10 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         self.last_line_search_lr: Optional[float] = None
         self.last_reduction_ratio: Optional[float] = None
         self._kl_scale, self._damping_cache = 1.0, (None, None)  # device values, read lazily
+        # between two refreshes, directions are clipped to stale_clip x those of the last
+        # refresh step (KFAC, EKFAC: their inverses age; curvature.optim.stale_clip)
+        clips = self.stale_inverses and config.stale_clip is not None
+        self._stale = StaleClip(config.stale_clip) if clips else None
         self._reads = DeferredReads(type(self).__name__)  # device values read later
         self._ix = DeviceIndices()  # index tensors on the gradients' device, copied once
         self.last_step_taken = True  # False: the line search kept the parameters
@@ -133,6 +143,10 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
     fisher = property(lambda self: self.config.fisher, doc="The Fisher type.")
     loss_func = property(lambda self: self.config.loss_func, doc="The loss module or None.")
     kl_clip = property(lambda self: self.config.kl_clip, doc="The KL clipping bound or None.")
+    stale_clip = property(
+        lambda self: self.config.stale_clip if self.stale_inverses else None,
+        doc="The stale-inverse clip ratio or None (curvature.optim.stale_clip).",
+    )
     factor_every = property(lambda self: self.config.factor_every, doc="Statistics period.")
     inverse_every = property(lambda self: self.config.inverse_every, doc="Refresh period.")
     line_search_grid = property(lambda self: self.config.line_search_grid, doc="Grid or None.")
@@ -331,11 +345,12 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         if stats:
             with batched_ema():  # the running updates in one call
                 self._update_curvature(stats)
-        if (
+        refresh = (
             self.steps % cfg.inverse_every == 0
             or self.steps < cfg.inverse_warmup
             or self._needs_refresh()
-        ):
+        )
+        if refresh:
             self._refresh()
         grads = self._flat_grads()
         adapt = (
@@ -377,6 +392,8 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
                     cfg.kl_clip,
                     type(self).__name__,
                     direction_views=views if directions is buf else None,
+                    stale_clip=self._stale,
+                    refreshed=refresh,
                 )
                 self._reads.record_update(tuple(s.name for s in slots), ok, self.steps)
         if adapt:
@@ -474,6 +491,7 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
             "skipped_statistics": self.skipped_statistics,
             "generator": self.generator.get_state(),
             "device_generators": self._generators.device_states(),
+            "stale_clip": None if self._stale is None else self._stale.state(),
             **self._curvature_state(),
         }
         return sd
@@ -501,11 +519,14 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         names = {p: n for n, p in self.model.named_parameters()}
         check_param_state(who, state_dict, self.param_groups, names)
         curv = self._checked_curvature_state(curv)
+        clip = check_stale_state(who, curv.get("stale_clip"))
         super().load_state_dict(state_dict)
         self.steps = curv["steps"]
         self.skipped_statistics = curv["skipped_statistics"]
         self._generators.set_state({**curv.get("device_generators", {}), "cpu": curv["generator"]})
         self._load_curvature_state(curv)
+        if self._stale is not None:  # (a state without it: no reference until a refresh)
+            self._stale.load(clip)
         self._reseed()
         self._collector.due = self.steps % self.config.factor_every == 0
         self._collector.resume_recording()

@@ -9,6 +9,7 @@ allowed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -134,6 +135,7 @@ class CurvatureConfig:
     inverse_every: int = 10
     inverse_warmup: int = 0
     kl_clip: Optional[float] = None
+    stale_clip: Optional[float] = 2.0
     damping_mode: DampingMode = DampingMode.PI
     unsupported: Unsupported = Unsupported.WARN
     auto_output: bool = True
@@ -240,6 +242,11 @@ class CurvatureConfig:
             self.kl_clip is None or self.kl_clip > 0,
             "must be None or > 0",
         )
+        val = self.stale_clip
+        ok = val is None or (
+            isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val)
+        )
+        check(who, "stale_clip", val, ok and (val is None or val >= 1), "must be None or >= 1")
         set_(
             self,
             "damping_mode",

@@ -118,6 +118,12 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         kl_clip (float | None): KL clipping (Ba, Grosse & Martens, 2017): the update
             ``-lr d`` is scaled by ``nu = min(1, sqrt(kl_clip / sum_p lr_p^2 d_p^T g_p))``
             (default None: off; ``kl_clip=1e-3`` is a safe start, see docs/optimizers.md).
+        stale_clip (float | None): Between two refreshes each parameter's direction is
+            scaled to at most ``stale_clip`` times its norm at the last refresh step
+            (default 2.0; ``None``: off): stale inverses where the curvature grows fast
+            (a CNN's first steps) otherwise blow the step up (docs/optimizers.md,
+            "Defaults and a safe start"; :mod:`curvature.optim.stale_clip`). Not used by
+            the line search and ``update_rule="quadratic"``.
         damping_mode (str): ``"pi"`` (default; ``(A + pi sqrt(lambda) I) x (G +
             sqrt(lambda)/pi I)``, Cholesky), ``"per_factor"`` (``(A + lambda I) x (G +
             lambda I)``, Cholesky; the PINN convention of Dangel, Mueller & Zeinhofer,
@@ -199,6 +205,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
     """
 
     block_type = KroneckerBlock
+    stale_inverses = True
 
     def __init__(
         self,
@@ -241,6 +248,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         statistics_dtype: Optional[torch.dtype] = None,
         exact_layer_size: int = 0,
         inverse_warmup: int = 0,
+        stale_clip: Optional[float] = 2.0,
     ):
         check_kfac_arguments(
             type(self).__name__,

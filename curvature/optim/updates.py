@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..foreach import FlatBuffer, finite_flags, scalar
+from ..foreach import INF, FlatBuffer, finite_norms, scalar
 from ..warn import warn
+from .stale_clip import StaleClip
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ def apply_update(
     who: str,
     buffer: Optional[FlatBuffer] = None,
     direction_views: Optional[Sequence[Tensor]] = None,
+    stale_clip: Optional[StaleClip] = None,
+    refreshed: bool = True,
 ) -> Tuple[Union[float, Tensor], Tensor]:
-    """``p -= lr (momentum buffer of nu d)`` after decoupled weight decay.
+    """``p -= lr (momentum buffer of nu c d)`` after decoupled weight decay.
 
     Everything runs on the device, without a host synchronization: a parameter whose
     direction is not finite is left unchanged (its weight decay, momentum buffer and
@@ -85,6 +88,11 @@ def apply_update(
         direction_views: Views of ``directions`` shaped like the parameters of all
             ``slots`` (when ``directions`` is a persistent buffer: no split per step);
             then the selection is made in place of ``directions``.
+        stale_clip: Scales each parameter's direction by ``c_p`` between two refreshes
+            (:class:`~curvature.optim.stale_clip.StaleClip`, from the norms of the
+            finiteness check); ``None``: ``c = 1``.
+        refreshed: Whether this step refreshed the inverses (``stale_clip`` takes its
+            reference then and does not scale).
 
     Returns:
         ``nu`` (``1.0`` without ``kl_clip``, else a 0-d tensor) and ``ok [len(slots)]``
@@ -100,12 +108,18 @@ def apply_update(
     okf = None
     if tiled:  # one split, the flags of all parameters, two passes over the flat vector
         fits = direction_views is not None and len(direction_views) == len(slots)
-        ok = finite_flags(direction_views if fits else directions.split(sizes))
+        norms = finite_norms(direction_views if fits else directions.split(sizes))
+        ok = norms.lt(INF)
+        clip = _stale_scale(stale_clip, slots, norms, refreshed)
         # non-finite entries to 0, then every entry of a parameter with one to 0 (times
         # its 0/1 flag): no [P] index of the positions' parameters, neither kept (four
         # bytes per parameter on the device for the life of the process, as before: 81
         # MiB for benchmarks/gpu.py's language model in H100 run 13) nor made per step
-        okf = ok.to(directions.dtype).unbind(0)
+        if clip is None:
+            okf = ok.to(directions.dtype).unbind(0)
+            factors = okf
+        else:  # c_p times the 0/1 flag (the momentum below needs the flags alone)
+            okf, factors = None, (clip * ok).to(directions.dtype).unbind(0)
         if fits:  # in place: the directions are the update's own, with views that fit
             clean, views = directions.nan_to_num_(0.0, 0.0, 0.0), list(direction_views)
         elif buffer is not None:  # into the persistent buffer, whose views fit the parameters
@@ -115,12 +129,16 @@ def apply_update(
         else:
             clean = torch.nan_to_num(directions, 0.0, 0.0, 0.0)
             views = list(clean.split(sizes))
-        torch._foreach_mul_(views, okf)
+        torch._foreach_mul_(views, factors)
     else:
         views = [directions[s.span] for s in slots]
-        ok = finite_flags(views)
+        norms = finite_norms(views)
+        ok = norms.lt(INF)
+        clip = _stale_scale(stale_clip, slots, norms, refreshed)
         clean = None
         views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(views)]
+        if clip is not None:
+            views = torch._foreach_mul(views, list(clip.to(directions.dtype).unbind(0)))
     nu: Union[float, Tensor] = 1.0
     if kl_clip is not None:
         full = clean if clean is not None else directions.new_zeros(directions.shape)
@@ -164,6 +182,15 @@ def apply_update(
             upd = torch._foreach_mul(bufs, [okf[i].to(b.dtype) for i, b in zip(idx, bufs)])
         torch._foreach_add_(params, upd, alpha=-g["lr"])
     return nu, ok
+
+
+def _stale_scale(
+    stale_clip: Optional[StaleClip], slots: Sequence[ParamSlot], norms: Tensor, refreshed: bool
+) -> Optional[Tensor]:
+    """``[n]`` the stale-inverse factors ``c_p`` of this step, or ``None`` (no scaling)."""
+    if stale_clip is None:
+        return None
+    return stale_clip.scale([s.name for s in slots], norms, refreshed)
 
 
 def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: int) -> str:

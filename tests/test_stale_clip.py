@@ -180,3 +180,16 @@ def test_the_defaults_and_who_clips():
     assert curvature.EKFAC(mlp(), stale_clip=1).stale_clip == 1
     assert curvature.KFAC(mlp(), stale_clip=None).stale_clip is None
     assert curvature.DiagonalNaturalGradient(mlp()).stale_clip is None
+
+
+def test_finite_norms_are_the_norms_the_clip_reads():
+    """``curvature.foreach.finite_norms``: each tensor's norm, NaN / inf where it is not
+    finite (or its squares overflow), 0 for an empty tensor (the per-tensor path)."""
+    from curvature.foreach import finite_norms
+
+    a, b = torch.tensor([3.0, 4.0]), torch.ones(2, 2)
+    torch.testing.assert_close(finite_norms([a, b]), torch.tensor([5.0, 2.0]))
+    out = finite_norms([a, torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])])
+    assert out[0] == 5.0 and out[1].isnan() and out[2] == float("inf")
+    assert finite_norms([torch.tensor([3e19, 0.0])])[0] == float("inf")  # float32 squares
+    torch.testing.assert_close(finite_norms([torch.empty(0), a]), torch.tensor([0.0, 5.0]))

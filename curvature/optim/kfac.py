@@ -112,9 +112,9 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         inverse_warmup (int): The first this many steps refresh every step, whatever
             ``inverse_every`` (default 0: off). While the running factors are young and
             the parameters move fast, a preconditioner even one step old can blow the
-            step up: the small CNN of benchmarks/training.py diverges within 10 steps at
-            the defaults, and trains with ``inverse_warmup=10`` (docs/optimizers.md,
-            "Defaults and a safe start").
+            step up: the small CNN of benchmarks/training.py diverges within 10 steps
+            with ``stale_clip=None``, and trains with ``inverse_warmup=10`` (or the
+            default ``stale_clip``; docs/optimizers.md, "Defaults and a safe start").
         kl_clip (float | None): KL clipping (Ba, Grosse & Martens, 2017): the update
             ``-lr d`` is scaled by ``nu = min(1, sqrt(kl_clip / sum_p lr_p^2 d_p^T g_p))``
             (default None: off; ``kl_clip=1e-3`` is a safe start, see docs/optimizers.md).

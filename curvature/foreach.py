@@ -55,6 +55,8 @@ def finite_flags(tensors: Sequence[Tensor], group: int = 1) -> Tensor:
 
     """
     tensors = list(tensors)
+    if group == 1 and all(t.numel() for t in tensors):
+        return finite_norms(tensors).lt(INF)
     if all(t.numel() for t in tensors):
         sums = torch._foreach_norm(tensors, 2)
         items = sums[0::group]

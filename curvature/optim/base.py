@@ -144,7 +144,7 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
     loss_func = property(lambda self: self.config.loss_func, doc="The loss module or None.")
     kl_clip = property(lambda self: self.config.kl_clip, doc="The KL clipping bound or None.")
     stale_clip = property(
-        lambda self: self.config.stale_clip if self.stale_inverses else None,
+        lambda self: None if self._stale is None else self._stale.ratio,
         doc="The stale-inverse clip ratio or None (curvature.optim.stale_clip).",
     )
     factor_every = property(lambda self: self.config.factor_every, doc="Statistics period.")

@@ -106,11 +106,17 @@ def apply_update(
     tiled = slots[0].span.start == 0 and slots[-1].span.stop == directions.numel()
     tiled = tiled and all(a.span.stop == b.span.start for a, b in zip(slots, slots[1:]))
     okf = None
+    fits = tiled and direction_views is not None and len(direction_views) == len(slots)
+    if fits:
+        parts = list(direction_views)
+    else:
+        parts = directions.split(sizes) if tiled else [directions[s.span] for s in slots]
+    # the finiteness of each parameter's direction, and the stale clip from the same norms
+    norms = finite_norms(parts)
+    ok = norms.lt(INF)
+    names = [s.name for s in slots]
+    clip = None if stale_clip is None else stale_clip.scale(names, norms, refreshed)
     if tiled:  # one split, the flags of all parameters, two passes over the flat vector
-        fits = direction_views is not None and len(direction_views) == len(slots)
-        norms = finite_norms(direction_views if fits else directions.split(sizes))
-        ok = norms.lt(INF)
-        clip = _stale_scale(stale_clip, slots, norms, refreshed)
         # non-finite entries to 0, then every entry of a parameter with one to 0 (times
         # its 0/1 flag): no [P] index of the positions' parameters, neither kept (four
         # bytes per parameter on the device for the life of the process, as before: 81
@@ -121,7 +127,7 @@ def apply_update(
         else:  # c_p times the 0/1 flag (the momentum below needs the flags alone)
             okf, factors = None, (clip * ok).to(directions.dtype).unbind(0)
         if fits:  # in place: the directions are the update's own, with views that fit
-            clean, views = directions.nan_to_num_(0.0, 0.0, 0.0), list(direction_views)
+            clean, views = directions.nan_to_num_(0.0, 0.0, 0.0), parts
         elif buffer is not None:  # into the persistent buffer, whose views fit the parameters
             shapes = [s.param.shape for s in slots]
             clean, views = buffer.get(shapes, directions.dtype, directions.device)
@@ -131,12 +137,8 @@ def apply_update(
             views = list(clean.split(sizes))
         torch._foreach_mul_(views, factors)
     else:
-        views = [directions[s.span] for s in slots]
-        norms = finite_norms(views)
-        ok = norms.lt(INF)
-        clip = _stale_scale(stale_clip, slots, norms, refreshed)
         clean = None
-        views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(views)]
+        views = [torch.where(ok[i], v, 0.0) for i, v in enumerate(parts)]
         if clip is not None:
             views = torch._foreach_mul(views, list(clip.to(directions.dtype).unbind(0)))
     nu: Union[float, Tensor] = 1.0
@@ -182,15 +184,6 @@ def apply_update(
             upd = torch._foreach_mul(bufs, [okf[i].to(b.dtype) for i, b in zip(idx, bufs)])
         torch._foreach_add_(params, upd, alpha=-g["lr"])
     return nu, ok
-
-
-def _stale_scale(
-    stale_clip: Optional[StaleClip], slots: Sequence[ParamSlot], norms: Tensor, refreshed: bool
-) -> Optional[Tensor]:
-    """``[n]`` the stale-inverse factors ``c_p`` of this step, or ``None`` (no scaling)."""
-    if stale_clip is None:
-        return None
-    return stale_clip.scale([s.name for s in slots], norms, refreshed)
 
 
 def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: int) -> str:

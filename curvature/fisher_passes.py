@@ -33,6 +33,7 @@ from .losses import (
 )
 from .options import FisherType
 from .rng import SamplingGenerators
+from .sample_axis import check_sample_axis
 
 #: Entries of the type-2 vectors pulled at once by :func:`diag_ggn` (a sum over them):
 #: per-position losses on ``[N, T, C]`` have ``T C`` vectors of ``N T C`` entries.
@@ -50,6 +51,7 @@ def fisher_passes(
     chunked=False,
     fold=None,
     pays=early_pays,
+    per_sample=False,
 ):
     """Yield ``(weight, Capture)`` per batch after pulling the Fisher's vectors.
 
@@ -78,6 +80,10 @@ def fisher_passes(
         with capture(model) as cap, isolated(cap):
             out = model(X)
         require_tensor_output(out, caller)
+        if per_sample and out.dim():
+            check_sample_axis(
+                caller, out.shape[0], cap.active(), "the model output", independent=draws
+            )
         plan = None if fold is None else _plan(fold, pays, w, cap)
         ignored.append(ignored_targets(loss_func, y))
         many = out.dim() > 0 and math.prod(out.shape[1:]) * out.numel() > MAX_SOURCES_NUMEL

@@ -499,7 +499,9 @@ def ekfac(
         b.install(outcomes[b].record)
     bases = {b.name: (b.eigen().QA, b.eigen().QG) for b in kron}
     evals: Dict[str, Tensor] = {}
-    for w, cap in fisher_passes(model, loss_func, data, fisher, mc_samples, seed, "ekfac"):
+    for w, cap in fisher_passes(
+        model, loss_func, data, fisher, mc_samples, seed, "ekfac", per_sample=True
+    ):
         sharing = cap.sharing()
         with cap.computing():
             for name, module, rule, calls in cap.active():
@@ -567,7 +569,17 @@ def diag_ggn(
             fold_layer(w, name, module, rule, calls)
 
     passes = fisher_passes(
-        model, loss_func, data, fisher, mc_samples, seed, "diag_ggn", True, early, large_gradient
+        model,
+        loss_func,
+        data,
+        fisher,
+        mc_samples,
+        seed,
+        "diag_ggn",
+        True,
+        early,
+        large_gradient,
+        per_sample=True,
     )
     for w, cap in passes:
         sharing = cap.sharing()

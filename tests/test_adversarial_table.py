@@ -1807,6 +1807,171 @@ def _functional_loss(est):
     exact(est, mlp(), ce(), *batch(), train=train)
 
 
+# ---- found by a hostile-use audit (2026-11-27): a layer's sample axis, groups, replaced params --
+class SetEncoder(nn.Module):
+    """``enc`` over the 3 elements of each sample, then ``head`` over their codes; with
+    ``folded`` the encoder sees ``[N * 3, 4]`` (the batch folded into its rows)."""
+
+    def __init__(self, folded: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head, self.folded = (
+            nn.Linear(4, 3).double(),
+            nn.Linear(9, 3).double(),
+            folded,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, 3, 4]
+        h = self.enc(x.reshape(-1, 4)) if self.folded else self.enc(x)
+        return self.head(torch.tanh(h).reshape(x.shape[0], 9))
+
+
+class FlatLogits(nn.Module):
+    """A token model whose logits leave it flattened: ``[N, T, 4] -> [N * T, 3]``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mix, self.head = nn.Linear(4, 4).double(), nn.Linear(4, 3).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mix(x)).cumsum(1)).reshape(-1, 3)
+
+
+def sets(N: int = 6) -> Tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(N, 3, 4, generator=g, dtype=DT), torch.randint(0, 3, (N,), generator=g)
+
+
+@row(
+    "batch-folded-into-rows",
+    "A layer fed the batch folded into its rows: `enc(x.reshape(N * K, d))` inside the "
+    "forward (a set or time-distributed encoder)",
+    "DNG, EKFAC, `ekfac()`, `diag_ggn()`, `per_sample_grads`: clear `ValueError` naming the "
+    "layer, its rows, the samples and the way out (`[N, K, d]` inputs: the layer then shares "
+    "its weight over `K`); their squares would miss the cross terms of one sample's rows. "
+    "KFAC type-2 / mc and `kfac()`: exact, the factors of the same layer on `[N, K, d]` (the "
+    "clean twin). KFAC empirical: one warning that the layer's `G` is normalized by its own "
+    "rows (`K` times the twin's, checked).",
+    OPT + ("KFAC-mc", "EKFAC-mc", "DNG-mc") + FN,
+    outcome="error",
+)
+def _folded_rows(est):
+    X, y = sets()
+    if est.name in ("KFAC-type-2", "KFAC-mc", "kfac()"):
+        folded = measure(est, SetEncoder(True), ce(), X, y)
+        same_result(est, folded, measure(est, SetEncoder(False), ce(), X, y), rtol=1e-12, atol=0)
+    elif est.name == "KFAC-empirical":
+        with pytest.warns(UserWarning, match="'enc' has 18 entries on its sample axis.* 6"):
+            folded = measure(est, SetEncoder(True), ce(), X, y)
+        twin = measure(est, SetEncoder(False), ce(), X, y)
+        close(folded.factors()["enc"][1], 3 * twin.factors()["enc"][1], "G, K times the twin's")
+    elif est.kind == "per_sample_grads":
+        refused_any = pytest.raises((ValueError, RuntimeError), match="different batch sizes")
+        with refused_any:
+            measure(est, SetEncoder(True), ce(), X, y)
+    else:
+        refused(est, "'enc' has 18 entries on its sample axis where", SetEncoder(True), ce(), X, y)
+
+
+@row(
+    "flattened-logits",
+    "A model returning logits flattened to `[N * T, C]` while its layers see `[N, T, ...]` "
+    "(a language model's `logits.view(-1, C)`)",
+    "`ekfac()`, `diag_ggn()` (type-2): clear `ValueError` naming the layer and the way out "
+    "(unflattened `[N, C, T]` logits to `CrossEntropyLoss`): each square would sum a "
+    "sequence's positions, whose type-2 columns and gradients do not cancel. DNG and EKFAC "
+    "(empirical, type-2): one warning (a sequence-level curvature, still a preconditioner). "
+    "DNG and EKFAC (mc): no warning: independent draws per position make those sums "
+    "unbiased (`diag_ggn(fisher='mc')` converges to the GGN's diagonal, "
+    "tests/test_sample_axis.py).",
+    ("EKFAC-empirical", "EKFAC-type-2", "EKFAC-mc", "DNG-empirical", "DNG-type-2", "DNG-mc")
+    + ("ekfac()", "diag_ggn()"),
+    outcome="warning",
+)
+def _flattened_logits(est):
+    g = torch.Generator().manual_seed(8)
+    X, y = torch.randn(3, 4, 4, generator=g, dtype=DT), torch.randint(0, 3, (12,), generator=g)
+    if not est.optimizer:
+        refused(est, "'mix' has 3 entries on its sample axis where", FlatLogits(), ce(), X, y)
+        return
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        measure(est, FlatLogits(), ce(), X, y)
+    hits = [r for r in rec if "sample axis" in str(r.message)]
+    assert len(hits) == (0 if est.fisher == "mc" else 1), [str(r.message) for r in hits]
+
+
+@row(
+    "several-forwards-one-backward",
+    "Two forwards in one backward: `((loss_func(model(x1), y1) + loss_func(model(x2), y2)) "
+    "/ 2).backward()`",
+    "Exact: the statistics of the union batch (each forward's calls fold with their own "
+    "batch size; before, the empirical `G` was halved and unequal halves raised a shape "
+    "error).",
+    OPT,
+)
+def _several_forwards(est):
+    def train(opt, model, loss_func, X, y):
+        opt.zero_grad()
+        ((loss_func(model(X[:4]), y[:4]) + loss_func(model(X[4:]), y[4:])) / 2).backward()
+        opt.step()
+
+    exact(est, mlp(), ce(), *batch(), train=train)
+
+
+def _groups_of_damping(model: nn.Module, d_weight: float, d_bias: float) -> List[Dict[str, Any]]:
+    weights = [m.weight for m in model if isinstance(m, nn.Linear)]
+    biases = [m.bias for m in model if isinstance(m, nn.Linear)]
+    return [{"params": weights, "damping": d_weight}, {"params": biases, "damping": d_bias}]
+
+
+@row(
+    "weight-and-bias-in-groups-of-different-damping",
+    "A layer's weight and bias in param groups of different `damping`",
+    "KFAC, EKFAC: clear `ValueError` at the refresh (a Kronecker block has one damping; "
+    "before, the bias group's was silently ignored): put the layer in groups of one "
+    "damping (`update_rule='quadratic'` accepts them: its 2x2 model adds each position's "
+    "group damping). DNG: exact (each position its group's damping).",
+    ("KFAC-empirical", "EKFAC-empirical", "DNG-empirical"),
+    outcome="error",
+)
+def _split_damping(est):
+    model = mlp()
+    groups = _groups_of_damping(model, 1e-1, 1e-4)
+    if est.diagonal:
+        exact(est, model, ce(), *batch(), param_groups=groups)
+    else:
+        refused(
+            est,
+            "layer '0' are in param groups of different damping",
+            model,
+            ce(),
+            *batch(),
+            param_groups=groups,
+        )
+
+
+@row(
+    "parameters-replaced-after-construction",
+    "Parameters replaced after the optimizer was built (`model.load_state_dict(sd, "
+    "assign=True)`, a new `nn.Parameter` or module assigned)",
+    "Clear `ValueError` at the next step naming the parameters and the way out (build the "
+    "optimizer after replacing them, or `load_state_dict` without `assign=True`); before, "
+    "the optimizer updated the old tensors and the model never trained, as `torch.optim` "
+    "does.",
+    OPT_EMP,
+    outcome="error",
+)
+def _replaced(est):
+    model = mlp()
+    opt = est.build(model, ce())
+    train_step(opt, model, ce(), *batch())
+    model.load_state_dict({k: v.clone() for k, v in mlp(1).state_dict().items()}, assign=True)
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias', '2.weight', '2.bias'\] are"):
+        train_step(opt, model, ce(), *batch(1))
+
+
 # -- the tests -------------------------------------------------------------------------------------
 def _params() -> List[Any]:
     out = []

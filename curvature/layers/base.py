@@ -146,6 +146,9 @@ class Call:
     extra_info: Any = field(default=None, repr=False)
     tickets: Optional[List[int]] = field(default=None, repr=False)
     pulled: Optional[List[Optional[Tensor]]] = field(default=None, repr=False)
+    #: ``(serial, N)``: the optimizer's training forward that recorded the call and axis 0
+    #: of that forward's model output (``None`` when not a tensor); set by its collector.
+    forward: Optional[Tuple[int, Optional[int]]] = field(default=None, repr=False)
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""

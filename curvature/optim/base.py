@@ -46,6 +46,7 @@ from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
+from .coverage import replaced_message
 from .deferred import DeferredReads
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
 from .groups import ParamGroups
@@ -75,6 +76,10 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
     #: Whether the preconditioner ages between refreshes (``KFAC``, ``EKFAC``): then the
     #: config's ``stale_clip`` bounds the directions in between (:mod:`.stale_clip`).
     stale_inverses = False
+    #: Whether the statistics square per-sample gradients (``DiagonalNaturalGradient``,
+    #: ``EKFAC``): then every layer's sample axis must hold the loss's samples
+    #: (:mod:`curvature.sample_axis`).
+    _per_sample_statistics = False
 
     def __init__(
         self,
@@ -223,6 +228,7 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
             wrapper=self._compiled,
         )
         self._collector.projections = [] if self.config.update_rule == "quadratic" else None
+        self._collector.per_sample = self._per_sample_statistics
         if old is not None:  # its skipped count; the losses that measure the last step
             self._skipped_before += old.stats.skipped
             self._collector.losses = old.losses
@@ -233,8 +239,15 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         )
 
     def _check_trainable(self) -> None:
-        """Rebuild (and reset the curvature) when parameters were frozen or unfrozen."""
-        now = tuple(n for n, p in self.model.named_parameters() if p.requires_grad)
+        """Rebuild (and reset the curvature) when parameters were frozen or unfrozen; refuse
+        parameters replaced by new tensors (the groups hold the old ones: never trained).
+        """
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        now = tuple(n for n, _ in named)
+        held = dict(zip(self.layout.names, self.layout.params))
+        if not self._closed and any(held.get(n, p) is not p for n, p in named):
+            replaced = [n for n, p in named if held.get(n, p) is not p]
+            raise ValueError(replaced_message(type(self).__name__, replaced))
         if now == self.layout.names or self._closed:
             return
         warn(

@@ -36,7 +36,9 @@ from ..losses import (
     reduction_scale,
 )
 from ..options import FisherType
+from ..sample_axis import by_forward, check_layer_samples, tag_forward
 from ..warn import warn
+from .coverage import graph_backward_message, late_backward_message, no_root_message
 from .distributed import (
     Communicator,
     PendingReduction,
@@ -122,9 +124,10 @@ class StatisticsCollector:
         self.staged: Optional[PendingStatistics] = None  # its output pull, until the loss
         self.staged_rng: Optional[Tensor] = None
         self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
-        self.late_warned = False
-        self.graph_warned = False
+        self.late_warned = self.graph_warned = self.axis_warned = False
         self.root_seen = False  # a forward of the model itself ran
+        self.per_sample = False  # statistics of squared per-sample gradients
+        self.serial = 0  # training forwards seen (Call.forward)
         self.root_warned = False
         # BatchNorm in train mode: left out, its parameters get the plain gradient
         root = model if wrapper is None else wrapper  # torch.compile's wrapper: its hooks
@@ -194,6 +197,8 @@ class StatisticsCollector:
             return
         if not (self.due and self.model.training and torch.is_grad_enabled()):
             return
+        self.serial += 1  # the calls of this forward: its serial and N (sample_axis)
+        tag_forward(self.capture.calls.values(), self.serial, output)
         if self.fisher == FisherType.FORWARD_ONLY:
             self._consume(self.capture.active(), None)
             self.capture.clear()
@@ -441,20 +446,10 @@ class StatisticsCollector:
         """
         if self.capture.late_gradients and not self.late_warned:
             self.late_warned = True
-            warn(
-                f"{self.who}(fisher='empirical'): a second backward pass ran through a "
-                "forward whose gradients were already used; the curvature uses each "
-                "forward's first backward only. Sum the losses and call backward() once."
-            )
+            warn(late_backward_message(self.who))
         if self.capture.graph_gradients and not self.graph_warned:
             self.graph_warned = True
-            warn(
-                f"{self.who}(fisher='empirical'): a backward with create_graph=True (e.g. a "
-                "gradient penalty) ran through the model: the statistics then include the "
-                "gradients at the layer outputs of everything your backward() differentiates, "
-                "not of loss_func alone. Use fisher='mc' or 'type-2' for the curvature of "
-                "loss_func."
-            )
+            warn(graph_backward_message(self.who))
 
     def _consume(
         self,
@@ -474,20 +469,9 @@ class StatisticsCollector:
             with self.capture.computing():
                 for name, module, rule, cs in calls:
                     cs = [c for c in cs if rule.batch_size(module, c) > 0]  # N = 0: nothing
-                    if not cs:
-                        continue
-                    ctx, with_g = self._prepare(module, rule, cs, context)
-                    term = self.term if self.registered else 0
-                    records = getattr(stats, "projections", self.projections)
-                    if records is not None and isinstance(context, BatchContext):
-                        records.append((ctx, term, name, rule.expanded_blocks(module, cs)))
-
-                    def emit(key, values, kinds, rows=0, owned=False, _ctx=ctx, _term=term):
-                        stats.add((*key, _term), values, kinds, _ctx, rows, owned)
-
-                    self._accumulate()(name, module, rule, cs, with_g, emit)
-                    for c in cs:  # this layer's g (and operands made of them) go now
-                        c.grads = c.plain = c.expanded = None
+                    user = context == "user"  # one backward, several forwards: each its own
+                    for part in by_forward(cs) if user else ([cs] if cs else []):
+                        self._fold(name, module, rule, part, context, stats)
                 if finish is not None:
                     finish(flush)
             if flush:
@@ -497,6 +481,25 @@ class StatisticsCollector:
                 finish(None)
             stats.drop_queue()
             raise
+
+    def _fold(self, name, module, rule, cs, context, stats) -> None:
+        """Fold one forward's calls of a layer (:meth:`_consume`)."""
+        ctx, with_g = self._prepare(module, rule, cs, context)
+        if with_g and (self.per_sample or not self.axis_warned):  # (curvature.sample_axis)
+            layer, user = (name, module, rule, cs), context == "user"
+            args = (self.who, self.fisher.value, self.per_sample, user, ctx.samples, layer)
+            self.axis_warned = check_layer_samples(*args, self.axis_warned)
+        term = self.term if self.registered else 0
+        records = getattr(stats, "projections", self.projections)
+        if records is not None and isinstance(context, BatchContext):
+            records.append((ctx, term, name, rule.expanded_blocks(module, cs)))
+
+        def emit(key, values, kinds, rows=0, owned=False, _ctx=ctx, _term=term):
+            stats.add((*key, _term), values, kinds, _ctx, rows, owned)
+
+        self._accumulate()(name, module, rule, cs, with_g, emit)
+        for c in cs:  # this layer's g (and operands made of them) go now
+            c.grads = c.plain = c.expanded = None
 
     def _prepare(self, module, rule, cs, context) -> Tuple[BatchContext, bool]:
         if context == "user":
@@ -536,13 +539,7 @@ class StatisticsCollector:
             return
         if self.auto_output and any(self.capture.calls.values()):
             self.root_warned = True
-            warn(
-                f"{self.who}(fisher={self.fisher.value!r}): the layers ran but the model "
-                f"the optimizer was built on ({type(self.model).__name__}) was never "
-                "called, so no curvature backward ran. Build the optimizer on the module "
-                "you call (e.g. KFAC(self.net) when training_step calls self.net(x)), or "
-                "call that model."
-            )
+            warn(no_root_message(self.who, self.fisher.value, self.model))
 
     def finalize(self, default_dtype: torch.dtype) -> Dict[Any, list]:
         """The step's statistics, reduced over the ranks and normalized (``{}``: none)."""

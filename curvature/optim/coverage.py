@@ -95,6 +95,47 @@ def no_statistics_message(who: str, names: List[str]) -> str:
     """The one warning of an optimizer with blocks that have had no statistics yet."""
     return (
         f"{who}: no curvature statistics yet for {names} (not reached by the curvature "
-        "backward, a model in eval mode, or only non-finite batches); they get the plain "
-        "gradient."
+        "backward, a model in eval mode, a layer under torch.utils.checkpoint with "
+        "use_reentrant=True (use use_reentrant=False), or only non-finite batches); they "
+        "get the plain gradient."
+    )
+
+
+def late_backward_message(who: str) -> str:
+    """The one warning of a second backward through an already folded forward (empirical)."""
+    return (
+        f"{who}(fisher='empirical'): a second backward pass ran through a forward whose "
+        "gradients were already used; the curvature uses each forward's first backward "
+        "only. Sum the losses and call backward() once."
+    )
+
+
+def graph_backward_message(who: str) -> str:
+    """The one warning of a ``create_graph=True`` backward through the model (empirical)."""
+    return (
+        f"{who}(fisher='empirical'): a backward with create_graph=True (e.g. a gradient "
+        "penalty) ran through the model: the statistics then include the gradients at the "
+        "layer outputs of everything your backward() differentiates, not of loss_func "
+        "alone. Use fisher='mc' or 'type-2' for the curvature of loss_func."
+    )
+
+
+def no_root_message(who: str, fisher: str, model: object) -> str:
+    """The one warning when layers ran but the optimizer's model never did (pulls)."""
+    return (
+        f"{who}(fisher={fisher!r}): the layers ran but the model the optimizer was built "
+        f"on ({type(model).__name__}) was never called, so no curvature backward ran. "
+        "Build the optimizer on the module you call (e.g. KFAC(self.net) when "
+        "training_step calls self.net(x)), or call that model."
+    )
+
+
+def replaced_message(who: str, names: List[str]) -> str:
+    """The error for model parameters that are no longer the tensors the optimizer holds."""
+    return (
+        f"{who}: the model's parameters {names} are not the tensors the optimizer was built "
+        "with (replaced, e.g. by load_state_dict(..., assign=True) or by assigning a new "
+        "nn.Parameter or module): the optimizer would update the old tensors and these "
+        "would never train. Build the optimizer after replacing them, or load weights "
+        "with load_state_dict() without assign=True (it copies into the parameters)."
     )

@@ -121,6 +121,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
     diagonal_suffix = "diag"
     #: Tied layers: the exact diagonal of the summed gradients (one block per group).
     _tied_diagonal = True
+    _per_sample_statistics = True
 
     def _reset_curvature(self) -> None:
         self._diagonals = {}

@@ -67,6 +67,29 @@ class ParamGroups:
         if hasattr(self, "_covered"):  # a group added after construction
             self._report_uncovered([names[p] for p in params if isinstance(p, Tensor)])
 
+    def _layer_damping(self, layer: str, param: Tensor) -> float:
+        """The damping of ``param``'s group (a Kronecker block's), after checking that the
+        other parameters of ``layer`` that the optimizer holds are in groups of the same
+        damping (the block has one): a ``ValueError`` otherwise, never one ignored silently
+        (``update_rule="quadratic"``: not checked, its 2x2 model adds each position's).
+        """
+        damping = self._group_damping(param)
+        module, rule = self._layers.get(layer, (None, None))
+        if module is None or self.config.update_rule == "quadratic":  # (its 2x2 model
+            return damping  # takes each position's group damping: none ignored)
+        own = dict(module.named_parameters())
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        params = [own[n] for n in rule.param_names(module) if n in own and id(own[n]) in held]
+        values = {self._group_damping(p) for p in params} | {damping}
+        if len(values) > 1:
+            raise ValueError(
+                f"{type(self).__name__}: the parameters of layer {layer!r} are in param "
+                f"groups of different damping {sorted(values)}, but its Kronecker block has "
+                "one damping (it would take the weight's and ignore the others'). Put the "
+                "layer's weight and bias in groups of the same damping."
+            )
+        return damping
+
     def _check_coverage(self) -> None:
         self._covered = set(self._covered_names())
         self.uncovered: List[str] = []

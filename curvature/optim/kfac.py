@@ -476,7 +476,10 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         keys = sorted(self._blocks, key=repr)
         local = [k for k in keys if self._by_cholesky(self._blocks[k])]
         shared = [k for k in keys if k not in local]
-        damping_of = {self._blocks[k]: self._block_damping(k) for k in keys}
+        # (each layer's groups checked for one damping here, at a refresh: not per step)
+        damping_of = {
+            self._blocks[k]: self._layer_damping(k[0], self._block_param[k]) for k in keys
+        }
         deferred = self._reads.tensors(self._collector.stats)
         waiting, flags = waiting_flags([*self._blocks.values(), *self._diag.values()])
         also = deferred + flags
@@ -594,3 +597,4 @@ class EKFAC(KFAC):
     """
 
     block_type = EigenCorrectedBlock
+    _per_sample_statistics = True

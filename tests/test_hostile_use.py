@@ -1,0 +1,123 @@
+"""Ordinary but hostile uses that were silently wrong: now a clear error.
+
+- A Kronecker block has one damping: a layer whose weight and bias are in param groups
+  of different damping took the weight's and ignored the bias group's.
+- Parameters replaced after the optimizer was built (``load_state_dict(assign=True)``, a
+  new ``nn.Parameter`` or module): the optimizer updated the old tensors, the model's
+  never trained.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+
+OPTIMIZERS = [curvature.KFAC, curvature.EKFAC, curvature.DiagonalNaturalGradient]
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def step(model, opt):
+    X, y = data()
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(X), y).backward()
+    opt.step()
+
+
+def split_groups(model, d_weight, d_bias):
+    weights = [m.weight for m in model if isinstance(m, nn.Linear)]
+    biases = [m.bias for m in model if isinstance(m, nn.Linear)]
+    return [{"params": weights, "damping": d_weight}, {"params": biases, "damping": d_bias}]
+
+
+@pytest.mark.parametrize("opt_cls", [curvature.KFAC, curvature.EKFAC])
+def test_a_layer_in_groups_of_different_damping_is_refused(opt_cls):
+    model = mlp()
+    opt = opt_cls(model, lr=1e-2, param_groups=split_groups(model, 1e-1, 1e-4))
+    with pytest.raises(ValueError, match=r"layer '0' are in param groups of different damping"):
+        step(model, opt)
+
+
+@pytest.mark.parametrize("opt_cls", [curvature.KFAC, curvature.EKFAC])
+def test_a_layer_in_groups_of_equal_damping_trains_as_one_group(opt_cls):
+    """Weight and bias in two groups of the same damping (other lr): the same block."""
+    a, b = mlp(), mlp()
+    groups = split_groups(a, 1e-2, 1e-2)
+    groups[1]["lr"] = 1e-2
+    opt_a = opt_cls(a, lr=1e-2, param_groups=groups)
+    opt_b = opt_cls(b, lr=1e-2, damping=1e-2)
+    for _ in range(3):
+        step(a, opt_a)
+        step(b, opt_b)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_the_diagonal_honours_each_groups_damping():
+    """DiagonalNaturalGradient has no blocks across parameters: mixed groups are fine."""
+    model = mlp()
+    opt = curvature.DiagonalNaturalGradient(
+        model, lr=1e-2, param_groups=split_groups(model, 1e-1, 1e-4)
+    )
+    step(model, opt)
+
+
+def test_a_damping_changed_later_into_a_mismatch_is_refused_at_the_next_refresh():
+    model = mlp()
+    groups = split_groups(model, 1e-2, 1e-2)
+    opt = curvature.KFAC(model, lr=1e-2, inverse_every=2, param_groups=groups)
+    step(model, opt)  # refresh at step 0
+    opt.param_groups[1]["damping"] = 1e-4
+    step(model, opt)  # no refresh: the block still has its damping of step 0
+    with pytest.raises(ValueError, match="different damping"):
+        step(model, opt)  # refresh
+
+
+@pytest.mark.parametrize("opt_cls", OPTIMIZERS)
+def test_parameters_replaced_by_load_state_dict_assign_are_refused(opt_cls):
+    model = mlp()
+    opt = opt_cls(model, lr=1e-2, damping=1e-3)
+    step(model, opt)
+    state = {k: v.clone() for k, v in mlp().state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias', '2.weight', '2.bias'\] are not"):
+        step(model, opt)
+
+
+@pytest.mark.parametrize("opt_cls", OPTIMIZERS)
+def test_a_new_parameter_or_module_is_refused(opt_cls):
+    model = mlp()
+    opt = opt_cls(model, lr=1e-2, damping=1e-3)
+    model[2].weight = nn.Parameter(model[2].weight.detach().clone())
+    with pytest.raises(ValueError, match=r"\['2.weight'\] are not the tensors"):
+        step(model, opt)
+    model = mlp()
+    opt = opt_cls(model, lr=1e-2, damping=1e-3)
+    model[2] = nn.Linear(5, 3)
+    with pytest.raises(ValueError, match=r"\['2.weight', '2.bias'\] are not the tensors"):
+        step(model, opt)
+
+
+@pytest.mark.parametrize("opt_cls", OPTIMIZERS)
+def test_load_state_dict_without_assign_keeps_training(opt_cls):
+    """The ordinary load copies into the parameters: the same run as from those values."""
+    a, b = mlp(), mlp()
+    start = {k: v + 0.1 for k, v in a.state_dict().items()}
+    opt_a = opt_cls(a, lr=1e-2, damping=1e-3)
+    a.load_state_dict(start)
+    b.load_state_dict(start)
+    opt_b = opt_cls(b, lr=1e-2, damping=1e-3)
+    for _ in range(3):
+        step(a, opt_a)
+        step(b, opt_b)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q)

@@ -328,7 +328,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         return out
 
     def watch_accumulation(self, callback: Callable[[], Any]) -> None:
-        """Call ``callback()`` when a backward accumulates a captured layer's ``.grad``.
+        """Call ``callback(param)`` when a backward accumulates a captured layer's ``.grad``.
 
         Post-accumulate-grad hooks on the layers' trainable parameters (removed by
         :meth:`remove_hooks`); ``callback`` is a bound method, held weakly. A
@@ -339,7 +339,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         def hook(param: Tensor) -> None:
             fn = method()
             if fn is not None:
-                fn()
+                fn(param)
 
         seen = set()
         for _, module, _ in self.layers:

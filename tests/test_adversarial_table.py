@@ -1438,6 +1438,49 @@ def _discarded(est):
     exact(est, mlp(), ce(), *batch(), train=train)
 
 
+@row(
+    "backward-discarded-by-model-zero_grad",
+    "An extra forward/backward (validation gradient) cleared by `model.zero_grad()`, "
+    "another optimizer's `zero_grad()` or `p.grad = None` instead of `optim.zero_grad()`",
+    "Exact: at the next forward a parameter that backward filled (its witness) has no "
+    "`.grad`, so its statistics go as with `optim.zero_grad()` (before, they stayed in the "
+    "step). Not seen: `model.zero_grad(set_to_none=False)` (zeroes in place).",
+    OPT + ("KFAC-mc", "DNG-mc"),
+    outcome="exact",
+)
+def _discarded_elsewhere(est):
+    X2, y2 = batch(7)
+    for clear in ("model", "params"):
+
+        def train(opt, model, loss_func, X, y, clear=clear):
+            opt.zero_grad()
+            loss_func(model(X2), y2).backward()
+            if clear == "model":
+                model.zero_grad()
+            else:
+                for p in model.parameters():
+                    p.grad = None
+            loss_func(model(X), y).backward()
+            opt.step()
+
+        if est.fisher == "mc":  # the draws of the discarded forward come first: the twin
+            twin = measure(est, mlp(), ce(), *batch(), train=_discarded_twin(X2, y2))
+            same_result(est, measure(est, mlp(), ce(), *batch(), train=train), twin)
+        else:
+            exact(est, mlp(), ce(), *batch(), train=train)
+
+
+def _discarded_twin(X2: Tensor, y2: Tensor) -> Callable[..., None]:
+    def train(opt, model, loss_func, X, y):  # the same loop with optim.zero_grad()
+        opt.zero_grad()
+        loss_func(model(X2), y2).backward()
+        opt.zero_grad()
+        loss_func(model(X), y).backward()
+        opt.step()
+
+    return train
+
+
 def _nan_batch() -> Tuple[Tensor, Tensor]:
     X, y = batch(6)
     X = X.clone()

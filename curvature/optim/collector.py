@@ -38,20 +38,22 @@ from ..losses import (
 from ..options import FisherType
 from ..sample_axis import by_forward, check_layer_samples, tag_forward
 from ..warn import warn
-from .coverage import graph_backward_message, late_backward_message, no_root_message
+from .coverage import no_root_message
 from .distributed import (
     Communicator,
     PendingReduction,
     finish_statistics_reduction,
     start_statistics_reduction,
 )
+from .empirical import EmpiricalSide
+from .grad_resets import GradientResets
 from .pending import PendingPulls, PendingStatistics, absorb, count_loss
 from .statistics import BatchContext, StepStatistics, normalize, promote
 
 Accumulate = Callable[..., None]
 
 
-class StatisticsCollector:
+class StatisticsCollector(EmpiricalSide):
     """Captures the model's forwards and turns them into one step's statistics.
 
     Args:
@@ -141,8 +143,8 @@ class StatisticsCollector:
         # automatic pulls wait for a backward through them; zero_grad() after it drops them
         self.unconfirmed = PendingPulls()
         self.confirming = self.pulls and auto_output and ddp is None
-        if self.confirming:
-            self.capture.watch_accumulation(self._accumulated)
+        self.resets = GradientResets()  # model.zero_grad() and the like: see there
+        self.capture.watch_accumulation(self._accumulated)
         if loss_func is not None:
             self.capture.watch_module(loss_func, end=self._output_seen)
         if fisher == FisherType.EMPIRICAL and isinstance(loss_func, nn.CrossEntropyLoss):
@@ -185,6 +187,10 @@ class StatisticsCollector:
             with self.capture.computing():
                 self.capture.take_pushed()
             self.discard()
+        if self.resets.reset():  # .grad reset since (model.zero_grad()): as zero_grad()
+            with self.capture.computing():
+                self.capture.take_pushed()
+            self.gradients_zeroed()
         # empirical: fold the calls whose backward already ran (bounded memory under
         # gradient accumulation); calls still waiting for their backward stay.
         if self.fisher == FisherType.EMPIRICAL:
@@ -247,29 +253,6 @@ class StatisticsCollector:
             if isinstance(output, Tensor) and output.numel() == 1 and output.requires_grad:
                 count_loss(self, output, values[0], self.forward_scale)  # once a backward comes
 
-    def _check_targets(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """Empirical Fisher, ``CrossEntropyLoss(reduction="mean")``: no ignored targets.
-
-        The mean then runs over the kept positions only, so the user's gradient is not
-        ``R(N) sum_n grad l_n`` and the statistics' scale would be wrong; the check is
-        read with the next flush's synchronization.
-        """
-        if self.closed or self.evaluating or module.reduction != "mean":
-            return
-        if not (self.due and self.model.training and torch.is_grad_enabled()):
-            return
-        values = list(args) + [kwargs[k] for k in ("input", "target") if k in kwargs]
-        target = values[1] if len(values) > 1 else None
-        if not isinstance(target, Tensor) or target.is_floating_point():
-            return
-        self.stats.require_false(
-            (target == module.ignore_index).any(),
-            f"{self.who}(fisher='empirical'): the targets contain "
-            f"ignore_index={module.ignore_index} with CrossEntropyLoss(reduction='mean'): the "
-            "loss is then a mean over the non-ignored entries only, which the empirical "
-            "statistics cannot scale. Use reduction='sum' (and divide the learning rate).",
-        )
-
     def settle(self) -> None:
         """Finish the curvature backward of a forward whose ``loss_func`` call never came.
 
@@ -322,9 +305,14 @@ class StatisticsCollector:
         """Where an automatic pull's statistics go: held until a backward reaches it."""
         return self.unconfirmed.new(self.projections is not None) if self.confirming else self.stats
 
-    def _accumulated(self, drop: bool = False) -> None:
-        """A backward accumulated gradients: the pulls it reached count (``drop``: the rest go)."""
-        self.unconfirmed.confirm(self.stats, self.projections, drop)
+    def _accumulated(self, param: Optional[Tensor] = None, drop: bool = False) -> None:
+        """A backward accumulated ``param.grad``: the pulls it reached count (``drop``: the
+        rest go); the first such parameter witnesses the step's gradients (grad_resets).
+        """
+        if param is not None:
+            self.resets.filled(param)
+        if self.confirming:
+            self.unconfirmed.confirm(self.stats, self.projections, drop)
 
     def gradients_zeroed(self) -> None:
         """``zero_grad()``: drop the statistics whose gradients were just zeroed.
@@ -334,6 +322,7 @@ class StatisticsCollector:
         comes after ``zero_grad()`` still counts). So do the quadratic rule's losses.
         """
         self.losses.clear()  # (their backward ran: a validation gradient, say)
+        self.resets.forget()
         if self.fisher == FisherType.EMPIRICAL:
             self.discard()
         elif self.confirming:
@@ -422,34 +411,6 @@ class StatisticsCollector:
         self._consume(self.capture.reached(take=not keep_calls), context, stats=stats)
         if isinstance(stats, PendingStatistics):
             stats.watch(output)  # after the pull, whose own backward would fire the hook
-
-    def consume_pushed(self) -> None:
-        """Fold the calls whose user backward committed (``"empirical"``) and flush."""
-        self._consume(self.capture.take_pushed(), "user")
-        self.warn_late()
-
-    def _committed(self, name: str, module: nn.Module, rule: Any, calls: list) -> None:
-        """A layer's gradients of the user's backward are complete: fold them now.
-
-        Inside the backward, while the layer inputs are still those of the forward (a
-        buffer refilled before the next micro-batch's forward does not matter); the
-        finiteness check waits for the next flush (one host synchronization).
-        """
-        self._consume([(name, module, rule, calls)], "user", flush=False)
-
-    def warn_late(self) -> None:
-        """One warning each for two kinds of backward the empirical statistics cannot split.
-
-        A second backward pass through a forward already folded; a ``create_graph=True``
-        pass through the model (a gradient penalty): the following ``backward()`` then
-        also carries the penalty's gradients at the layer outputs.
-        """
-        if self.capture.late_gradients and not self.late_warned:
-            self.late_warned = True
-            warn(late_backward_message(self.who))
-        if self.capture.graph_gradients and not self.graph_warned:
-            self.graph_warned = True
-            warn(graph_backward_message(self.who))
 
     def _consume(
         self,
@@ -594,4 +555,4 @@ class StatisticsCollector:
     def default_dtype(self) -> torch.dtype:
         """float64 for float64 models, else float32."""
         p = next((p for p in self.model.parameters() if p.requires_grad), None)
-        return torch.float64 if p is not None and p.dtype == torch.float64 else torch.float32
+        return torch.float64 if getattr(p, "dtype", None) == torch.float64 else torch.float32

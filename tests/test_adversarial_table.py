@@ -1963,6 +1963,65 @@ def _several_forwards(est):
     exact(est, mlp(), ce(), *batch(), train=train)
 
 
+@row(
+    "one-loss-over-several-forwards",
+    "One `loss_func` call on `torch.cat` of two forwards' outputs: "
+    "`loss_func(torch.cat([model(x1), model(x2)]), y)`",
+    "Warning (once) naming the loss's and the forward's sample counts and the way out (one "
+    "`loss_func` call per forward, losses summed): the first forward's curvature backward "
+    "ran from its own output when the second began, so the pulled Fisher types weight the "
+    "halves unequally (type-2 `G` at 2/3 of the union's). Empirical: exact (your "
+    "gradients).",
+    OPT + ("KFAC-mc",),
+    outcome="warning",
+)
+def _joined_outputs(est):
+    def train(opt, model, loss_func, X, y):
+        opt.zero_grad()
+        loss_func(torch.cat([model(X[:4]), model(X[4:])]), y).backward()
+        opt.step()
+
+    if est.fisher == "empirical":
+        exact(est, mlp(), ce(), *batch(), train=train)
+        return
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        measure(est, mlp(), ce(), *batch(), train=train)
+    hits = [r for r in rec if "outputs of several forwards" in str(r.message)]
+    assert len(hits) == 1 and "received 8 samples where this forward's output has 4" in str(
+        hits[0].message
+    )
+
+
+@row(
+    "user-torch-func-on-the-attached-model",
+    "Your own per-sample gradients of the model with `torch.func` "
+    "(`vmap(grad(loss of functional_call(model, ...)))`) between steps",
+    "Exact, no warning: forwards inside a `torch.func` transform are not recorded (before, "
+    "the next backward failed with functorch's 'tensor may have escaped' error, after a "
+    "wrong `create_graph` warning).",
+    OPT,
+)
+def _user_vmap(est):
+    from torch.func import functional_call, grad, vmap
+
+    def train(opt, model, loss_func, X, y):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p, x, t):
+            return loss_func(functional_call(model, p, (x[None],)), t[None])
+
+        vmap(grad(loss), in_dims=(None, 0, 0))(params, X, y)
+        train_step(opt, model, loss_func, X, y)
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        exact(est, mlp(), ce(), *batch(), train=train)
+    assert not [
+        r for r in rec if "curvature" in str(r.filename) or "create_graph" in str(r.message)
+    ]
+
+
 def _groups_of_damping(model: nn.Module, d_weight: float, d_bias: float) -> List[Dict[str, Any]]:
     weights = [m.weight for m in model if isinstance(m, nn.Linear)]
     biases = [m.bias for m in model if isinstance(m, nn.Linear)]

@@ -38,7 +38,7 @@ from ..losses import (
 from ..options import FisherType
 from ..sample_axis import by_forward, check_layer_samples, tag_forward
 from ..warn import warn
-from .coverage import no_root_message
+from .coverage import no_root_message, warn_joined_outputs
 from .distributed import (
     Communicator,
     PendingReduction,
@@ -127,6 +127,7 @@ class StatisticsCollector(EmpiricalSide):
         self.staged_rng: Optional[Tensor] = None
         self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
         self.late_warned = self.graph_warned = self.axis_warned = False
+        self.settled = self.cat_warned = False
         self.root_seen = False  # a forward of the model itself ran
         self.per_sample = False  # statistics of squared per-sample gradients
         self.serial = 0  # training forwards seen (Call.forward)
@@ -175,7 +176,7 @@ class StatisticsCollector(EmpiricalSide):
         self.root_seen = True
         if self.closed:
             return
-        if self.evaluating:
+        if self.evaluating or in_transform():  # (the user's own torch.func call)
             self.capture.recording = False
             return
         self.settle()  # the previous forward's loss_func call never came
@@ -199,12 +200,13 @@ class StatisticsCollector(EmpiricalSide):
         self.capture.recording = self.due and self.model.training
 
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.closed or self.evaluating:
+        if self.closed or self.evaluating or in_transform():
             return
         if not (self.due and self.model.training and torch.is_grad_enabled()):
             return
-        self.serial += 1  # the calls of this forward: its serial and N (sample_axis)
-        tag_forward(self.capture.calls.values(), self.serial, output)
+        if self.fisher == FisherType.EMPIRICAL:  # its calls: their forward and N (the
+            self.serial += 1  # user's backward may span forwards; pulls know their N)
+            tag_forward(self.capture.calls.values(), self.serial, output)
         if self.fisher == FisherType.FORWARD_ONLY:
             self._consume(self.capture.active(), None)
             self.capture.clear()
@@ -238,6 +240,8 @@ class StatisticsCollector(EmpiricalSide):
             return
         if self.staged is not None:  # the staged pull never happened, draws included
             self.generator.set_state(self.staged_rng)
+        if self.settled and not self.cat_warned:  # an earlier forward of this step pulled
+            self.cat_warned = warn_joined_outputs(self.who, values[0], self.waiting)
         self.staged, self.waiting, self.mode = None, None, "loss"
         self.pull(values[0], module, values[1], keep_calls=False, stats=self._auto_stats())
         self._launch_early()
@@ -265,6 +269,7 @@ class StatisticsCollector(EmpiricalSide):
         if output is None or self.closed or self.registered:
             self.staged = None
             return
+        self.settled = True  # a forward of this step pulled without its loss_func call
         if self.staged is not None:
             staged, self.staged = self.staged, None
             self.capture.clear()  # the staged forward's calls
@@ -446,8 +451,9 @@ class StatisticsCollector(EmpiricalSide):
     def _fold(self, name, module, rule, cs, context, stats) -> None:
         """Fold one forward's calls of a layer (:meth:`_consume`)."""
         ctx, with_g = self._prepare(module, rule, cs, context)
-        if with_g and (self.per_sample or not self.axis_warned):  # (curvature.sample_axis)
-            layer, user = (name, module, rule, cs), context == "user"
+        user = context == "user"
+        if with_g and (self.per_sample or (user and not self.axis_warned)):  # sample_axis
+            layer = (name, module, rule, cs)
             args = (self.who, self.fisher.value, self.per_sample, user, ctx.samples, layer)
             self.axis_warned = check_layer_samples(*args, self.axis_warned)
         term = self.term if self.registered else 0
@@ -522,6 +528,7 @@ class StatisticsCollector(EmpiricalSide):
         self.stats.take()
         self.registered = False
         self.term = 0
+        self.settled = False
         return out
 
     def _launch_early(self) -> None:
@@ -556,3 +563,10 @@ class StatisticsCollector(EmpiricalSide):
         """float64 for float64 models, else float32."""
         p = next((p for p in self.model.parameters() if p.requires_grad), None)
         return torch.float64 if getattr(p, "dtype", None) == torch.float64 else torch.float32
+
+
+def in_transform() -> bool:
+    """Inside a ``torch.func`` transform (``vmap``, ``grad``: the user's own per-sample
+    gradients of the model): its forwards are not recorded (their tensors cannot leave it).
+    """
+    return torch._C._are_functorch_transforms_active()

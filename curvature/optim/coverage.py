@@ -139,3 +139,24 @@ def replaced_message(who: str, names: List[str]) -> str:
         "would never train. Build the optimizer after replacing them, or load weights "
         "with load_state_dict() without assign=True (it copies into the parameters)."
     )
+
+
+def warn_joined_outputs(who: str, loss_input: object, output: object) -> bool:
+    """Warn (once: returns ``True``) when ``loss_func`` gets more samples than the forward's
+    ``output`` after an earlier forward of the step was pulled from its own output: one
+    loss over several forwards' outputs (``torch.cat`` of model calls), which the pulled
+    Fisher types weight unequally.
+    """
+    n = getattr(loss_input, "shape", ())[:1]
+    m = getattr(output, "shape", ())[:1]
+    if not n or not m or n[0] <= m[0]:
+        return False
+    warn(
+        f"{who}: loss_func received {n[0]} samples where this forward's output has {m[0]}, "
+        "after an earlier forward of this step whose loss_func call never came was pulled "
+        "from its own output: one loss over the outputs of several forwards (torch.cat of "
+        "model calls)? Those forwards are then weighted unequally in the curvature (two "
+        "halves: type-2 G at 2/3 of the union's). Call loss_func on each forward's output "
+        "and sum the losses."
+    )
+    return True

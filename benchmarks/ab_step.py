@@ -16,8 +16,9 @@ than two processes' times; the minimum and the first quartile are the steadiest 
 Workloads: ``fm`` (the Fashion-MNIST MLP of benchmarks/training.py, 784-256-10 at batch
 256), ``mlp`` (784-512-256-10 at batch 128, issue 17's), ``cnn`` (benchmarks/optim_step.py's
 CNN at batch 64), ``vgg`` (benchmarks/gpu.py's VGG at width 16, batch 32), ``resnet``
-(benchmarks/resnets.py's ResNet-18 with BatchNorm at width 16 on 1x28x28, batch 128);
-random inputs and labels. The image workloads use ``lr=1e-3, damping=0.1`` (the defaults diverge on
+(benchmarks/resnets.py's ResNet-18 with BatchNorm at width 16 on 1x28x28, batch 128),
+``tiny`` (that ResNet-18 at width 4, batch 4: every kernel tiny, so the step is the
+host's work, the proxy of a host-bound GPU step); random inputs and labels. The image workloads use ``lr=1e-3, damping=0.1`` (the defaults diverge on
 random labels, and skipped steps would time something else).
 """
 
@@ -65,6 +66,11 @@ def workload(name: str):
 
         model = ResNet18(num_classes=10, in_channels=1, width=16)
         return model, torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,)), images
+    if name == "tiny":  # the host's share: every kernel tiny (a GPU's host-bound case)
+        from resnets import ResNet18
+
+        model = ResNet18(num_classes=10, in_channels=1, width=4)
+        return model, torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,)), images
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -134,7 +140,9 @@ def quantiles(values: List[float]) -> Dict[str, float]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old", required=True, help="a checkout of the code to compare against")
-    p.add_argument("--workload", default="fm", choices=["fm", "mlp", "cnn", "vgg", "resnet"])
+    p.add_argument(
+        "--workload", default="fm", choices=["fm", "mlp", "cnn", "vgg", "resnet", "tiny"]
+    )
     p.add_argument("--optimizer", default="KFAC", help="KFAC, EKFAC, DiagonalNaturalGradient")
     p.add_argument("--periods", type=int, default=31)
     p.add_argument("--steps", type=int, default=20, help="steps per timed period")

@@ -18,8 +18,9 @@ Workloads: ``fm`` (the Fashion-MNIST MLP of benchmarks/training.py, 784-256-10 a
 CNN at batch 64), ``vgg`` (benchmarks/gpu.py's VGG at width 16, batch 32), ``resnet``
 (benchmarks/resnets.py's ResNet-18 with BatchNorm at width 16 on 1x28x28, batch 128),
 ``tiny`` (that ResNet-18 at width 4, batch 4: every kernel tiny, so the step is the
-host's work, the proxy of a host-bound GPU step); random inputs and labels. The image workloads use ``lr=1e-3, damping=0.1`` (the defaults diverge on
-random labels, and skipped steps would time something else).
+host's work, the proxy of a host-bound GPU step); random inputs and labels. The image
+workloads use ``lr=1e-3, damping=0.1`` (the defaults diverge on random labels, and
+skipped steps would time something else).
 """
 
 from __future__ import annotations

@@ -568,19 +568,8 @@ def diag_ggn(
         with cap.computing():  # diagonal goes into flat at once, its gradient after
             fold_layer(w, name, module, rule, calls)
 
-    passes = fisher_passes(
-        model,
-        loss_func,
-        data,
-        fisher,
-        mc_samples,
-        seed,
-        "diag_ggn",
-        True,
-        early,
-        large_gradient,
-        per_sample=True,
-    )
+    run = (model, loss_func, data, fisher, mc_samples, seed, "diag_ggn")
+    passes = fisher_passes(*run, chunked=True, fold=early, pays=large_gradient, per_sample=True)
     for w, cap in passes:
         sharing = cap.sharing()
         with cap.computing():

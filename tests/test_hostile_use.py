@@ -33,6 +33,15 @@ def step(model, opt):
     opt.step()
 
 
+def same_runs(a, opt_a, b, opt_b, steps: int = 3) -> None:
+    """Three steps of each model with its optimizer: equal parameters after them."""
+    for _ in range(steps):
+        step(a, opt_a)
+        step(b, opt_b)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def split_groups(model, d_weight, d_bias):
     weights = [m.weight for m in model if isinstance(m, nn.Linear)]
     biases = [m.bias for m in model if isinstance(m, nn.Linear)]
@@ -49,17 +58,14 @@ def test_a_layer_in_groups_of_different_damping_is_refused(opt_cls):
 
 @pytest.mark.parametrize("opt_cls", [curvature.KFAC, curvature.EKFAC])
 def test_a_layer_in_groups_of_equal_damping_trains_as_one_group(opt_cls):
-    """Weight and bias in two groups of the same damping (other lr): the same block."""
+    """Weight and bias in two groups of the same damping (each its own lr entry): the
+    same block as one group."""
     a, b = mlp(), mlp()
     groups = split_groups(a, 1e-2, 1e-2)
     groups[1]["lr"] = 1e-2
     opt_a = opt_cls(a, lr=1e-2, param_groups=groups)
     opt_b = opt_cls(b, lr=1e-2, damping=1e-2)
-    for _ in range(3):
-        step(a, opt_a)
-        step(b, opt_b)
-    for p, q in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(p, q)
+    same_runs(a, opt_a, b, opt_b)
 
 
 def test_the_diagonal_honours_each_groups_damping():
@@ -116,8 +122,4 @@ def test_load_state_dict_without_assign_keeps_training(opt_cls):
     a.load_state_dict(start)
     b.load_state_dict(start)
     opt_b = opt_cls(b, lr=1e-2, damping=1e-3)
-    for _ in range(3):
-        step(a, opt_a)
-        step(b, opt_b)
-    for p, q in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(p, q)
+    same_runs(a, opt_a, b, opt_b)

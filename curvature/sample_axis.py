@@ -23,8 +23,10 @@ break that, both ordinary:
 
 The Kronecker factors of KFAC (expand) need no per-sample gradients: under the pulled
 Fisher types they are normalized by the loss's samples and are not checked; under the
-empirical Fisher a layer's ``G`` is normalized by its own entries, which
-:func:`normalization_warning` reports once.
+empirical Fisher a layer whose rows fold ``K`` rows of each sample is normalized by its
+forward's samples (:func:`user_samples`: the factors of the same layer on ``[N, K,
+d]``), any other mismatch by the layer's own entries, which :func:`normalization_warning`
+reports once.
 """
 
 from __future__ import annotations
@@ -105,22 +107,33 @@ def sample_axis_message(who: str, name: str, n: int, samples: int, source: str) 
     )
 
 
+def user_samples(n: int, tag: Any) -> int:
+    """``N`` of a layer's contribution from the user's backward: its own ``n`` entries, or
+    its forward's ``N`` (``tag``: ``Call.forward``) where the layer's rows fold ``K > 1``
+    rows of each sample (``n = K N``): its empirical ``G`` then equals that of the same
+    layer on ``[N, K, d]`` (the Kronecker factors need no per-sample grouping).
+    """
+    N = None if tag is None else tag[1]
+    return N if N and n > N and n % N == 0 else n
+
+
 def normalization_warning(who: str, samples: int, layers: Sequence[Layer], source: str) -> bool:
     """Warn once (returns ``True``) if a layer's entries on its sample axis are not
-    ``samples``: KFAC's empirical ``G`` is normalized by the layer's own entries.
+    ``samples`` and not a multiple of them (:func:`user_samples`): KFAC's empirical ``G``
+    is then normalized by the layer's own entries.
     """
     for name, module, rule, calls in layers:
         for call in calls:
             n = rule.batch_size(module, call)
-            if n != samples:
+            if n != samples and user_samples(n, (0, samples)) != samples:
                 warn(
                     f"{who}(fisher='empirical'): layer {name!r} has {n} entries on its "
                     f"sample axis where {source} has {samples} samples: its G is "
                     f"normalized by its own {n}, {n}/{samples} times that of the loss's "
-                    "samples (a batch folded into rows, x.reshape(N * K, d), gives K times "
-                    "the G of the same layer on [N, K, d]). Keep the samples on axis 0 of "
-                    "every layer's input and of the loss input, or use fisher='mc' / "
-                    "'type-2', which normalize by the loss's samples."
+                    "samples (e.g. logits flattened to [N * T, C] while the layers see "
+                    "[N, T, ...]). Keep the samples on axis 0 of every layer's input and "
+                    "of the loss input, or use fisher='mc' / 'type-2', which normalize by "
+                    "the loss's samples."
                 )
                 return True
     return False
@@ -179,4 +192,5 @@ __all__ = [
     "normalization_warning",
     "sample_axis_message",
     "tag_forward",
+    "user_samples",
 ]

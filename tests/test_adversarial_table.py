@@ -1894,21 +1894,16 @@ def sets(N: int = 6) -> Tuple[Tensor, Tensor]:
     "layer, its rows, the samples and the way out (`[N, K, d]` inputs: the layer then shares "
     "its weight over `K`); their squares would miss the cross terms of one sample's rows. "
     "KFAC type-2 / mc and `kfac()`: exact, the factors of the same layer on `[N, K, d]` (the "
-    "clean twin). KFAC empirical: one warning that the layer's `G` is normalized by its own "
-    "rows (`K` times the twin's, checked).",
+    "clean twin); KFAC empirical too: the folded layer's `G` is normalized by its "
+    "forward's samples, not its `K N` rows (before, `K` times the twin's).",
     OPT + ("KFAC-mc", "EKFAC-mc", "DNG-mc") + FN,
     outcome="error",
 )
 def _folded_rows(est):
     X, y = sets()
-    if est.name in ("KFAC-type-2", "KFAC-mc", "kfac()"):
+    if est.name in ("KFAC-empirical", "KFAC-type-2", "KFAC-mc", "kfac()"):
         folded = measure(est, SetEncoder(True), ce(), X, y)
         same_result(est, folded, measure(est, SetEncoder(False), ce(), X, y), rtol=1e-12, atol=0)
-    elif est.name == "KFAC-empirical":
-        with pytest.warns(UserWarning, match="'enc' has 18 entries on its sample axis.* 6"):
-            folded = measure(est, SetEncoder(True), ce(), X, y)
-        twin = measure(est, SetEncoder(False), ce(), X, y)
-        close(folded.factors()["enc"][1], 3 * twin.factors()["enc"][1], "G, K times the twin's")
     elif est.kind == "per_sample_grads":
         refused_any = pytest.raises((ValueError, RuntimeError), match="different batch sizes")
         with refused_any:

@@ -130,12 +130,32 @@ def test_kfac_factors_of_folded_rows_equal_the_shared_layer(fisher):
         torch.testing.assert_close(a, b)
 
 
-def test_kfac_empirical_warns_once_about_folded_rows():
-    with pytest.warns(UserWarning, match="'enc' has 24 entries on its sample axis"):
-        opt = one_step(curvature.KFAC, SetNet(folded=True), "empirical")
-    # the warned scale: K times the G of the layer on [N, K, 5]
-    shared = one_step(curvature.KFAC, SetNet(folded=False), "empirical").factors()["enc"][1]
-    torch.testing.assert_close(opt.factors()["enc"][1], K * shared)
+def test_kfac_empirical_factors_of_folded_rows_equal_the_shared_layer(recwarn):
+    """The user's backward: the folded layer's G is normalized by its forward's samples
+    (the model output's 8, not its 24 rows): the factors of the layer on [N, K, 5], and
+    G the brute-force empirical ``1/N sum_n d_n^T d_n`` (``d_n [K, 4]``: sample n's loss
+    gradient at the layer's output, one sample at a time)."""
+    folded = one_step(curvature.KFAC, SetNet(folded=True), "empirical").factors()["enc"]
+    shared = one_step(curvature.KFAC, SetNet(folded=False), "empirical").factors()["enc"]
+    for a, b in zip(folded, shared):
+        torch.testing.assert_close(a, b)
+    assert not [w for w in recwarn if "sample axis" in str(w.message)]
+    x, y = set_data()
+    model, outs = SetNet(folded=False), []
+    model.enc.register_forward_hook(lambda m, i, o: (o.retain_grad(), outs.append(o))[-1] and None)
+    G = torch.zeros(4, 4)
+    for n in range(N):
+        outs.clear()
+        nn.functional.cross_entropy(model(x[n : n + 1]), y[n : n + 1]).backward()
+        d = outs[0].grad[0]
+        G += d.T @ d / N
+    torch.testing.assert_close(folded[1], G)
+
+
+def test_kfac_empirical_warns_once_about_flattened_logits():
+    with pytest.warns(UserWarning, match="G is normalized by its own 8, 8/32 times") as got:
+        lm_step(curvature.KFAC, "empirical")
+    assert len([w for w in got if "sample axis" in str(w.message)]) == 1
 
 
 def lm_step(opt_cls, fisher, flat=True):

@@ -36,7 +36,7 @@ from ..losses import (
     reduction_scale,
 )
 from ..options import FisherType
-from ..sample_axis import by_forward, check_layer_samples, tag_forward
+from ..sample_axis import by_forward, check_layer_samples, tag_forward, user_samples
 from ..warn import warn
 from .coverage import no_root_message, warn_joined_outputs
 from .distributed import (
@@ -476,7 +476,8 @@ class StatisticsCollector(EmpiricalSide):
                     (promote(g) * inv if inv != 1.0 else promote(g)).unsqueeze(0) for g in c.grads
                 ]
             reduction = getattr(self.loss_func, "reduction", "mean")
-            return BatchContext(rule.batch_size(module, cs[0]), reduction, 1.0, True), True
+            N = user_samples(rule.batch_size(module, cs[0]), cs[0].forward)
+            return BatchContext(N, reduction, 1.0, True), True
         if context is None:
             return BatchContext(rule.batch_size(module, cs[0])), False
         for c in cs:

@@ -292,7 +292,8 @@ class Capture(PerSampleQuantities, TracedCalls):
                 p if q is None else (q if p is None else p + q) for p, q in zip(c.pushed, c.pending)
             ]
             c.pending = [None] * len(c.pending)
-            done.append(c)
+            if all(g is not None for g in c.pushed[len(c.out_index) :]):  # the rule's inner
+                done.append(c)  # edges too (MHA's in-projections: after out_proj's params)
         callback = self._on_commit() if self._on_commit is not None else None
         if done and callback is not None:
             self._calls[name] = [c for c in self._calls[name] if c not in done]

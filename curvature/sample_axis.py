@@ -98,12 +98,13 @@ def sample_axis_message(who: str, name: str, n: int, samples: int, source: str) 
     return (
         f"{who}: layer {name!r} has {n} entries on its sample axis where {source} has "
         f"{samples} samples, so its rows are not the loss's samples (a batch folded into "
-        "rows, e.g. x.reshape(N * K, d) before the layer, or outputs flattened to "
-        "[N * T, C] before the loss) and per-sample quantities (Fisher / GGN diagonals, "
-        "EKFAC's eigenvalue corrections) would be silently wrong. Keep the samples on axis "
-        "0 of every layer's input and of the loss input: pass [N, K, d] to the layer (its "
-        "weight is then shared over K) and give the loss unflattened outputs (e.g. [N, C, T] "
-        "to CrossEntropyLoss). KFAC's Kronecker factors need no per-sample gradients."
+        "rows, e.g. x.reshape(N * K, d) before the layer, sequence-first [T, N, d] inputs, "
+        "or outputs flattened to [N * T, C] before the loss) and per-sample quantities "
+        "(Fisher / GGN diagonals, EKFAC's eigenvalue corrections) would be silently "
+        "wrong. Keep the samples on axis 0 of every layer's input and of the loss input: "
+        "pass [N, K, d] to the layer (its weight is then shared over K) and give the loss "
+        "unflattened outputs (e.g. [N, C, T] to CrossEntropyLoss). KFAC's Kronecker "
+        "factors need no per-sample gradients."
     )
 
 

@@ -2017,6 +2017,60 @@ def _user_vmap(est):
     ]
 
 
+@row(
+    "attention-under-the-empirical-fisher",
+    "`nn.MultiheadAttention` (self-attention, `batch_first` either way) trained with "
+    "`fisher='empirical'` (the optimizers' default)",
+    "Exact: one step equals that of the same attention written with four `nn.Linear` "
+    "projections. Before, the layer was committed when `out_proj`'s parameters "
+    "accumulated, the in-projections' gradients came later and were dropped: q / k / v "
+    "curvature exactly zero (a step of `1 / damping` times the gradient) and a wrong "
+    "warning about a second backward.",
+    OPT_EMP,
+)
+def _attention_empirical(est):
+    from test_attention_empirical import Attention, ExplicitAttention, one_step
+
+    for batch_first in (True, False):
+        model = Attention(batch_first)
+        twin = ExplicitAttention(model)
+        _OPEN.append(one_step(est.cls, model))
+        _OPEN.append(one_step(est.cls, twin))
+        after = torch.cat([twin.q.weight, twin.k.weight, twin.v.weight])
+        close(model.att.in_proj_weight, after, "in_proj_weight", rtol=1e-9, atol=1e-12)
+
+
+@row(
+    "transformer-layer-sequence-first",
+    "`nn.TransformerEncoderLayer` / `nn.TransformerDecoderLayer` with `batch_first=False` "
+    "(PyTorch's default)",
+    "Clear `ValueError` naming the layer and the way out (`batch_first=True`, the same "
+    "function and parameters, `[N, T, d]` inputs): its linear and norm layers see "
+    "`[T, N, d]`, whose axis 0 their rules would take as the batch (a Fisher diagonal "
+    "10-70% off and LayerNorm factors 16-99% off against the `batch_first=True` twin, "
+    "without an error, before).",
+    OPT + FN,
+    outcome="error",
+)
+def _sequence_first(est):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0).double()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.head = layer, nn.Linear(4, 3).double()
+
+        def forward(self, x):  # [N, T, 4]
+            return self.head(self.enc(x.transpose(0, 1)).mean(0))
+
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(5, 3, 4, generator=g, dtype=DT), torch.randint(0, 3, (5,), generator=g)
+    refused(
+        est, r"Layer 'enc' \(TransformerEncoderLayer\) runs sequence first", Model(), ce(), X, y
+    )
+
+
 def _groups_of_damping(model: nn.Module, d_weight: float, d_bias: float) -> List[Dict[str, Any]]:
     weights = [m.weight for m in model if isinstance(m, nn.Linear)]
     biases = [m.bias for m in model if isinstance(m, nn.Linear)]

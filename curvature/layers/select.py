@@ -91,6 +91,7 @@ def select_layers(
                 continue
             raise batchnorm_train_error(name, module)
         refuse_reparametrized(name, module)
+        refuse_sequence_first(name, module)
         rule = registered_rule(module)
         if rule is None:
             if not any(p.requires_grad for p in module.parameters(recurse=False)):
@@ -137,3 +138,29 @@ def refuse_reparametrized(name: str, module: nn.Module) -> None:
             "torch.nn.utils.parametrize.remove_parametrizations(module, 'weight')), or "
             "freeze the layer."
         )
+
+
+def refuse_sequence_first(name: str, module: nn.Module) -> None:
+    """A ``ValueError`` for ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``
+    with ``batch_first=False`` (PyTorch's default) and trainable parameters.
+
+    Its ``linear1``, ``linear2`` and norm layers then see ``[T, N, d]``, the batch on axis
+    1, while their rules read axis 0 as the batch: per-sample quantities, EKFAC's
+    corrections and the LayerNorm blocks would square and normalize over the wrong axis
+    without any error (a hostile-use audit: a Fisher diagonal 10-70% off, LayerNorm
+    factors 16-99% off against the ``batch_first=True`` twin).
+    """
+    kinds = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    attn = getattr(module, "self_attn", None)
+    if not isinstance(module, kinds) or not isinstance(attn, nn.MultiheadAttention):
+        return
+    if attn.batch_first or not any(p.requires_grad for p in module.parameters()):
+        return
+    raise ValueError(
+        f"Layer '{name}' ({type(module).__name__}) runs sequence first (batch_first=False, "
+        "PyTorch's default): its linear and norm layers see [T, N, d] inputs, the batch on "
+        "axis 1, while their rules take axis 0 as the batch, so per-sample quantities, "
+        "EKFAC and the LayerNorm blocks would be silently wrong. Build it with "
+        "batch_first=True (the same function and parameters) and pass [N, T, d] inputs, or "
+        "freeze it."
+    )

@@ -128,6 +128,7 @@ class StatisticsCollector(EmpiricalSide):
         self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
         self.late_warned = self.graph_warned = self.axis_warned = False
         self.settled = self.cat_warned = False
+        self.outside = False  # recording outside the user's torch.func transform
         self.root_seen = False  # a forward of the model itself ran
         self.per_sample = False  # statistics of squared per-sample gradients
         self.serial = 0  # training forwards seen (Call.forward)
@@ -176,7 +177,10 @@ class StatisticsCollector(EmpiricalSide):
         self.root_seen = True
         if self.closed:
             return
-        if self.evaluating or in_transform():  # (the user's own torch.func call)
+        if in_transform():  # the user's own torch.func call: nothing recorded until its end
+            self.outside, self.capture.recording = self.capture.recording, False
+            return
+        if self.evaluating:
             self.capture.recording = False
             return
         self.settle()  # the previous forward's loss_func call never came
@@ -200,7 +204,10 @@ class StatisticsCollector(EmpiricalSide):
         self.capture.recording = self.due and self.model.training
 
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.closed or self.evaluating or in_transform():
+        if in_transform():
+            self.capture.recording = self.outside and not self.closed
+            return
+        if self.closed or self.evaluating:
             return
         if not (self.due and self.model.training and torch.is_grad_enabled()):
             return

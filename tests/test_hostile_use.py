@@ -123,3 +123,26 @@ def test_load_state_dict_without_assign_keeps_training(opt_cls):
     b.load_state_dict(start)
     opt_b = opt_cls(b, lr=1e-2, damping=1e-3)
     same_runs(a, opt_a, b, opt_b)
+
+
+class RootScaleWithDropout(nn.Module):
+    """A learned scale directly on the model (as a ViT's ``pos_embedding``) and dropout."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.body = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.5), nn.Tanh(), nn.Linear(5, 3))
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+@pytest.mark.parametrize("opt_cls", OPTIMIZERS)
+def test_a_root_parameter_with_dropout_names_the_parameter(opt_cls):
+    """The root's own parameter has no layer rule: the whole model is replayed per sample
+    for it, which dropout forbids; the error names the parameter and the way out."""
+    model = RootScaleWithDropout()
+    opt = opt_cls(model, lr=1e-2, damping=1e-3)
+    with pytest.raises(RuntimeError, match=r"own parameters \['scale'\].*submodule of their own"):
+        step(model, opt)

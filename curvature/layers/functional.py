@@ -104,10 +104,18 @@ class FunctionalRule(LayerRule):
                     )(params, call.args, call.kwargs, tuple(grads))
             except RuntimeError as err:
                 if "random" in str(err).lower():
+                    own = [n for n, q in module.named_parameters(recurse=False) if q.requires_grad]
+                    why = (  # a container's own parameter: the whole container is replayed
+                        f" Its own parameters {own} (directly on it, beside its submodules) "
+                        "have no layer rule, so the whole module is replayed per sample for "
+                        "them: move them into a submodule of their own or freeze them."
+                        if own and any(True for _ in module.children())
+                        else ""
+                    )
                     raise RuntimeError(
                         f"{type(module).__name__} draws random numbers in its forward "
                         "(dropout in train mode?), so its per-sample gradients cannot be "
-                        "replayed. Put this module in eval mode, or give it a layer rule."
+                        "replayed. Put this module in eval mode, or give it a layer rule." + why
                     ) from err
                 raise
             for k, v in per_sample.items():

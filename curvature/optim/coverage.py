@@ -79,6 +79,11 @@ def report_uncovered(who: str, listed: List[str], unsupported: Unsupported, tied
 
     """
     diagonal = unsupported == Unsupported.DIAGONAL
+    grouped: dict = {}  # the parameters of one reason (a layer's) named together
+    for entry in listed:
+        head, sep, why = entry.partition(" (")
+        grouped.setdefault(sep + why if sep else id(entry), []).append(head if sep else entry)
+    listed = [", ".join(names) + (k if isinstance(k, str) else "") for k, names in grouped.items()]
     msg = f"{who}: no curvature rule covers [{', '.join(listed)}]; " + (
         "they are preconditioned by their per-sample Fisher diagonal."
         if diagonal
@@ -86,6 +91,8 @@ def report_uncovered(who: str, listed: List[str], unsupported: Unsupported, tied
     )
     if tied:
         msg += " " + tie_hint("use DiagonalNaturalGradient, or unsupported='diagonal'")
+    elif not diagonal and "more than an exact block takes" in msg:
+        msg += " unsupported='diagonal' preconditions them by their per-sample Fisher diagonal."
     if unsupported == Unsupported.ERROR:
         raise ValueError(msg.replace("they are updated", "pass unsupported='warn' to update them"))
     warn(msg)

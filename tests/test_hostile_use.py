@@ -139,10 +139,18 @@ class RootScaleWithDropout(nn.Module):
 
 
 @pytest.mark.parametrize("opt_cls", OPTIMIZERS)
-def test_a_root_parameter_with_dropout_names_the_parameter(opt_cls):
-    """The root's own parameter has no layer rule: the whole model is replayed per sample
-    for it, which dropout forbids; the error names the parameter and the way out."""
+def test_a_root_parameter_with_dropout_gets_the_plain_gradient(opt_cls):
+    """The root's own parameter has no layer rule: the whole model would be replayed per
+    sample for it, which dropout forbids. One warning names the parameter and the way
+    out; it takes the plain gradient, every layer keeps its curvature (before: an error
+    at the first step, "put this module in eval mode")."""
     model = RootScaleWithDropout()
     opt = opt_cls(model, lr=1e-2, damping=1e-3)
-    with pytest.raises(RuntimeError, match=r"own parameters \['scale'\].*submodule of their own"):
+    with pytest.warns(UserWarning, match=r"<model>: .*own parameters \['scale'\].*plain gradient"):
         step(model, opt)
+    before = model.scale.detach().clone()
+    step(model, opt)  # no second replay attempt, no error
+    grad = model.scale.grad.clone()
+    torch.testing.assert_close(model.scale.detach(), before - 1e-2 * grad)
+    if opt_cls is not curvature.DiagonalNaturalGradient:
+        assert set(opt.factors()) == {"body.0", "body.3"}

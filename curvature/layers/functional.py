@@ -19,6 +19,10 @@ from torch.utils._pytree import tree_flatten
 from .base import Call, LayerRule, replaying
 
 
+class ReplayRandomnessError(RuntimeError):
+    """A module replayed per sample draws random numbers (dropout in train mode)."""
+
+
 class FunctionalRule(LayerRule):
     """Per-sample gradients of a module's direct parameters via ``vmap(vjp)``.
 
@@ -112,7 +116,7 @@ class FunctionalRule(LayerRule):
                         if own and any(True for _ in module.children())
                         else ""
                     )
-                    raise RuntimeError(
+                    raise ReplayRandomnessError(
                         f"{type(module).__name__} draws random numbers in its forward "
                         "(dropout in train mode?), so its per-sample gradients cannot be "
                         "replayed. Put this module in eval mode, or give it a layer rule." + why

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ..capture import Capture
 from ..early_fold import FoldPlan, early_pays
+from ..layers import ReplayRandomnessError
 from ..losses import (
     backprop_sources,
     check_loss,
@@ -129,6 +130,7 @@ class StatisticsCollector(EmpiricalSide):
         self.late_warned = self.graph_warned = self.axis_warned = False
         self.settled = self.cat_warned = False
         self.outside = False  # recording outside the user's torch.func transform
+        self.unreplayable: set = set()  # layers whose per-sample replay draws random numbers
         self.root_seen = False  # a forward of the model itself ran
         self.per_sample = False  # statistics of squared per-sample gradients
         self.serial = 0  # training forwards seen (Call.forward)
@@ -471,7 +473,16 @@ class StatisticsCollector(EmpiricalSide):
         def emit(key, values, kinds, rows=0, owned=False, _ctx=ctx, _term=term):
             stats.add((*key, _term), values, kinds, _ctx, rows, owned)
 
-        self._accumulate()(name, module, rule, cs, with_g, emit)
+        try:
+            if name not in self.unreplayable:
+                self._accumulate()(name, module, rule, cs, with_g, emit)
+        except ReplayRandomnessError as err:  # a container's own parameters, dropout inside:
+            self.unreplayable.add(name)  # no statistics from now on (the plain gradient)
+            where = repr(name) if name else "<model>"
+            warn(
+                f"{self.who}: no curvature for layer {where}: {err} Until then they get the "
+                "plain gradient (lr, momentum, weight_decay)."
+            )
         for c in cs:  # this layer's g (and operands made of them) go now
             c.grads = c.plain = c.expanded = None
 

@@ -28,7 +28,7 @@ the local mean).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,7 @@ from ..blocks.gather import BlockGather
 from ..blocks.running import batched_ema
 from ..capture import compiled_wrapper, unwrap_model
 from ..foreach import FlatBuffer
+from ..layer_stats import block_name
 from ..layout import DeviceIndices, ParamLayout, ParamSharing
 from ..options import Unsupported
 from ..rng import SamplingGenerators
@@ -46,7 +47,7 @@ from ..warn import warn
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
-from .coverage import replaced_message
+from .coverage import no_statistics_message, replaced_message
 from .deferred import DeferredReads
 from .distributed import Communicator, check_not_sharded, flat_gradients, is_ddp
 from .groups import ParamGroups
@@ -237,6 +238,15 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         self._tied.sharing = ParamSharing(
             self.model, [(n, m, r.param_names(m)) for n, (m, r) in self._layers.items()]
         )
+
+    def _warn_missing(self, keys: List[Tuple[str, str]]) -> None:
+        """One warning (after the first step) for the blocks ``(layer, suffix)`` without
+        statistics, but those of layers the collector already reported (unreplayable).
+        """
+        names = [block_name(*k) for k in keys if k[0] not in self._collector.unreplayable]
+        if names and self.steps > 0 and not self._warned_missing:
+            self._warned_missing = True
+            warn(no_statistics_message(type(self).__name__, names))
 
     def _check_trainable(self) -> None:
         """Rebuild (and reset the curvature) when parameters were frozen or unfrozen; refuse

@@ -28,11 +28,9 @@ from ..layers.registry import library_method
 from ..layout import put, take
 from ..linalg import host_values
 from ..options import FisherType, KFACApproxType
-from ..warn import warn
 from .base import CurvatureOptimizer
 from .checkpoint import check_diagonal_state
 from .config import CurvatureConfig
-from .coverage import no_statistics_message
 from .deferred import read_flags, waiting_flags
 from .statistics import stat_dtype
 
@@ -166,10 +164,7 @@ class DiagonalNaturalGradient(CurvatureOptimizer):
 
     def _precondition(self, grads: Tensor, out: Optional[Tensor] = None) -> Tensor:
         have = {n for n, b in self._diagonals.items() if b.d is not None}
-        missing = [n for n in self._layers if n not in have]
-        if missing and self.steps > 0 and not self._warned_missing:
-            self._warned_missing = True
-            warn(no_statistics_message(type(self).__name__, missing))
+        self._warn_missing([(n, "") for n in self._layers if n not in have])
         blocks = [b for b in self._diagonals.values() if b.d is not None]
         flat = self._flat_diagonal(blocks, grads)
         dampings = {g["damping"] for g in self.param_groups}

@@ -61,7 +61,6 @@ from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
 from .base import CurvatureOptimizer
 from .config import CurvatureConfig, check_kfac_arguments
-from .coverage import no_statistics_message
 from .deferred import has_statistics, read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
 from .exact_layers import check_exact_layer_size, exact_layer_names
@@ -542,10 +541,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
 
     # -- preconditioning ------------------------------------------------------------------------
     def _precondition(self, grads: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        missing = [block_name(*k) for k in self._index if self._record(k) is None and self._uses(k)]
-        if missing and self.steps > 0 and not self._warned_missing:
-            self._warned_missing = True
-            warn(no_statistics_message(type(self).__name__, missing))
+        self._warn_missing([k for k in self._index if self._record(k) is None and self._uses(k)])
         mode = self.config.damping_mode.value
         indices, jobs = [], []  # every block's entries gathered and scattered at once
         for key, index in self._index.items():

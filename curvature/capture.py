@@ -284,9 +284,9 @@ class Capture(PerSampleQuantities, TracedCalls):
     def commit(self, name: str) -> None:
         """Commit the pending gradients of layer ``name``'s calls (see :meth:`watch_backward`)."""
         self._drain()
-        done = []
-        for c in self._calls.get(name, ()):
-            if c.pending is None or all(g is None for g in c.pending):
+        done, task = [], torch._C._current_graph_task_id()  # this backward's pass only: an
+        for c in self._calls.get(name, ()):  # autograd.grad pass never accumulates (its g go)
+            if c.pending is None or c.task != task or all(g is None for g in c.pending):
                 continue
             c.pushed = [
                 p if q is None else (q if p is None else p + q) for p, q in zip(c.pushed, c.pending)

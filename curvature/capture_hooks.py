@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .capture_traced import receive_pushed
@@ -43,8 +44,8 @@ def make_prehook(ref: weakref.ReferenceType[Any], box: HookedCall, j: int, outpu
         if cap is None or not cap.pushing:
             return None
         g = grad_outputs[output_nr]
-        if g is None:
-            return None
+        if g is None or batched(g):  # a batched backward (is_grads_batched: a Hessian
+            return None  # trace, a Laplacian) never accumulates into .grad
         call = box.call()
         if call is not None:  # handed out already (pending None): counted as late
             receive_pushed(cap, call, j, g)
@@ -54,6 +55,12 @@ def make_prehook(ref: weakref.ReferenceType[Any], box: HookedCall, j: int, outpu
         return None
 
     return prehook
+
+
+def batched(g: Tensor) -> bool:
+    """Whether ``g`` is a batched tensor of ``vmap`` or of ``is_grads_batched``'s engine."""
+    f = torch._C._functorch
+    return f.is_batchedtensor(g) or f.is_legacy_batchedtensor(g)
 
 
 def make_commit_hook(ref: weakref.ReferenceType[Any], name: str):

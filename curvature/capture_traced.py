@@ -190,4 +190,7 @@ def receive_pushed(cap: Any, call: Call, j: int, g: Tensor) -> None:
     if call.pending is None:  # handed out already: a second backward through it
         cap.late_gradients += 1
     else:  # this pass's gradient; committed when the layer's .grad accumulates
+        task = torch._C._current_graph_task_id()
+        if call.task != task:  # another pass (an autograd.grad one never commits): anew
+            call.pending, call.task = [None] * len(call.pending), task
         call.pending[j] = g

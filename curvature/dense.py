@@ -157,6 +157,15 @@ def empirical_fisher(model: nn.Module, loss_func: nn.Module, data: Data) -> Tens
     bs = batches(data)
 
     def block(layout, params, X, y):
+        w = getattr(loss_func, "weight", None)  # (a BCE weight per sample: [N, C])
+        if isinstance(w, Tensor) and w.dim() >= 2 and w.shape[0] == X.shape[0] > 1:
+            raise ValueError(
+                f"empirical_fisher: {type(loss_func).__name__}(weight=...) of shape "
+                f"{tuple(w.shape)} weights each sample, which this dense reference cannot "
+                "split per sample (it would broadcast every sample's loss over the batch). "
+                "Use curvature.per_sample_grads or diag_ggn(fisher='empirical'), which "
+                "split it, or weight=None with the weights in your own loss."
+            )
         g = _per_sample_grads(model, loss_func, layout, params, X, y)
         R = 1.0 / X.shape[0] if loss_func.reduction == "mean" else 1.0
         return R * g.T @ g

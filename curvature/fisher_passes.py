@@ -80,10 +80,9 @@ def fisher_passes(
         with capture(model) as cap, isolated(cap):
             out = model(X)
         require_tensor_output(out, caller)
-        if per_sample and out.dim():
-            check_sample_axis(
-                caller, out.shape[0], cap.active(), "the model output", independent=draws
-            )
+        if per_sample and out.dim():  # "kronecker": only layers coarser than the samples
+            axis = dict(independent=draws, finer_ok=per_sample == "kronecker")
+            check_sample_axis(caller, out.shape[0], cap.active(), "the model output", **axis)
         plan = None if fold is None else _plan(fold, pays, w, cap)
         ignored.append(ignored_targets(loss_func, y))
         many = out.dim() > 0 and math.prod(out.shape[1:]) * out.numel() > MAX_SOURCES_NUMEL

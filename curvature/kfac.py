@@ -69,7 +69,7 @@ from .options import (
     choice,
     renamed,
 )
-from .positionwise import fold_positions
+from .positionwise import fold_positions, model_layout
 from .warn import warn
 
 KFAC_APPROX = tuple(m.value for m in KFACApproxType)
@@ -370,7 +370,8 @@ def _kfac(
             fold_layer(w, name, module, rule, calls)
 
     run = (model, loss_func, data, fisher, mc_samples, seed, caller)
-    passes = fisher_passes(*run, fold=None if forward_only else early)
+    check = "kronecker" if model_layout(model) is None else False  # (position-wise: exact)
+    passes = fisher_passes(*run, fold=None if forward_only else early, per_sample=check)
     order: Dict[str, int] = {}
     for w, cap in passes:
         order = order or {name: i for i, (name, *_) in enumerate(cap.layers)}

@@ -21,8 +21,12 @@ break that, both ordinary:
   refuse it; the optimizers warn once (a sequence-level estimate can still
   precondition; it is not the Fisher of the loss's samples).
 
-The Kronecker factors of KFAC (expand) need no per-sample gradients: under the pulled
-Fisher types they are normalized by the loss's samples and are not checked; under the
+The Kronecker factors of KFAC need no per-sample gradients, but a layer sample that
+covers several loss samples (flattened logits of a model that mixes positions, a
+batch-free input broadcast over the batch) sums their type-2 columns or gradients before
+the outer product: ``kfac()`` refuses it and the optimizers warn once (the type-2 Fisher;
+a provably position-wise model, :func:`curvature.positionwise.model_layout`, is exact
+there). Folded rows are exact under the pulled Fisher types; under the
 empirical Fisher a layer whose rows fold ``K`` rows of each sample is normalized by its
 forward's samples (:func:`user_samples`: the factors of the same layer on ``[N, K,
 d]``), any other mismatch by the layer's own entries, which :func:`normalization_warning`
@@ -49,6 +53,7 @@ def check_sample_axis(
     independent: bool = False,
     strict: bool = True,
     quiet: bool = False,
+    finer_ok: bool = False,
 ) -> bool:
     """Check that every call of ``layers`` has ``samples`` entries on its sample axis.
 
@@ -61,6 +66,8 @@ def check_sample_axis(
             sample (``"mc"``, ``"rademacher"``): a layer with fewer entries passes.
         strict: Raise for a layer with fewer entries too (else one warning).
         quiet: No warning (one was given already); errors are still raised.
+        finer_ok: A layer with more entries passes (Kronecker factors: a folded layer's
+            rows are shared positions, normalized by the loss's samples).
 
     Returns:
         Whether it warned.
@@ -73,9 +80,11 @@ def check_sample_axis(
     for name, module, rule, calls in layers:
         for call in calls:
             n = rule.batch_size(module, call)
-            if n == samples or (n < samples and independent):
+            if n == samples or (n < samples and independent) or (n > samples and finer_ok):
                 continue
             if strict or n > samples:
+                if finer_ok:  # (n < samples: Kronecker factors of a coarser layer)
+                    raise ValueError(coarse_kronecker_message(who, name, n, samples, source))
                 raise ValueError(sample_axis_message(who, name, n, samples, source))
             if quiet:
                 continue
@@ -105,6 +114,20 @@ def sample_axis_message(who: str, name: str, n: int, samples: int, source: str) 
         "pass [N, K, d] to the layer (its weight is then shared over K) and give the loss "
         "unflattened outputs (e.g. [N, C, T] to CrossEntropyLoss). KFAC's Kronecker "
         "factors need no per-sample gradients."
+    )
+
+
+def coarse_kronecker_message(who: str, name: str, n: int, samples: int, source: str) -> str:
+    """The ``ValueError`` of ``kfac()`` for a layer coarser than the samples."""
+    return (
+        f"{who}: layer {name!r} has {n} entries on its sample axis where {source} has "
+        f"{samples} samples: each of its samples covers several of the loss's (outputs "
+        "flattened to [N * T, C] while the layers see [N, T, ...], or a batch-free input "
+        "broadcast over the batch), so their type-2 columns or gradients are summed before "
+        "the outer product and its Kronecker factors are wrong unless no position sees "
+        "another's. Give the loss unflattened outputs (e.g. [N, C, T] to "
+        "CrossEntropyLoss), or use fisher='mc', whose independent draws make the sums "
+        "unbiased."
     )
 
 
@@ -141,7 +164,14 @@ def normalization_warning(who: str, samples: int, layers: Sequence[Layer], sourc
 
 
 def check_layer_samples(
-    who: str, fisher: str, per_sample: bool, user: bool, pulled: int, layer: Layer, warned: bool
+    who: str,
+    fisher: str,
+    per_sample: bool,
+    user: bool,
+    pulled: int,
+    layer: Layer,
+    warned: bool,
+    positionwise: bool = False,
 ) -> bool:
     """An optimizer's check of one forward's calls of a layer: whether it has warned (now,
     or before: ``warned``, then only errors are raised).
@@ -150,14 +180,20 @@ def check_layer_samples(
     axis 0 of their forward's model output (``Call.forward``; untagged calls are not
     checked); else against ``pulled``, the samples of the pulled loss input.
     ``per_sample``: the optimizer squares per-sample gradients (:func:`check_sample_axis`,
-    a ``ValueError`` or one warning); else only the empirical ``G``'s normalization is
-    reported (:func:`normalization_warning`).
+    a ``ValueError`` or one warning); else (KFAC) a pulled type-2 layer coarser than the
+    samples warns once unless the model is ``positionwise``, and the empirical ``G``'s
+    normalization is reported (:func:`normalization_warning`).
     """
     calls = layer[3]
     N = (calls[0].forward or (0, None))[1] if user else pulled
-    if N is None or not (per_sample or user) or (warned and not per_sample):
+    if N is None or (warned and not per_sample):
         return warned
     where = "the model output" if user else "the loss input"
+    if not per_sample and not user:  # KFAC, pulled: type-2 columns summed over samples
+        if positionwise:  # (no position sees another's columns: exact)
+            return warned
+        kw = dict(independent=fisher != "type-2", strict=False, finer_ok=True)
+        return check_sample_axis(who, N, [layer], where, **kw)
     if not per_sample:
         return normalization_warning(who, N, [layer], where)
     draws = not user and fisher in ("mc", "rademacher")
@@ -190,6 +226,7 @@ __all__ = [
     "by_forward",
     "check_layer_samples",
     "check_sample_axis",
+    "coarse_kronecker_message",
     "normalization_warning",
     "sample_axis_message",
     "tag_forward",

@@ -2071,6 +2071,51 @@ def _sequence_first(est):
     )
 
 
+@row(
+    "monitoring-gradient-of-another-batch",
+    "A training-mode forward on another batch and `torch.autograd.grad` of its loss (a "
+    "gradient norm, `curvature.hessian_trace`) between `zero_grad()` and the training "
+    "forward",
+    "Exact: only backward passes that accumulate into `.grad` count (the graph task of "
+    "each pass is recorded); before, that batch's gradients entered the next backward's "
+    "statistics (6.9e-2 / 1.1e-1 parameter difference after one step, type-2 / empirical).",
+    OPT,
+)
+def _monitoring_gradient(est):
+    X2, y2 = batch(9)
+
+    def train(opt, model, loss_func, X, y):
+        opt.zero_grad()
+        torch.autograd.grad(loss_func(model(X2), y2), list(model.parameters()))
+        curvature.hessian_trace(loss_func(model(X2), y2), list(model.parameters()))
+        loss_func(model(X), y).backward()
+        opt.step()
+
+    exact(est, mlp(), ce(), *batch(), train=train)
+
+
+@row(
+    "laplacian-of-the-attached-model",
+    "`curvature.laplacian(model, x, method='autograd' | 'hutchinson')` (a PDE residual "
+    "monitored) between steps, on the model an optimizer is attached to",
+    "Exact: the batched backward passes of the Laplacian (`is_grads_batched`) leave "
+    "nothing in the optimizer; before, the next `step()` raised 'Batching rule not "
+    "implemented for aten::_foreach_norm' (the empirical Fisher).",
+    OPT,
+)
+def _laplacian_monitor(est):
+    g = torch.Generator().manual_seed(4)
+    Xl = torch.randn(5, 4, generator=g, dtype=DT)
+
+    def train(opt, model, loss_func, X, y):
+        for method in ("autograd", "hutchinson"):
+            kw = {"num_samples": 3} if method == "hutchinson" else {}
+            curvature.laplacian(model, Xl, method=method, **kw)
+        train_step(opt, model, loss_func, X, y)
+
+    exact(est, mlp(), ce(), *batch(), train=train)
+
+
 def _groups_of_damping(model: nn.Module, d_weight: float, d_bias: float) -> List[Dict[str, Any]]:
     weights = [m.weight for m in model if isinstance(m, nn.Linear)]
     biases = [m.bias for m in model if isinstance(m, nn.Linear)]

@@ -43,6 +43,10 @@ TORCH_PRIVATE = frozenset(
         # fused autograd function has no vmap rule, so it steps aside under one
         "_are_functorch_transforms_active",  # torch._C._are_functorch_transforms_active()
         "_nn",  # torch._C._nn
+        # whether a gradient is a batched tensor of vmap / is_grads_batched (no public test)
+        "_functorch",  # torch._C._functorch.is_batchedtensor / is_legacy_batchedtensor
+        # which backward pass a gradient belongs to (an autograd.grad pass never commits)
+        "_current_graph_task_id",  # torch._C._current_graph_task_id()
         # module hook dictionaries (registered hooks have no public listing)
         "_forward_hooks",  # nn.Module._forward_hooks
         "_forward_pre_hooks",  # nn.Module._forward_pre_hooks

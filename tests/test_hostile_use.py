@@ -158,3 +158,24 @@ def test_a_root_parameter_with_dropout_gets_the_plain_gradient(opt_cls):
     torch.testing.assert_close(model.scale.detach(), before - 1e-2 * grad)
     if opt_cls is not curvature.DiagonalNaturalGradient:
         assert set(opt.factors()) == {"body.0", "body.3"}
+
+
+def test_empirical_fisher_refuses_per_sample_bce_weights_and_keeps_class_weights():
+    """A BCE weight ``[N, C]`` was broadcast over every one-sample loss (the dense
+    reference 33% off with a mean, 17x with a sum); a weight ``[C]`` stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2)).double()
+    X = torch.randn(5, 4, dtype=torch.float64)
+    y = torch.randint(0, 2, (5, 2)).double()
+    per_sample = nn.BCEWithLogitsLoss(weight=torch.rand(5, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"weight=...\) of shape \(5, 2\) weights each sample"):
+        curvature.empirical_fisher(model, per_sample, (X, y))
+    w = torch.rand(2, dtype=torch.float64)
+    F = curvature.empirical_fisher(model, nn.BCEWithLogitsLoss(weight=w), (X, y))
+    grads = []
+    for n in range(5):  # R sum_n g_n g_n^T, g_n the gradient of sample n's loss alone
+        model.zero_grad()
+        nn.BCEWithLogitsLoss(weight=w)(model(X[n : n + 1]), y[n : n + 1]).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    G = torch.stack(grads)
+    torch.testing.assert_close(F, G.T @ G / 5)

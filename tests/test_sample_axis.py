@@ -222,3 +222,47 @@ def test_diagonal_several_forwards_in_one_backward_equal_the_union():
     for name in union:
         torch.testing.assert_close(union[name], split[name], rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(p_union, p_split, rtol=1e-5, atol=1e-7)
+
+
+class Broadcast(nn.Module):
+    """A layer fed a batch-free input broadcast over the batch (a learned context)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.ctx, self.head = nn.Linear(5, 4), nn.Linear(3, 4), nn.Linear(4, 3)
+        self.register_buffer("c", torch.randn(1, 3))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inp(x) + self.ctx(self.c)))
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "empirical"])
+def test_kfac_refuses_a_layer_coarser_than_the_samples(fisher):
+    """Its one row sums the samples' columns before the outer product (the ``ctx.bias``
+    block was 3.8x the exact one without an error); flattened logits of a model that
+    mixes positions alike (``TokenLM``: ``cumsum`` over positions)."""
+    x, y = set_data()
+    with pytest.raises(ValueError, match="'ctx' has 1 entries.* 8 samples: each of its"):
+        curvature.kfac(Broadcast(), nn.CrossEntropyLoss(), (x[:, 0], y), fisher=fisher)
+    t, u = lm_data()
+    with pytest.raises(ValueError, match="'emb' has 8 entries.* 32 samples: each of its"):
+        curvature.kfac(TokenLM(flat=True), nn.CrossEntropyLoss(), (t, u.reshape(-1)), fisher=fisher)
+
+
+def test_kfac_mc_of_flattened_logits_equals_the_unflattened_model():
+    """Independent draws per loss sample: no refusal, and the same factors as with
+    ``[N, C, T]`` logits (the same draws)."""
+    t, u = lm_data()
+    ce = nn.CrossEntropyLoss()
+    flat = curvature.kfac(TokenLM(flat=True), ce, (t, u.reshape(-1)), fisher="mc").factors
+    nct = curvature.kfac(TokenLM(flat=False), ce, (t, u), fisher="mc").factors
+    for name in flat:
+        for a, b in zip(flat[name], nct[name]):
+            torch.testing.assert_close(a, b)
+
+
+def test_kfac_optimizer_type2_warns_once_about_a_coarser_layer(recwarn):
+    lm_step(curvature.KFAC, "type-2")
+    hits = [w for w in recwarn if "sample axis" in str(w.message)]
+    assert len(hits) == 1 and "'emb' has 8 entries" in str(hits[0].message)

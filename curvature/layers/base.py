@@ -149,6 +149,8 @@ class Call:
     #: ``(serial, N)``: the optimizer's training forward that recorded the call and axis 0
     #: of that forward's model output (``None`` when not a tensor); set by its collector.
     forward: Optional[Tuple[int, Optional[int]]] = field(default=None, repr=False)
+    #: The autograd graph task (backward pass) whose gradients ``pending`` holds.
+    task: int = field(default=-1, repr=False)
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""

@@ -37,6 +37,7 @@ from ..losses import (
     reduction_scale,
 )
 from ..options import FisherType
+from ..positionwise import model_layout
 from ..sample_axis import by_forward, check_layer_samples, tag_forward, user_samples
 from ..warn import warn
 from .coverage import no_root_message, warn_joined_outputs
@@ -131,6 +132,8 @@ class StatisticsCollector(EmpiricalSide):
         self.settled = self.cat_warned = False
         self.outside = False  # recording outside the user's torch.func transform
         self.unreplayable: set = set()  # layers whose per-sample replay draws random numbers
+        self.tasks: set = set()  # graph tasks of this step's backward passes that accumulated
+        self.positionwise = model_layout(model) is not None  # (a token MLP: sample_axis)
         self.root_seen = False  # a forward of the model itself ran
         self.per_sample = False  # statistics of squared per-sample gradients
         self.serial = 0  # training forwards seen (Call.forward)
@@ -323,10 +326,11 @@ class StatisticsCollector(EmpiricalSide):
         """A backward accumulated ``param.grad``: the pulls it reached count (``drop``: the
         rest go); the first such parameter witnesses the step's gradients (grad_resets).
         """
-        if param is not None:
+        if param is not None:  # this pass accumulates: the pulls it reached count
             self.resets.filled(param)
+            self.tasks.add(torch._C._current_graph_task_id())
         if self.confirming:
-            self.unconfirmed.confirm(self.stats, self.projections, drop)
+            self.unconfirmed.confirm(self.stats, self.projections, drop, self.tasks)
 
     def gradients_zeroed(self) -> None:
         """``zero_grad()``: drop the statistics whose gradients were just zeroed.
@@ -460,11 +464,10 @@ class StatisticsCollector(EmpiricalSide):
     def _fold(self, name, module, rule, cs, context, stats) -> None:
         """Fold one forward's calls of a layer (:meth:`_consume`)."""
         ctx, with_g = self._prepare(module, rule, cs, context)
-        user = context == "user"
-        if with_g and (self.per_sample or (user and not self.axis_warned)):  # sample_axis
-            layer = (name, module, rule, cs)
+        if with_g and (self.per_sample or not self.axis_warned):  # (curvature.sample_axis)
+            layer, user = (name, module, rule, cs), context == "user"
             args = (self.who, self.fisher.value, self.per_sample, user, ctx.samples, layer)
-            self.axis_warned = check_layer_samples(*args, self.axis_warned)
+            self.axis_warned = check_layer_samples(*args, self.axis_warned, self.positionwise)
         term = self.term if self.registered else 0
         records = getattr(stats, "projections", self.projections)
         if records is not None and isinstance(context, BatchContext):
@@ -511,6 +514,7 @@ class StatisticsCollector(EmpiricalSide):
         self.warn_no_root()
         self.settle()  # a forward whose loss_func call never came
         self._accumulated(drop=True)  # a forward no backward reached does not count
+        self.tasks = set()  # (the step's accumulating backward passes)
         self.stats.flush()
         self.capture.clear()  # calls whose backward never came (or kept for registration)
 

@@ -4,15 +4,18 @@ The automatic curvature backward of ``"mc"`` / ``"type-2"`` / ``"rademacher"`` r
 the end of a training forward (or at the user's call of ``loss_func``), before the user's
 ``loss.backward()``. A forward that is never backpropagated (a training-accuracy or
 validation forward with gradients enabled) must not count: its statistics wait here
-until a backward (``loss.backward()`` or ``torch.autograd.grad``) reaches the tensor they
-were pulled from, which a hook on that tensor records.
+until a backward reaches the tensor they were pulled from, which a hook on that tensor
+records with the backward's graph task: they count once a backward that accumulates into
+``.grad`` reaches them (a ``torch.autograd.grad`` pass, e.g. a Hessian trace of a
+monitoring loss, never does).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional, Set
 
+import torch
 from torch import Tensor
 
 from .statistics import StepStatistics
@@ -22,40 +25,37 @@ class PendingStatistics(StepStatistics):
     """One automatic pull's statistics and quadratic-rule projections, until reached.
 
     Attributes:
-        reached: Whether a backward has passed through the pulled tensor since the pull.
+        reached_in: The graph task (backward pass) that last computed the pulled tensor's
+            gradient since the pull (``None``: none yet).
         projections: The pull's records for the plain-loop quadratic rule (``None``: off).
 
     """
 
     def __init__(self, projections: bool) -> None:
         super().__init__()
-        self.reached = False
+        self.reached_in: Optional[int] = None
         self.projections: Optional[List[Any]] = [] if projections else None
 
+    @property
+    def reached(self) -> bool:
+        """Whether a backward (any) has passed through the pulled tensor since the pull."""
+        return self.reached_in is not None
+
     def watch(self, tensor: Any) -> None:
-        """Set :attr:`reached` when a backward next computes the gradient of ``tensor``.
+        """Set :attr:`reached_in` whenever a backward computes the gradient of ``tensor``.
 
         Called after the pull (whose own batched backward would fire the hook); a tensor
         without a graph is never reached.
         """
         if isinstance(tensor, Tensor) and tensor.requires_grad:
-            when_reached(tensor, weakref.ref(self), lambda p: setattr(p, "reached", True))
+            ref = weakref.ref(self)
 
+            def hook(grad: Tensor) -> None:
+                pending = ref()
+                if pending is not None:
+                    pending.reached_in = torch._C._current_graph_task_id()
 
-def when_reached(tensor: Tensor, ref: Any, action: Callable[[Any], None]) -> None:
-    """Call ``action(ref())`` once, when a backward first computes ``tensor``'s gradient.
-
-    ``ref`` is a weak reference (or any callable returning the object, ``None`` when gone).
-    """
-    done = [False]
-
-    def hook(grad: Tensor) -> None:
-        target = ref()
-        if not done[0] and target is not None:
-            done[0] = True
-            action(target)
-
-    tensor.register_hook(hook)
+            tensor.register_hook(hook)
 
 
 class LossRecord:
@@ -122,12 +122,16 @@ class PendingPulls:
         self.items.append(pending)
         return pending
 
-    def confirm(self, stats: StepStatistics, records: Optional[List[Any]], drop: bool) -> None:
-        """Move the reached pulls into ``stats`` / ``records``; ``drop``: forget the rest."""
+    def confirm(
+        self, stats: StepStatistics, records: Optional[List[Any]], drop: bool, tasks: Set[int]
+    ) -> None:
+        """Move the pulls reached by one of the accumulating backward passes ``tasks`` into
+        ``stats`` / ``records``; ``drop``: forget the rest.
+        """
         for pending in self.items:
-            if pending.reached:
+            if pending.reached_in in tasks:
                 absorb(stats, records, pending)
-        self.items = [p for p in self.items if not (p.reached or drop)]
+        self.items = [p for p in self.items if not (p.reached_in in tasks or drop)]
 
     def forget_reached(self) -> None:
         """``zero_grad()``: the reached pulls' gradients were zeroed, so they do not count."""

@@ -24,6 +24,7 @@ from .layers.norm import batchnorm_train_error, uses_batch_statistics
 from .layout import ParamLayout
 from .losses import backprop_sources, check_loss
 from .products import HessianVectorProducts, ggn_vp, hvp
+from .warn import warn
 
 Data = Union[Tuple[Tensor, Tensor], Iterable[Tuple[Tensor, Tensor]]]
 
@@ -37,6 +38,25 @@ def batches(data: Data) -> List[Tuple[Tensor, Tensor]]:
         if not (isinstance(b, (tuple, list)) and len(b) == 2):
             raise ValueError(f"data must be (X, y) or an iterable of (X, y); batch {i} is not.")
     return [(b[0], b[1]) for b in out]
+
+
+def warn_random_forward(model: nn.Module, caller: str) -> None:
+    """One warning when ``model`` has dropout in train mode: each of the curvature
+    functions' forwards draws other masks (a dense GGN's Jacobian and loss Hessian come
+    from different ones), so the result is that of random, even inconsistent, masks.
+    """
+    drop = [n for n, m in model.named_modules() if isinstance(m, _DROPOUT) and m.training]
+    drop = [n for n in drop if model.get_submodule(n).p > 0]
+    if drop:
+        warn(
+            f"{caller}: dropout in train mode ({drop[:3]}{' ...' if len(drop) > 3 else ''}): "
+            "every forward draws new masks, so the curvature is that of random masks (the "
+            "dense references mix those of several forwards). Call model.eval() first for "
+            "the curvature of the model itself."
+        )
+
+
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 
 def empty_batch(X, y) -> bool:
@@ -75,6 +95,7 @@ def _accumulate(
     for name, module in model.named_modules():  # torch.func cannot update running stats
         if uses_batch_statistics(module):
             raise batchnorm_train_error(name, module)
+    warn_random_forward(model, "the dense references (ggn, hessian, fisher, ...)")
     layout = ParamLayout.of(model)
     params = trainable(model)
     bs = batches(data)

@@ -20,7 +20,7 @@ import math
 import torch
 
 from .capture import capture, isolated
-from .dense import batch_weights, batches, empty_batch
+from .dense import batch_weights, batches, empty_batch, warn_random_forward
 from .early_fold import FoldPlan, early_pays
 from .losses import (
     backprop_sources,
@@ -67,6 +67,7 @@ def fisher_passes(
     for the caller (:meth:`~curvature.capture.Capture.reached`; layers with a tied
     parameter always). Chunked pulls take nothing early (the calls serve every chunk).
     """
+    warn_random_forward(model, caller)
     draws = fisher in (FisherType.MC, FisherType.RADEMACHER)  # on out's device, seeded
     generator = SamplingGenerators(torch.Generator().manual_seed(seed)) if draws else None
     ignored, kw = [], dict(check_targets=False)

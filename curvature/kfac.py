@@ -479,6 +479,7 @@ def ekfac(
         "ekfac",
         large_factors,
     )
+    data = batches(data)  # two passes over it: a one-shot iterable is read once here
     approx = _kfac(
         model,
         loss_func,

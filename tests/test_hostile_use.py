@@ -179,3 +179,33 @@ def test_empirical_fisher_refuses_per_sample_bce_weights_and_keeps_class_weights
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     G = torch.stack(grads)
     torch.testing.assert_close(F, G.T @ G / 5)
+
+
+def test_the_curvature_functions_warn_about_dropout_in_train_mode():
+    """Each forward draws new masks (``ggn()`` took its Jacobian from one and its loss
+    Hessian from another: 17% off either mask's GGN): one warning per call names the
+    dropout and ``model.eval()``; in eval mode they are quiet and deterministic."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.5), nn.Tanh(), nn.Linear(5, 3))
+    X, y = data()
+    ce = nn.CrossEntropyLoss()
+    for fn in (curvature.ggn, curvature.kfac, curvature.diag_ggn):
+        with pytest.warns(UserWarning, match=r"dropout in train mode \(\['1'\]\).*model.eval"):
+            fn(model, ce, (X, y))
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        torch.testing.assert_close(
+            curvature.ggn(model, ce, (X, y)), curvature.ggn(model, ce, (X, y))
+        )
+
+
+def test_ekfac_reads_a_one_shot_iterable_once():
+    """``ekfac()`` passes over the data twice: a generator used to be empty the second
+    time ("the batch is empty"); now it is read once, the same as a list."""
+    model, ce = mlp(), nn.CrossEntropyLoss()
+    X, y = data()
+    batches_ = [(X[:4], y[:4]), (X[4:], y[4:])]
+    from_list = curvature.ekfac(model, ce, batches_).to_dense()
+    from_gen = curvature.ekfac(model, ce, (b for b in batches_)).to_dense()
+    torch.testing.assert_close(from_gen, from_list)

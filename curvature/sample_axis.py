@@ -113,7 +113,7 @@ def sample_axis_message(who: str, name: str, n: int, samples: int, source: str) 
         "wrong. Keep the samples on axis 0 of every layer's input and of the loss input: "
         "pass [N, K, d] to the layer (its weight is then shared over K) and give the loss "
         "unflattened outputs (e.g. [N, C, T] to CrossEntropyLoss). KFAC's Kronecker "
-        "factors need no per-sample gradients."
+        "factors of a folded layer need no per-sample gradients."
     )
 
 

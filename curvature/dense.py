@@ -45,8 +45,8 @@ def warn_random_forward(model: nn.Module, caller: str) -> None:
     functions' forwards draws other masks (a dense GGN's Jacobian and loss Hessian come
     from different ones), so the result is that of random, even inconsistent, masks.
     """
-    drop = [n for n, m in model.named_modules() if isinstance(m, _DROPOUT) and m.training]
-    drop = [n for n in drop if model.get_submodule(n).p > 0]
+    modules = model.named_modules()
+    drop = [n for n, m in modules if isinstance(m, _DROPOUT) and m.training and m.p > 0]
     if drop:
         warn(
             f"{caller}: dropout in train mode ({drop[:3]}{' ...' if len(drop) > 3 else ''}): "

@@ -149,7 +149,7 @@ def normalization_warning(who: str, samples: int, layers: Sequence[Layer], sourc
     for name, module, rule, calls in layers:
         for call in calls:
             n = rule.batch_size(module, call)
-            if n != samples and user_samples(n, (0, samples)) != samples:
+            if n % samples:  # (neither the samples nor K rows of each: user_samples)
                 warn(
                     f"{who}(fisher='empirical'): layer {name!r} has {n} entries on its "
                     f"sample axis where {source} has {samples} samples: its G is "
@@ -190,9 +190,9 @@ def check_layer_samples(
         return warned
     where = "the model output" if user else "the loss input"
     if not per_sample and not user:  # KFAC, pulled: type-2 columns summed over samples
-        if positionwise:  # (no position sees another's columns: exact)
-            return warned
-        kw = dict(independent=fisher != "type-2", strict=False, finer_ok=True)
+        if positionwise or fisher != "type-2":  # (no position sees another's columns;
+            return warned  # independent draws: unbiased)
+        kw = dict(strict=False, finer_ok=True)
         return check_sample_axis(who, N, [layer], where, **kw)
     if not per_sample:
         return normalization_warning(who, N, [layer], where)

@@ -77,10 +77,12 @@ class ParamGroups:
         module, rule = self._layers.get(layer, (None, None))
         if module is None or self.config.update_rule == "quadratic":  # (its 2x2 model
             return damping  # takes each position's group damping: none ignored)
-        own = dict(module.named_parameters())
-        held = {id(p) for g in self.param_groups for p in g["params"]}
-        params = [own[n] for n in rule.param_names(module) if n in own and id(own[n]) in held]
-        values = {self._group_damping(p) for p in params} | {damping}
+        own = [module.get_parameter(n) for n in rule.param_names(module)]
+        values = {  # the dampings of the groups holding the layer's parameters
+            g.get("factor_damping", g["damping"])
+            for g in self.param_groups
+            if any(p is q for p in g["params"] for q in own)
+        } | {damping}
         if len(values) > 1:
             raise ValueError(
                 f"{type(self).__name__}: the parameters of layer {layer!r} are in param "

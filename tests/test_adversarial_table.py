@@ -2168,6 +2168,37 @@ def _replaced(est):
         train_step(opt, model, ce(), *batch(1))
 
 
+@row(
+    "grad-scaler-not-given-to-the-optimizer",
+    "The AMP loop `scaler.scale(loss).backward(); scaler.step(optim); scaler.update()` "
+    "with a `torch.amp.GradScaler` not passed as `grad_scaler=`",
+    "Exact: the scaler hands its loss scale to `step()` (torch's protocol for optimizers "
+    "that unscale themselves), which unscales the gradients and the step's empirical "
+    "statistics; before, the empirical `G` carried the scale's square (`2^32` at the "
+    "default scale) and a KFAC step moved the weights by about `1e-9`. After "
+    "`scaler.unscale_(optim)` (clipping) one warning asks for `grad_scaler=`.",
+    OPT + SAMPLED,
+)
+def _scaler_not_given(est):
+    def train(opt, model, loss_func, X, y):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        if not scaler.is_enabled():  # pragma: no cover
+            pytest.skip("the CPU GradScaler is disabled in this torch")
+        opt.zero_grad()
+        scaler.scale(loss_func(model(X), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    if est.fisher in ("mc", "rademacher"):
+        same_result(
+            est,
+            measure(est, mlp(), ce(), *batch(), train=train),
+            measure(est, mlp(), ce(), *batch()),
+        )
+        return
+    exact(est, mlp(), ce(), *batch(), train=train)
+
+
 # -- the tests -------------------------------------------------------------------------------------
 def _params() -> List[Any]:
     out = []

@@ -47,6 +47,8 @@ TORCH_PRIVATE = frozenset(
         "_functorch",  # torch._C._functorch.is_batchedtensor / is_legacy_batchedtensor
         # which backward pass a gradient belongs to (an autograd.grad pass never commits)
         "_current_graph_task_id",  # torch._C._current_graph_task_id()
+        # GradScaler's scale tensor (get_scale() reads it on the host: a synchronization)
+        "_get_scale_async",  # torch.amp.GradScaler._get_scale_async()
         # module hook dictionaries (registered hooks have no public listing)
         "_forward_hooks",  # nn.Module._forward_hooks
         "_forward_pre_hooks",  # nn.Module._forward_pre_hooks

@@ -9,6 +9,7 @@ parameters. Its parts, one job each:
 - :mod:`.statistics`: one step's sums and their normalization;
 - :mod:`.distributed`: everything that crosses ranks;
 - :mod:`.updates`: momentum, weight decay, KL clipping, line search, damping adaptation;
+- :mod:`.amp`: a ``GradScaler``'s loss scale and inf check, handed to ``step()``;
 - the subclasses (:class:`~curvature.KFAC`, :class:`~curvature.EKFAC`,
   :class:`~curvature.DiagonalNaturalGradient`): the curvature blocks, how statistics fold
   into them, their refresh and the preconditioning.
@@ -18,11 +19,10 @@ into the running estimates every ``factor_every`` steps; refresh decompositions 
 ``inverse_every`` steps; precondition the flat gradient; update the parameters.
 
 For ``"empirical"`` the optimizer sees the user's gradients ``c grad l_n`` and assumes
-that the gradient accumulated in ``.grad`` (and averaged over the ``W`` ranks) is the
-gradient of ``loss_func`` over the union of the step's forwards, i.e. ``c = W R(N)``: a
-plain mean loss on one process; ``loss / k`` over ``k`` equal micro-batches; on ``W``
-ranks with batches ``N_r``, ``W / N * sum_n l_n`` on each rank (for equal ``N_r`` simply
-the local mean).
+that ``.grad`` (averaged over the ``W`` ranks) is the gradient of ``loss_func`` over the
+union of the step's forwards, i.e. ``c = W R(N)``: a plain mean loss on one process;
+``loss / k`` over ``k`` equal micro-batches; on ``W`` ranks with batches ``N_r``, ``W / N
+* sum_n l_n`` on each rank (for equal ``N_r`` the local mean).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from ..options import Unsupported
 from ..rng import SamplingGenerators
 from ..subnormals import flushing
 from ..warn import warn
+from .amp import scaled_step_skipped
 from .checkpoint import check_param_state, refuse
 from .collector import StatisticsCollector
 from .config import CurvatureConfig, check_hyperparameters
@@ -74,6 +75,9 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
     state methods.
     """
 
+    #: ``GradScaler.step(optim)`` hands the loss scale and its inf check to ``step()``
+    #: unless the scaler was given (as ``grad_scaler``: :mod:`.amp`)
+    _step_supports_amp_scaling = property(lambda self: self.config.grad_scaler is None)
     #: Whether the preconditioner ages between refreshes (``KFAC``, ``EKFAC``): then the
     #: config's ``stale_clip`` bounds the directions in between (:mod:`.stale_clip`).
     stale_inverses = False
@@ -172,10 +176,7 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         lambda self: self._reads.read_updates(),
         doc="Steps whose update was skipped (non-finite) for some parameter (a device read).",
     )
-
-    last_kl_scale = property(
-        lambda self: float(self._kl_scale), doc="The KL factor ``nu`` of the last update (a read)."
-    )
+    last_kl_scale = property(lambda self: float(self._kl_scale), doc="The last KL factor (a read).")
 
     # -- distributed -----------------------------------------------------------------------
     @property
@@ -194,10 +195,9 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
         return {} if self._comm is None else dict(self._comm.bytes)
 
     def _reseed(self) -> None:
-        """On several ranks: a sampling generator per (seed, step, rank).
-
-        Each rank draws its own MC labels / Rademacher signs, and a run resumed from a
-        ``state_dict`` saved on any one rank continues the same draws on every rank.
+        """On several ranks: a sampling generator per (seed, step, rank): each rank draws
+        its own MC labels / Rademacher signs, and a run resumed from a ``state_dict`` saved
+        on any one rank continues the same draws on every rank.
         """
         if self._comm is not None:
             mixed = ((self.config.seed * 1_000_003 + self.steps) * 4099 + self._comm.rank) % 2**62
@@ -340,15 +340,16 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
 
         ``line_search_grid`` takes the best grid point only if its loss is below the
         closure's loss, else keeps the parameters (``last_step_taken`` is ``False``).
-        These extra evaluations (and those of ``line_search_grid``, one per candidate
-        learning rate) only need the loss. A closure that accepts a ``backward`` keyword
-        (``def closure(backward=True): ...``) is called with ``backward=False`` for them
-        and may skip its ``loss.backward()``; a closure without it is called as it is
-        (its backward passes are then wasted work, and ``.grad`` after the step holds
-        the gradient at the last evaluated point).
+        These evaluations (one per candidate learning rate) only need the loss: a closure
+        with a ``backward`` keyword (``def closure(backward=True): ...``) is called with
+        ``backward=False`` for them (else as it is: wasted backward passes, and ``.grad``
+        after the step holds the gradient at the last evaluated point). Under
+        ``scaler.step(optim)`` the loss scale is handled here (:mod:`.amp`).
         """
         self.config.check_closure(closure)
         self._check_quadratic(closure or False)
+        if scaled_step_skipped(self, self._collector, self.config.update_rule == "quadratic"):
+            return None  # a GradScaler found inf gradients
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -40,6 +40,7 @@ from ..options import FisherType
 from ..positionwise import model_layout
 from ..sample_axis import by_forward, check_layer_samples, tag_forward, user_samples
 from ..warn import warn
+from .amp import ScalerSide
 from .coverage import no_root_message, warn_joined_outputs
 from .distributed import (
     Communicator,
@@ -55,7 +56,7 @@ from .statistics import BatchContext, StepStatistics, normalize, promote
 Accumulate = Callable[..., None]
 
 
-class StatisticsCollector(EmpiricalSide):
+class StatisticsCollector(EmpiricalSide, ScalerSide):
     """Captures the model's forwards and turns them into one step's statistics.
 
     Args:
@@ -122,13 +123,16 @@ class StatisticsCollector(EmpiricalSide):
         self.stats = StepStatistics()
         self.registered = False
         self.term = 0
-        self.forward_scale = 1.0
+        #: 1 / s^2 (0-d) for this step's empirical G-like sums: the loss scale ``s`` a
+        #: GradScaler handed to step() when it was not given as grad_scaler
+        self.amp_unscale: Optional[Tensor] = None
+        self._inverse_scale: Tuple[Any, int, Optional[Tensor]] = (None, -1, None)
         self.pending: Optional[PendingReduction] = None
         self.waiting: Optional[Any] = None  # a forward whose curvature backward is due
         self.staged: Optional[PendingStatistics] = None  # its output pull, until the loss
         self.staged_rng: Optional[Tensor] = None
         self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
-        self.late_warned = self.graph_warned = self.axis_warned = False
+        self.late_warned = self.graph_warned = self.axis_warned = self.amp_warned = False
         self.settled = self.cat_warned = False
         self.outside = False  # recording outside the user's torch.func transform
         self.unreplayable: set = set()  # layers whose per-sample replay draws random numbers
@@ -189,14 +193,6 @@ class StatisticsCollector(EmpiricalSide):
             self.capture.recording = False
             return
         self.settle()  # the previous forward's loss_func call never came
-        scale = self._loss_scale()
-        if scale < self.forward_scale:
-            # the grad scaler backed off: it found inf gradients and skipped step(), so the
-            # gradients of the forwards since the last step are discarded; so are their
-            # statistics (they count with the gradient they belong to)
-            with self.capture.computing():
-                self.capture.take_pushed()
-            self.discard()
         if self.resets.reset():  # .grad reset since (model.zero_grad()): as zero_grad()
             with self.capture.computing():
                 self.capture.take_pushed()
@@ -205,7 +201,6 @@ class StatisticsCollector(EmpiricalSide):
         # gradient accumulation); calls still waiting for their backward stay.
         if self.fisher == FisherType.EMPIRICAL:
             self.consume_pushed()
-        self.forward_scale = scale
         self.capture.recording = self.due and self.model.training
 
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -267,7 +262,7 @@ class StatisticsCollector(EmpiricalSide):
             self.sink["called"].append((values[0], module, values[1]))
         elif self.projections is not None and self.model.training and not self.evaluating:
             if isinstance(output, Tensor) and output.numel() == 1 and output.requires_grad:
-                count_loss(self, output, values[0], self.forward_scale)  # once a backward comes
+                count_loss(self, output, values[0], self.loss_scale)  # once a backward comes
 
     def settle(self) -> None:
         """Finish the curvature backward of a forward whose ``loss_func`` call never came.
@@ -352,13 +347,6 @@ class StatisticsCollector(EmpiricalSide):
             if self.staged is not None and self.staged.reached:
                 self.staged, self.waiting = None, None
                 self.capture.clear()
-
-    def _loss_scale(self) -> float:
-        """The AMP loss scale of the current forward (1 without a grad scaler)."""
-        scaler = self.grad_scaler
-        if scaler is not None and scaler.is_enabled():
-            return float(scaler.get_scale())
-        return 1.0
 
     # -- curvature backward --------------------------------------------------------------
     def register_output(
@@ -491,10 +479,11 @@ class StatisticsCollector(EmpiricalSide):
 
     def _prepare(self, module, rule, cs, context) -> Tuple[BatchContext, bool]:
         if context == "user":
-            inv = 1.0 / self.forward_scale
+            inv = self._inverse_loss_scale()
             for c in cs:
                 c.grads = [
-                    (promote(g) * inv if inv != 1.0 else promote(g)).unsqueeze(0) for g in c.grads
+                    (promote(g) if inv is None else promote(g) * inv.to(g.device)).unsqueeze(0)
+                    for g in c.grads
                 ]
             reduction = getattr(self.loss_func, "reduction", "mean")
             N = user_samples(rule.batch_size(module, cs[0]), cs[0].forward)
@@ -516,6 +505,9 @@ class StatisticsCollector(EmpiricalSide):
         self._accumulated(drop=True)  # a forward no backward reached does not count
         self.tasks = set()  # (the step's accumulating backward passes)
         self.stats.flush()
+        if self.amp_unscale is not None:  # a GradScaler's s, not given: 1 / s^2 now
+            self.stats.scale_empirical(self.amp_unscale)
+            self.amp_unscale = None
         self.capture.clear()  # calls whose backward never came (or kept for registration)
 
     def warn_no_root(self) -> None:

@@ -152,8 +152,10 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         param_groups (Sequence[dict] | None): Optional ``torch.optim``-style groups of
             the model's parameters with per-group ``lr``, ``damping``, ``momentum``,
             ``weight_decay``.
-        grad_scaler (torch.amp.GradScaler | None): A ``torch.amp.GradScaler`` whose loss
-            scale is removed from the empirical statistics.
+        grad_scaler (torch.amp.GradScaler | None): The ``torch.amp.GradScaler`` of the
+            loop (optional: ``scaler.step(optim)`` hands its scale to ``step()``; needed
+            after ``scaler.unscale_(optim)`` and for ``update_rule="quadratic"``; see
+            :mod:`curvature.optim.amp`).
         adaptive_damping (bool): Adapt ``damping`` by the Levenberg-Marquardt rule from
             the reduction ratio (default False; ``step`` then needs a closure; see
             :meth:`step`).

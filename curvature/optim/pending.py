@@ -13,7 +13,7 @@ monitoring loss, never does).
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Set
+from typing import Any, Callable, List, Optional, Set
 
 import torch
 from torch import Tensor
@@ -80,18 +80,22 @@ class LossRecord:
         self.weight: Optional[Tensor] = None
 
 
-def count_loss(owner: Any, output: Tensor, into: Tensor, scale: float = 1.0) -> None:
+def count_loss(
+    owner: Any, output: Tensor, into: Tensor, scale: Optional[Callable[[], Optional[Tensor]]] = None
+) -> None:
     """Append a :class:`LossRecord` of the scalar loss ``output`` to ``owner.losses`` once
     a backward reaches it (the plain-loop quadratic rule's loss; not a validation loss
-    with grad on), with the gradient that backward gives it (over ``scale``, the AMP loss
-    scale of its forward) as its weight; later backwards through it add theirs.
+    with grad on), with the gradient that backward gives it (over ``scale()``, the AMP
+    loss scale of that backward, a 0-d tensor or ``None``) as its weight; later
+    backwards through it add theirs.
     """
     record = LossRecord(output.detach().reshape(()), into)
     ref = weakref.ref(owner)
 
     def hook(grad: Tensor) -> None:
         w = grad.detach().reshape(())
-        w = w if scale == 1.0 else w / scale
+        s = None if scale is None else scale()
+        w = w if s is None else w / s.to(w.device)
         if record.weight is not None:
             record.weight = record.weight + w
             return

@@ -349,6 +349,26 @@ class StepStatistics:
         if len(flags) >= 64:
             flags[:] = [torch.stack(flags).any()]
 
+    def scale_empirical(self, factor: Tensor) -> None:
+        """Multiply the flushed ``G``-like sums of the empirical slots by the 0-d ``factor``
+        (on the device; ``A`` sums, which hold no gradients, stay).
+        """
+        places = [
+            (st, i)
+            for st in self.slots.values()
+            if st.empirical
+            for i, (v, k) in enumerate(zip(st.values, st.kinds))
+            if v is not None and k != "A"
+        ]
+        groups: Dict[Tuple[torch.device, torch.dtype], List[Tuple[StepStat, int]]] = {}
+        for st, i in places:
+            v = st.values[i]
+            groups.setdefault((v.device, v.dtype), []).append((st, i))
+        for (dev, dtype), where in groups.items():
+            products = torch._foreach_mul([st.values[i] for st, i in where], factor.to(dev, dtype))
+            for (st, i), v in zip(where, products):
+                st.values[i] = v
+
     def drop_queue(self) -> None:
         """Forget contributions that were queued but not flushed (after an error)."""
         self._queue = []

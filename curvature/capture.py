@@ -107,7 +107,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         self._pushing = True  # off while our own pulls run
         self._on_commit: Optional[Callable[..., Any]] = None
         self.late_gradients = 0  # gradients that reached a call after it was handed out
-        self.graph_gradients = 0  # gradients with a graph (a create_graph=True backward)
+        self.graph_gradients = 0  # committed calls a create_graph=True pass reached before
         self._init_traced()
 
     # -- hooks -------------------------------------------------------------------------
@@ -272,14 +272,11 @@ class Capture(PerSampleQuantities, TracedCalls):
         self._push = enabled
         self._on_commit = None if on_commit is None else weakref.WeakMethod(on_commit)
         _remove_handles(self._param_handles)
-        if not enabled:
-            return
         ref = weakref.ref(self)
-        for name, module, _ in self.layers:
-            for p in module.parameters():
-                if p.requires_grad:
-                    hook = make_commit_hook(ref, name)
-                    self._param_handles.append(p.register_post_accumulate_grad_hook(hook))
+        for name, module, _ in self.layers if enabled else ():
+            for p in (p for p in module.parameters() if p.requires_grad):
+                hook = make_commit_hook(ref, name)
+                self._param_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def commit(self, name: str) -> None:
         """Commit the pending gradients of layer ``name``'s calls (see :meth:`watch_backward`)."""
@@ -292,6 +289,8 @@ class Capture(PerSampleQuantities, TracedCalls):
                 p if q is None else (q if p is None else p + q) for p, q in zip(c.pushed, c.pending)
             ]
             c.pending = [None] * len(c.pending)
+            self.graph_gradients += c.graphed  # a create_graph pass reached it (a penalty;
+            c.graphed = False  # a monitoring loss's Hessian trace never commits)
             if all(g is not None for g in c.pushed[len(c.out_index) :]):  # the rule's inner
                 done.append(c)  # edges too (MHA's in-projections: after out_proj's params)
         callback = self._on_commit() if self._on_commit is not None else None

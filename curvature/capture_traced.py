@@ -185,8 +185,8 @@ def outside_graph(fn: Any, *args: Any) -> Any:
 
 def receive_pushed(cap: Any, call: Call, j: int, g: Tensor) -> None:
     """Keep the gradient ``g`` of the user's backward for output ``j`` of ``call``."""
-    if g.requires_grad:  # a create_graph=True pass (a gradient penalty, an HVP)
-        cap.graph_gradients += 1
+    if g.requires_grad:  # a create_graph=True pass (a gradient penalty, an HVP): counted
+        call.graphed = True  # if an accumulating backward commits the call (Capture.commit)
     if call.pending is None:  # handed out already: a second backward through it
         cap.late_gradients += 1
     else:  # this pass's gradient; committed when the layer's .grad accumulates

@@ -163,7 +163,10 @@ def _per_sample_grads(model, loss_func, layout, params, X, y) -> Tensor:
     def l_n(p, x, t):
         return loss_func(_forward(model, p, x.unsqueeze(0)), t.unsqueeze(0))
 
-    return _flat(layout, vmap(grad(l_n), in_dims=(None, 0, 0))(params, X, y), (X.shape[0],))
+    # randomness="different": each sample draws its own dropout mask, as in one batched
+    # forward (the caller warns about dropout in train mode)
+    per_sample = vmap(grad(l_n), in_dims=(None, 0, 0), randomness="different")
+    return _flat(layout, per_sample(params, X, y), (X.shape[0],))
 
 
 def empirical_fisher(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:

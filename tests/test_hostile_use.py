@@ -5,6 +5,8 @@
 - Parameters replaced after the optimizer was built (``load_state_dict(assign=True)``, a
   new ``nn.Parameter`` or module): the optimizer updated the old tensors, the model's
   never trained.
+- ``empirical_fisher`` of a model with dropout in train mode raised a raw ``vmap`` error.
+- A Hessian trace of a monitoring loss was reported as a gradient penalty.
 """
 
 import warnings
@@ -200,6 +202,28 @@ def test_the_curvature_functions_warn_about_dropout_in_train_mode():
         )
 
 
+def test_empirical_fisher_with_dropout_in_train_mode_draws_a_mask_per_sample():
+    """Before, ``torch.func.vmap`` refused the random op ("called random operation while
+    in randomness error mode"); now each sample draws its own mask, as in one batched
+    forward, with the dropout warning of the other functions: a PSD matrix whose masks
+    differ between samples (not the eval-mode one), and the eval-mode result unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.5), nn.Tanh(), nn.Linear(5, 3))
+    X, y = data()
+    ce = nn.CrossEntropyLoss()
+    with pytest.warns(UserWarning, match=r"dropout in train mode \(\['1'\]\)"):
+        F = curvature.empirical_fisher(model, ce, (X, y))
+    P = sum(p.numel() for p in model.parameters())
+    assert F.shape == (P, P) and bool(torch.isfinite(F).all())
+    assert float(torch.linalg.eigvalsh(F).min()) > -1e-6 * float(F.diagonal().max())
+    model.eval()
+    F_eval = curvature.empirical_fisher(model, ce, (X, y))
+    assert not torch.allclose(F, F_eval)
+    grads = curvature.per_sample_grads(model, ce, X, y)
+    flat = torch.cat([g.flatten(1) for g in grads.values()], 1)
+    torch.testing.assert_close(F_eval, flat.T @ flat / X.shape[0], rtol=1e-4, atol=1e-6)
+
+
 def test_ekfac_reads_a_one_shot_iterable_once():
     """``ekfac()`` passes over the data twice: a generator used to be empty the second
     time ("the batch is empty"); now it is read once, the same as a list."""
@@ -209,3 +233,27 @@ def test_ekfac_reads_a_one_shot_iterable_once():
     from_list = curvature.ekfac(model, ce, batches_).to_dense()
     from_gen = curvature.ekfac(model, ce, (b for b in batches_)).to_dense()
     torch.testing.assert_close(from_gen, from_list)
+
+
+@pytest.mark.parametrize("opt_cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_hessian_trace_of_a_monitoring_loss_is_no_gradient_penalty(opt_cls):
+    """``hutchinson_trace`` of a monitoring loss between steps (``create_graph`` passes
+    that never accumulate into ``.grad``) leaves the empirical statistics alone and, unlike
+    a gradient penalty, is not reported as one (before: a false ``create_graph=True``
+    warning at the next forward)."""
+    ce = nn.CrossEntropyLoss()
+    X, y = data()
+    runs = []
+    for monitor in (False, True):
+        model = mlp()
+        opt = opt_cls(model, loss_func=ce)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                step(model, opt)
+                if monitor:
+                    curvature.hutchinson_trace(ce(model(X), y), list(model.parameters()), 4)
+        assert not [r for r in rec if "create_graph" in str(r.message)]
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -151,6 +151,8 @@ class Call:
     forward: Optional[Tuple[int, Optional[int]]] = field(default=None, repr=False)
     #: The autograd graph task (backward pass) whose gradients ``pending`` holds.
     task: int = field(default=-1, repr=False)
+    #: A ``create_graph=True`` pass reached the call (its gradients have a graph).
+    graphed: bool = field(default=False, repr=False)
 
     def check_inputs_unchanged(self, module_name: str) -> None:
         """Raise if an input tensor was modified in place after it was recorded."""

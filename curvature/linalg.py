@@ -20,20 +20,6 @@ def symmetrize(M: Tensor) -> Tensor:
     return (M + M.transpose(-1, -2)).mul_(0.5)
 
 
-def kron(A: Tensor, B: Tensor) -> Tensor:
-    """Kronecker products ``A_i (x) B_i`` of two batches: ``[..., p, q]``, ``[..., r, s]``
-    to ``[..., p r, q s]``, entry ``(i r + k, j s + l) = A[i, j] B[k, l]``.
-
-    One broadcast product, for any strides (``torch.kron`` fails on a row-major and a
-    column-major operand together: ``torch.linalg.eigh``'s eigenvectors are column-major,
-    the copies of a padded decomposition's row-major).
-    """
-    p, q = A.shape[-2:]
-    r, s = B.shape[-2:]
-    out = A[..., :, None, :, None] * B[..., None, :, None, :]
-    return out.reshape(*out.shape[:-4], p * r, q * s)
-
-
 def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
     """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix (batched).
 
@@ -55,7 +41,7 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
     return res
 
 
-def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] = ()) -> List[Any]:
+def eighs(mats: Sequence[Tensor], names: Sequence[str], also=(), canonical=()) -> List[Any]:
     """:func:`eigh` of several matrices, with one host read for all of them.
 
     Every matrix is decomposed as it is symmetrized (non-finite entries zeroed first, so
@@ -67,7 +53,9 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
     join a larger size's call within :data:`PAD_EIGH_COST`.
 
     The values of the tensors ``also`` are appended to the returned list
-    (:func:`host_values`).
+    (:func:`host_values`). Where ``canonical[i]``, matrix ``i``'s eigenvectors of its
+    numerical null space (:func:`null_count`, read with the rest) are replaced by
+    :func:`canonical_null_basis` (not after a retry).
 
     Returns:
         Per matrix ``(evals, evecs)`` as from :func:`eigh`, or the ``RuntimeError`` that
@@ -85,23 +73,55 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also: Sequence[Tensor] =
         first.update(_first_eighs([mats[i] for i in idx], idx, sanitize=True))
     tried = [i for i in range(len(mats)) if first[i][2] is not None]
     results = [_finite_sum(t).isfinite() for i in tried for t in first[i][2]]
-    read = host_values(inputs + results + list(also))
-    ok_in, flags, extra = (
-        read[: len(mats)],
-        read[len(mats) : len(inputs) + len(results)],
-        read[len(inputs) + len(results) :],
-    )
+    nulls = [i for i in tried if i < len(canonical) and canonical[i]]
+    counts = [null_count(first[i][2][0]).reshape(-1) for i in nulls]
+    read = host_values(inputs + results + counts + list(also))
+    n_in, n_res = len(inputs), len(inputs) + len(results)
+    ok_in, flags, null_of = read[:n_in], read[n_in:n_res], dict(zip(nulls, read[n_res:]))
+    extra = read[n_res + len(counts) :]
     for i, name in enumerate(names):
         if not ok_in[i]:
             out[i] = RuntimeError(non_finite_message(f"eigh({name})"))
     for j, i in enumerate(tried):
         evals, evecs = first[i][2]
         if out[i] is None and flags[2 * j] and flags[2 * j + 1]:
-            out[i] = (evals.clamp_min(0).to(first[i][1]), evecs.to(first[i][1]))
+            evecs = evecs.to(first[i][1])
+            if max(null_of.get(i, [0])) > 1:  # (one null direction: unique up to its sign)
+                evecs = canonical_null_basis(evecs, null_of[i])
+            out[i] = (evals.clamp_min(0).to(first[i][1]), evecs)
     for i, (S, dtype, _) in first.items():
         if out[i] is None:
             out[i] = _eigh_retries(S, dtype, names[i])
     return out + extra
+
+
+#: Eigenvalues at most ``NULL_RTOL * n * eps * max(evals)`` make the numerical null space.
+NULL_RTOL = 4.0
+
+
+def null_count(evals: Tensor) -> Tensor:
+    """``[...]`` the number of eigenvalues (``[..., n]``) in the numerical null space."""
+    n = evals.shape[-1]
+    top = evals.amax(-1, keepdim=True).clamp_min(0)
+    return (evals <= NULL_RTOL * n * torch.finfo(evals.dtype).eps * top).sum(-1)
+
+
+def canonical_null_basis(evecs: Tensor, ks: Sequence[int]) -> Tensor:
+    """``evecs [..., n, n]`` (ascending eigenvalues) with the first ``k`` columns of each
+    matrix (``ks``: one per matrix), a basis ``Q_k`` of its null space, replaced by the
+    orthonormal basis of ``P R`` (``P = Q_k Q_k^T`` the projector onto that space, ``R [n,
+    k]`` a fixed seeded Gaussian), computed as ``Q_k U`` with ``U`` the QR factor of ``Q_k^T
+    R``: a function of the space alone (up to column signs), which a rounding change of
+    the matrix moves by as little (EKFAC's eigenbasis; ``eigh`` picks any basis there).
+    """
+    n, out = evecs.shape[-1], []
+    for Q, k in zip(evecs.reshape(-1, n, n), ks):
+        if k > 1:
+            R = torch.randn(n, k, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+            U = orthonormal_basis(Q[:, :k].mT @ R.to(Q.device, Q.dtype))  # (Q_k U: P R's)
+            Q = torch.cat([Q[:, :k] @ U, Q[:, k:]], dim=1)
+        out.append(Q)
+    return torch.stack(out).reshape(evecs.shape)
 
 
 def _finite_sum(t: Tensor) -> Tensor:
@@ -500,16 +520,6 @@ def spare(t: Optional[Tensor], shape, dtype: torch.dtype, device: torch.device) 
         and t.storage_offset() == 0
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     )
-
-
-def pi_factor(mean_a: Tensor, mean_g: Tensor) -> Tensor:
-    """The pi heuristic ``sqrt(mean eig(A) / mean eig(G))`` (Martens & Grosse, 2015).
-
-    Tikhonov damping of a Kronecker product splits ``lambda`` as
-    ``(A + pi sqrt(lambda) I) x (G + sqrt(lambda) / pi I)``. The means are the factors'
-    average eigenvalues (= average diagonal entries), batched over leading axes.
-    """
-    return (mean_a / mean_g.clamp_min(1e-30)).clamp_min(1e-30).sqrt()
 
 
 def damped_solve(M: Tensor, damping: float, v: Tensor) -> Tensor:

@@ -41,6 +41,22 @@ def union_batch(step: int, sizes=SIZES) -> Tuple[torch.Tensor, torch.Tensor]:
     return X, y
 
 
+def make_wide_model() -> nn.Module:
+    """12 inputs and 16 hidden units against 8 samples a step: the first refresh's
+    factors are rank-deficient (EKFAC's basis there: ``canonical_null_basis``).
+    """
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3)).to(torch.float64)
+
+
+def wide_batch(step: int, sizes=SIZES) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    N = sum(sizes)
+    return torch.randn(N, 12, generator=g, dtype=torch.float64), torch.randint(
+        0, 3, (N,), generator=g
+    )
+
+
 def rank_slice(rank: int, sizes=SIZES) -> slice:
     start = sum(sizes[:rank])
     return slice(start, start + sizes[rank])
@@ -68,10 +84,10 @@ def make_optimizer(cls_name: str, model, kwargs):
     return cls(model, **COMMON, loss_func=CE, **kwargs)
 
 
-def train(opt, model, steps, rank=None, start=0, nan_at=None):
+def train(opt, model, steps, rank=None, start=0, nan_at=None, batch=union_batch):
     """``steps`` steps; ``rank=None``: single process on the union batch."""
     for step in range(start, start + steps):
-        X, y = union_batch(step)
+        X, y = batch(step)
         opt.zero_grad()
         if rank is None:
             CE(model(X), y).backward()
@@ -95,6 +111,14 @@ def reference(name: str):
     model = make_model()
     opt = make_optimizer(cls_name, model, kwargs)
     train(opt, model, STEPS)
+    return _result(opt, model)
+
+
+def reference_wide():
+    """Single-process EKFAC on the wide model's union batches."""
+    model = make_wide_model()
+    opt = make_optimizer("EKFAC", model, dict(fisher="empirical"))
+    train(opt, model, STEPS, batch=wide_batch)
     return _result(opt, model)
 
 
@@ -182,6 +206,14 @@ def run_scenarios(rank: int, out_dir: str) -> Dict[str, object]:
         opt.close()
         dist.barrier()
 
+    # EKFAC with rank-deficient factors at its first refreshes
+    model = make_wide_model()
+    ddp = _wrap(model, True)
+    opt = make_optimizer("EKFAC", ddp, dict(fisher="empirical"))
+    train(opt, ddp, STEPS, rank=rank, batch=wide_batch)
+    results["ekfac-rank-deficient"] = _result(opt, model)
+    opt.close()
+
     # a NaN batch on rank 1: its statistics are skipped, the update is skipped on every
     # rank (the averaged gradient is NaN), the ranks stay identical and finite
     import warnings
@@ -216,7 +248,7 @@ def run_failure(rank: int, out_dir: str, mode: str) -> Dict[str, object]:
         def failing_eigh(M, name="matrix"):
             raise RuntimeError(f"eigh({name}) failed (injected on rank 1)")
 
-        def failing_eighs(mats, names, also=()):
+        def failing_eighs(mats, names, also=(), canonical=()):
             failed = [RuntimeError(f"eigh({n}) failed (injected on rank 1)") for n in names]
             return failed + curvature.linalg.host_values(list(also))
 

@@ -356,7 +356,7 @@ def test_kron_equals_torch_kron_for_every_layout(layout):
     for a column-major ``B`` beside a row-major ``A`` (``torch.kron`` raises on that mix:
     ``torch.linalg.eigh``'s eigenvectors beside a padded decomposition's copies) and a 1 x 1
     slice with odd strides; batched over a leading axis."""
-    from curvature.linalg import kron
+    from curvature.blocks.running import kron
 
     g = torch.Generator().manual_seed(0)
     A = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)

@@ -24,14 +24,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..linalg import damped_inverses, eigh, kron, pi_factor
+from ..linalg import damped_inverses, eigh
 from .carry import carried_corrections
 from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Record
 from .running import (
     RunningFactors,
     decay_constants,
     ema,
+    kron,
     mean_diagonal,
+    pi_factor,
     rounds_to_one,
     update_weight,
 )

@@ -30,8 +30,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..linalg import eigh_unchecked, eighs_unchecked, kron, pi_factor
-from .running import RunningFactors
+from ..linalg import eigh_unchecked, eighs_unchecked
+from .running import RunningFactors, kron, pi_factor
 
 TYPE = "OneSidedBlock"
 

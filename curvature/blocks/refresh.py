@@ -23,7 +23,7 @@ from ..linalg import (
     non_finite_message,
     spare,
 )
-from .kronecker import KroneckerBlock
+from .kronecker import EigenCorrectedBlock, KroneckerBlock
 from .onesided import OneSidedBlock, full_sides, install_sides
 from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
 from .sum import KroneckerSumBlock
@@ -195,12 +195,14 @@ def eigendecompositions(
                 out[b] = failure(b, str(err))
         else:
             single.append(b)
-    mats, names = [], []
+    mats, names, canonical = [], [], []
     for b in single:
         mats += [b.A, b.G]
         names += [f"A of '{b.label}'", f"G of '{b.label}'"]
+        # EKFAC's corrections depend on the basis within a null space: a canonical one
+        canonical += [isinstance(b, EigenCorrectedBlock)] * 2
     jobs, sides, side_names = full_sides(onesided)
-    results = eighs(mats + sides, names + side_names, also)
+    results = eighs(mats + sides, names + side_names, also, canonical)
     install_sides(jobs, results[len(mats) : len(mats) + len(sides)])
     results, extra = results[: len(mats)], results[len(mats) + len(sides) :]
     for i, b in enumerate(single):

@@ -187,3 +187,27 @@ class RunningFactors:
         """The host values of :meth:`flags`."""
         if self.fresh is not None and not values[0]:
             self.fresh = None
+
+
+def pi_factor(mean_a: Tensor, mean_g: Tensor) -> Tensor:
+    """The pi heuristic ``sqrt(mean eig(A) / mean eig(G))`` (Martens & Grosse, 2015).
+
+    Tikhonov damping of a Kronecker product splits ``lambda`` as
+    ``(A + pi sqrt(lambda) I) x (G + sqrt(lambda) / pi I)``. The means are the factors'
+    average eigenvalues (= average diagonal entries), batched over leading axes.
+    """
+    return (mean_a / mean_g.clamp_min(1e-30)).clamp_min(1e-30).sqrt()
+
+
+def kron(A: Tensor, B: Tensor) -> Tensor:
+    """Kronecker products ``A_i (x) B_i`` of two batches: ``[..., p, q]``, ``[..., r, s]``
+    to ``[..., p r, q s]``, entry ``(i r + k, j s + l) = A[i, j] B[k, l]``.
+
+    One broadcast product, for any strides (``torch.kron`` fails on a row-major and a
+    column-major operand together: the eigenvectors of ``eigh`` are column-major,
+    the copies of a padded decomposition's row-major).
+    """
+    p, q = A.shape[-2:]
+    r, s = B.shape[-2:]
+    out = A[..., :, None, :, None] * B[..., None, :, None, :]
+    return out.reshape(*out.shape[:-4], p * r, q * s)

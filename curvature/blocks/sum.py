@@ -23,10 +23,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..linalg import generalized_eigh, pi_factor
+from ..linalg import generalized_eigh
 from .kronecker import KroneckerBlock
 from .records import GeneralizedEigen, Record
-from .running import ema, mean_diagonal, update_weight
+from .running import ema, mean_diagonal, pi_factor, update_weight
 
 
 class KroneckerSumBlock:

@@ -514,28 +514,30 @@ def test_two_layer_lstm_in_eval_mode_is_exact():
     check_exact_block_optimizer(case, curvature.KFAC)
 
 
-def test_large_recurrent_layer_is_uncovered_with_a_warning():
+def test_large_recurrent_layer_gets_kronecker_blocks_over_time():
+    """Over an exact block's size, a recurrent layer's Linear sub-layers (``ih_l0``,
+    ``hh_l0``) get Kronecker factors shared over the time steps (before: no curvature, the
+    plain gradient). Exact where KFAC is: one datum, one time step (the GGN's block); and
+    DiagonalNaturalGradient's diagonal from them is the exact per-sample Fisher diagonal
+    over 6 steps (backpropagation through time, against a batch-of-one loop)."""
     case = Case("lstm-large", _large_lstm, _sequences(True), block="rnn")
     model, X, y = built(case)
-    with pytest.warns(UserWarning, match=r"'rnn' \(no Kronecker rule, 7200 parameters\)"):
-        curvature.kfac(model, SUM, (X, y))
-    with pytest.warns(
-        UserWarning,
-        match=r"'rnn\.weight_ih_l0' \(layer 'rnn' \(LSTM\) has no Kronecker rule and 7200 ",
-    ):
-        opt = step_once(curvature.KFAC, model, X, y)
-    ix = positions(model, "rnn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "uncovered" warning
+        factors = curvature.kfac(model, SUM, (X[:1, :1], y[:1])).factors
+    assert {"rnn.ih_l0", "rnn.hh_l0", "head"} == set(factors)
+    K = curvature.kfac(model, SUM, (X[:1, :1], y[:1]))
+    ggn = oracle_ggn(case, model, X[:1, :1], y[:1])
     layout = ParamLayout.of(model)
-    g = torch.randn(layout.numel)
-    d = layout.flatten(opt.inverse_matvec(layout.unflatten(g)))
-    torch.testing.assert_close(d[ix], g[ix])  # the plain gradient
-    opt.close()  # one optimizer on the model at a time
-    # unsupported="diagonal": the exact per-sample (empirical) Fisher diagonal
+    for sub in ("ih_l0", "hh_l0"):
+        ix = layout.index([f"rnn.weight_{sub}", f"rnn.bias_{sub}"])
+        torch.testing.assert_close(K.to_dense()[ix][:, ix], ggn[ix][:, ix], atol=1e-10, rtol=1e-8)
+    ix = positions(model, "rnn")
     diag = flat_grads(oracle_grads(case, model, X, y)).pow(2).sum(0)
-    with pytest.warns(UserWarning, match="per-sample Fisher diagonal"):
-        opt = step_once(curvature.KFAC, model, X, y, "empirical", unsupported="diagonal")
+    opt = step_once(curvature.DiagonalNaturalGradient, model, X, y, "empirical")
     v = torch.randn(layout.numel)
     torch.testing.assert_close(matvec(opt, v)[ix], diag[ix] * v[ix])
+    opt.close()
 
 
 # -- nn.Embedding(sparse=True): the optimizers densify its gradient --------------------------------

@@ -14,10 +14,13 @@ recurrent kernels cannot be ``vmap``-ed). The batch axes are the layer's own:
 - input ``x`` and ``output``: ``[N, L, H]`` with ``batch_first=True``, else ``[L, N, H]``;
 - the states ``h_0``, ``c_0``, ``h_n``, ``c_n``: ``[layers * directions, N, H]`` (axis 1).
 
-The curvature functions and optimizers give such a layer an exact block (up to
-:data:`curvature.layer_stats.MAX_EXACT_BLOCK` parameters) or treat it as uncovered.
-Packed sequences, unbatched inputs and dropout between layers in train mode are refused
-with a clear error.
+The curvature functions and optimizers give such a layer an exact block up to
+:data:`curvature.layer_stats.MAX_EXACT_BLOCK` trainable parameters; a larger one (without
+``proj_size``) gets Kronecker factors of its Linear sub-layers shared over the time steps
+(:mod:`curvature.layers.recurrent_unrolled`: the layer replayed step by step, its
+recorded output gradients backpropagated through time), blocks ``"ih_l0"``, ``"hh_l0"``,
+... Packed sequences, unbatched inputs and dropout between layers in train mode are
+refused with a clear error.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from .base import Call, LayerRule, replaying
+from .recurrent_unrolled import sublayers, unrolled_blocks
 from .registry import register
 
 
@@ -76,6 +80,57 @@ class RecurrentRule(LayerRule):
 
     def batch_size(self, module, call):  # noqa: D102
         return self._input(module, call).shape[self.batch_axis(module)]
+
+    # -- Kronecker factors: the Linear sub-layers shared over time ----------------------
+    @staticmethod
+    def kronecker(module: nn.Module) -> bool:
+        """Whether the layer gets Kronecker blocks: more trainable parameters than an exact
+        block takes, and no ``proj_size`` (an LSTM's projection is not covered).
+        """
+        from ..layer_stats import MAX_EXACT_BLOCK  # (layer_stats imports the rules)
+
+        n = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        return n > MAX_EXACT_BLOCK and not getattr(module, "proj_size", 0)
+
+    def expanded_blocks(self, module, calls):  # noqa: D102
+        if not self.kronecker(module) or any(c.grads is None for c in calls):
+            return None
+        out: Dict[str, list] = {}
+        for call in calls:
+            x = self._input(module, call)
+            hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
+            for s, (a, g) in unrolled_blocks(module, x, hx, call.grads, call.out_index).items():
+                out.setdefault(s, []).append((a, g))
+        return {  # several calls: weight sharing over their time steps (axis S)
+            s: (torch.cat([a for a, _ in v], 1), torch.cat([g for _, g in v], 2))
+            for s, v in out.items()
+        }
+
+    def kfac_index(self, module, offsets, device=None):  # noqa: D102
+        if not self.kronecker(module):
+            return None
+        index = {}
+        for name, W, b in sublayers(module):
+            cols = []
+            if W.requires_grad:
+                base = offsets[f"weight_{name}"]
+                cols.append(torch.arange(base, base + W.numel(), device=device).view(W.shape))
+            if b is not None and b.requires_grad:
+                base = offsets[f"bias_{name}"]
+                cols.append(torch.arange(base, base + b.numel(), device=device).view(-1, 1))
+            if cols:
+                index[name] = torch.cat(cols, 1).unsqueeze(0)
+        return index
+
+    def kfac_shapes(self, module):  # noqa: D102
+        if type(self).kfac_index is not RecurrentRule.kfac_index or not self.kronecker(module):
+            return super().kfac_shapes(module)
+        out = {}
+        for name, W, b in sublayers(module):
+            D = W.shape[1] * W.requires_grad + (b is not None and b.requires_grad)
+            if D:
+                out[name] = (1, W.shape[0], D)
+        return out
 
     def per_sample_grads(self, module, calls, out=None):  # noqa: D102
         names = self.param_names(module)

@@ -138,18 +138,27 @@ def optimizers(inverse_every):
     yield "DiagonalNG empirical", lambda m: curvature.DiagonalNaturalGradient(m, **kw)
 
 
-def per_step(make, mode, steps):
+def per_step(make, mode, steps, scaled=False):
+    """Counts per training step of the MLP (``mode``: a counter); ``scaled``: the AMP loop
+    under a CPU ``GradScaler`` (scale 2^16), built as ``make(model, scaler)``."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
     )
-    opt = make(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if scaled else None
+    opt = make(model, scaler) if scaled else make(model)
     X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
 
     def step():
         opt.zero_grad()
-        CE(model(X), y).backward()
-        opt.step()
+        loss = CE(model(X), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -159,31 +168,6 @@ def per_step(make, mode, steps):
             for _ in range(steps):
                 step()
     return counter.count / steps
-
-
-def _scaled_reads_of(make, steps: int) -> float:
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
-    )
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    opt = make(model, scaler)
-    X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
-
-    def step():
-        opt.zero_grad()
-        scaler.scale(CE(model(X), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(2):
-            step()
-        with HostReads() as reads:
-            for _ in range(steps):
-                step()
-    return reads.count / steps
 
 
 def scaled_reads(steps: int = 3) -> dict:
@@ -199,7 +183,7 @@ def scaled_reads(steps: int = 3) -> dict:
             m, loss_func=CE, inverse_every=1000
         ),
     }
-    return {name: _scaled_reads_of(make, steps) for name, make in makers.items()}
+    return {name: per_step(make, HostReads, steps, scaled=True) for name, make in makers.items()}
 
 
 def gpu_shapes_refresh() -> list:

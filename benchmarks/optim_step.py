@@ -70,6 +70,29 @@ def workloads():
         torch.randn(128, 1, 28, 28),
         torch.randint(0, 10, (128,)),
     )
+    torch.manual_seed(0)
+    yield (
+        "LSTM LM 1000-128-256-1000, 32 x 32 tokens",
+        LSTMLanguageModel(),
+        torch.randint(0, 1000, (32, 32)),
+        torch.randint(0, 1000, (32, 32)),
+    )
+
+
+class LSTMLanguageModel(nn.Module):
+    """Embedding 1000 x 128, ``nn.LSTM(128, 256)`` (395,264 parameters: Kronecker blocks
+    over time, ``curvature.layers.recurrent_unrolled``), head to 1000 words; ``[N, V, T]``
+    logits."""
+
+    def __init__(self, vocab=1000, embed=128, hidden=256):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, embed)
+        self.rnn = nn.LSTM(embed, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        out, _ = self.rnn(self.emb(x))
+        return self.head(out).transpose(1, 2)
 
 
 def _cnn():
@@ -335,8 +358,9 @@ def main(argv=None):
         "--workloads",
         nargs="+",
         default=["mlp", "cnn", "tokens"],
-        help="subset of mlp, cnn, tokens, resnet18 (cnn decomposes a 12545x12545 factor: "
-        "minutes; resnet18, training.py's ResNet-18 with BatchNorm, only when named)",
+        help="subset of mlp, cnn, tokens, resnet18, lstm (cnn decomposes a 12545x12545 "
+        "factor: minutes; resnet18, training.py's ResNet-18 with BatchNorm, and lstm, a "
+        "language model with an nn.LSTM (no ASDL rows), only when named)",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args(argv)
@@ -349,7 +373,7 @@ def main(argv=None):
     rows, data = [], {}
     load_start = _load_average()
     start = time.perf_counter()
-    keys = ["mlp", "cnn", "tokens", "resnet18"]
+    keys = ["mlp", "cnn", "tokens", "resnet18", "lstm"]
     for key, (title, model, X, y) in zip(keys, workloads()):
         if key not in args.workloads:
             continue
@@ -363,7 +387,8 @@ def main(argv=None):
             model.zero_grad()
             loss_func(model(X), y).backward()
 
-        for name, step, close in training_steps(model, twin, X, y, loss_func, with_asdl):
+        peers = with_asdl and key != "lstm"  # (ASDL has no recurrent layers)
+        for name, step, close in training_steps(model, twin, X, y, loss_func, peers):
             # one measurement = one refresh period, so that every measurement holds
             # exactly one refresh (a median over shorter blocks would mostly miss it)
             res = common.compare(

@@ -20,7 +20,7 @@ import curvature
 from curvature.layers.recurrent_unrolled import unrolled_blocks
 from curvature.layout import ParamLayout
 
-pytestmark = pytest.mark.usefixtures("float64_seeded")
+pytestmark = pytest.mark.usefixtures("float64_seeded", "one_thread_seeded")
 
 VARIANTS = {
     "lstm": (nn.LSTM, {}),
@@ -69,9 +69,9 @@ def test_frozen_weights_and_biases_leave_their_columns_out():
 
 
 class Tagger(nn.Module):
-    def __init__(self, hidden=40, layers=1):
+    def __init__(self, hidden=40, layers=1, cls=nn.LSTM):
         super().__init__()
-        self.rnn = nn.LSTM(3, hidden, num_layers=layers, batch_first=True)
+        self.rnn = cls(3, hidden, num_layers=layers, batch_first=True)
         self.head = nn.Linear(hidden, 2)
 
     def forward(self, x):
@@ -79,9 +79,14 @@ class Tagger(nn.Module):
         return self.head(out[:, -1])
 
 
-def test_one_datum_one_step_blocks_equal_the_ggn():
+@pytest.mark.parametrize(
+    "cls, hidden", [(nn.LSTM, 30), (nn.GRU, 35), (nn.RNN, 62)], ids=["LSTM", "GRU", "RNN"]
+)
+def test_one_datum_one_step_blocks_equal_the_ggn(cls, hidden):
+    """Just over an exact block's 4096 parameters. (An LSTM's and RNN's ``hh`` blocks share
+    ``G`` with their ``ih`` ones, a GRU's not.)"""
     torch.manual_seed(0)
-    model = Tagger()  # 7,040 parameters in the LSTM: over an exact block
+    model = Tagger(hidden=hidden, cls=cls)
     X, y = torch.randn(1, 1, 3), torch.randint(0, 2, (1,))
     ce = nn.CrossEntropyLoss()
     with warnings.catch_warnings():

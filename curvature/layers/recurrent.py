@@ -33,6 +33,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from .base import Call, LayerRule, replaying
+from .kfac_sums import expanded_kfac
 from .recurrent_unrolled import sublayers, unrolled_blocks
 from .registry import register
 
@@ -105,6 +106,24 @@ class RecurrentRule(LayerRule):
             s: (torch.cat([a for a, _ in v], 1), torch.cat([g for _, g in v], 2))
             for s, v in out.items()
         }
+
+    def kfac_factors(self, module, calls, approx, with_g=True):
+        """As the base class, but an RNN's or LSTM's ``hh`` sub-layer shares ``G`` with its
+        ``ih`` one: both pre-activations enter the gates as one sum, so their gradients are
+        equal (a GRU's ``n`` gate takes ``r z^hh_n``: not there). One ``G`` GEMM fewer.
+        """
+        blocks = self.expanded_blocks(module, calls)
+        if blocks is None:
+            return None
+        out = {}
+        for s, (a, g) in blocks.items():
+            twin = out.get("ih_" + s[3:]) if s.startswith("hh_") else None
+            if twin is not None and twin[1] is not None and module.mode != "GRU":
+                A_sum, _, count = expanded_kfac(a, None, approx)
+                out[s] = (A_sum, twin[1], count)
+            else:
+                out[s] = expanded_kfac(a, g if with_g else None, approx)
+        return out
 
     def kfac_index(self, module, offsets, device=None):  # noqa: D102
         if not self.kronecker(module):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from .capture_hooks import HookedCall, make_commit_hook, make_prehook
+from .capture_hooks import HookedCall, make_commit_hook, make_prehook, positional_input
 from .capture_quantities import PerSampleQuantities
 from .capture_traced import TracedCalls, outside_graph
 from .early_fold import EarlyFolds, FoldPlan
@@ -211,6 +211,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         return None
 
     def _record(self, name: str, module: nn.Module, args, kwargs, output) -> None:
+        args, kwargs = positional_input(module, args, kwargs)  # (linear(input=x))
         outs = leaves(output)
         edges, meta, index, views = [], [], [], []
         base_ok = self._rules[name].base_edge_outputs

@@ -10,8 +10,10 @@ inputs and gradients alive through a cycle ``gc`` cannot see (it runs through C+
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
-from typing import Any
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -72,3 +74,27 @@ def make_commit_hook(ref: weakref.ReferenceType[Any], name: str):
             cap.commit(name)
 
     return hook
+
+
+def positional_input(module: Any, args: tuple, kwargs: Dict[str, Any]) -> Tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call with the forward's first input moved into ``args``
+    where it came by keyword (``linear(input=x)``): the rules read it as ``args[0]``.
+    """
+    if args or not kwargs:
+        return args, kwargs
+    name = _first_input(type(module))
+    if name is None or name not in kwargs:
+        return args, kwargs
+    rest = dict(kwargs)
+    return (rest.pop(name),), rest
+
+
+@functools.cache
+def _first_input(cls: type) -> Optional[str]:
+    """The name of ``cls.forward``'s first parameter after ``self`` (``None``: none)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return params[0].name if params and params[0].kind in kinds else None

@@ -249,7 +249,8 @@ def correction_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) 
     DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))`` (on CUDA the floor
     :data:`CORRECTION_CHUNK_ELEMENTS_CUDA`).
     """
-    cuda = bool(calls) and calls[0].args[0].device.type == "cuda"
+    # (the device of the first output: a layer may take its input by keyword)
+    cuda = bool(calls) and bool(calls[0].out_meta) and calls[0].out_meta[0][2].type == "cuda"
     return samples_per_chunk(
         rule,
         module,

@@ -142,3 +142,32 @@ def test_kfac_and_ekfac_train_a_large_lstm():
         assert {"rnn.ih_l0", "rnn.hh_l0"} <= set(opt.blocks)
         assert float(ce(model(X), y).detach()) < 0.5 * first
         opt.close()
+
+
+class Keyword(nn.Module):
+    """Layers called with ``input=``: a large LSTM and a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(3, 33, batch_first=True)
+        self.head = nn.Linear(33, 2)
+
+    def forward(self, x):
+        out, _ = self.rnn(input=x)
+        return self.head(input=out[:, -1])
+
+
+def test_layers_called_with_a_keyword_input_get_ekfac_corrections():
+    """Before, EKFAC's corrections read the input's device as ``args[0]`` (IndexError)."""
+    torch.manual_seed(0)
+    model, ce = Keyword(), nn.CrossEntropyLoss()
+    X, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
+    E = curvature.ekfac(model, ce, (X, y))
+    assert {b.name for b in E.blocks} == {"rnn.ih_l0", "rnn.hh_l0", "head"}
+    opt = curvature.EKFAC(model, inverse_every=1)
+    for _ in range(2):
+        opt.zero_grad()
+        ce(model(X), y).backward()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    opt.close()

@@ -20,12 +20,13 @@ def symmetrize(M: Tensor) -> Tensor:
     return (M + M.transpose(-1, -2)).mul_(0.5)
 
 
-def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
+def eigh(M: Tensor, *, name: str = "matrix", canonical: bool = False) -> Tuple[Tensor, Tensor]:
     """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix (batched).
 
     Args:
         M: ``[..., D, D]`` symmetric positive semi-definite.
         name: Used in the error message.
+        canonical: The null space's eigenvectors by :func:`canonical_null_basis`.
 
     Returns:
         ``(evals [..., D], evecs [..., D, D])`` in ``M``'s dtype (at least float32).
@@ -35,7 +36,7 @@ def eigh(M: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
             even with jitter.
 
     """
-    (res,) = eighs([M], [name])  # one host read: the input's and the result's finiteness
+    (res,) = eighs([M], [name], canonical=[canonical])  # one host read (finiteness, null space)
     if isinstance(res, Exception):
         raise res
     return res

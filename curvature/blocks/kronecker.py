@@ -53,6 +53,10 @@ class KroneckerBlock(RunningFactors):
 
     """
 
+    #: Whether a null space's eigenvectors are canonical (:func:`canonical_null_basis`):
+    #: EKFAC's corrections depend on the basis there, KFAC's inverses do not.
+    canonical_basis = False
+
     def __init__(
         self, name: str, index: Tensor, A: Optional[Tensor] = None, G: Optional[Tensor] = None
     ):
@@ -94,8 +98,8 @@ class KroneckerBlock(RunningFactors):
         """Eigendecompositions of the factors (of the snapshot's, after a Cholesky refresh)."""
         if A is None:
             A, G = self.factors_of()
-        lA, QA = eigh(A, name=f"A of '{self.label}'")
-        lG, QG = eigh(G, name=f"G of '{self.label}'")
+        lA, QA = eigh(A, name=f"A of '{self.label}'", canonical=self.canonical_basis)
+        lG, QG = eigh(G, name=f"G of '{self.label}'", canonical=self.canonical_basis)
         return Eigen(lA, QA, lG, QG)
 
     def install(self, record: Record) -> None:
@@ -323,6 +327,8 @@ class EigenCorrectedBlock(KroneckerBlock):
     damping is always exact: ``QG [(QG^T M QA) / (Lambda + lambda)] QA^T``. Until the
     first corrections arrive, the block behaves as KFAC with exact damping.
     """
+
+    canonical_basis = True
 
     def __init__(
         self, name: str, index: Tensor, A: Optional[Tensor] = None, G: Optional[Tensor] = None

@@ -23,7 +23,7 @@ from ..linalg import (
     non_finite_message,
     spare,
 )
-from .kronecker import EigenCorrectedBlock, KroneckerBlock
+from .kronecker import KroneckerBlock
 from .onesided import OneSidedBlock, full_sides, install_sides
 from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
 from .sum import KroneckerSumBlock
@@ -200,7 +200,7 @@ def eigendecompositions(
         mats += [b.A, b.G]
         names += [f"A of '{b.label}'", f"G of '{b.label}'"]
         # EKFAC's corrections depend on the basis within a null space: a canonical one
-        canonical += [isinstance(b, EigenCorrectedBlock)] * 2
+        canonical += [b.canonical_basis] * 2
     jobs, sides, side_names = full_sides(onesided)
     results = eighs(mats + sides, names + side_names, also, canonical)
     install_sides(jobs, results[len(mats) : len(mats) + len(sides)])

@@ -198,3 +198,42 @@ def test_a_resumed_amp_run_continues_bit_for_bit():
             sc.update()
     assert opt2.steps == opt.steps == 4
     assert_same_params(model, twin)
+
+
+def _growing(cls, amp, steps=26, switch_at=None):
+    """A float32 model; the scale doubles every step from 2^16 (to 2^41): float32
+    gradients never overflow, so the scaler keeps growing (bf16 autocast under a
+    scaler, or a scaler left on). ``switch_at``: the plain loop from that step on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+    opt = cls(model, lr=0.1, damping=1e-2)
+    for i in range(steps):
+        X, y = batch(i)
+        X = X.float()
+        opt.zero_grad()
+        loss = CE(model(X), y)
+        if amp and (switch_at is None or i < switch_at):
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+        else:
+            loss.backward()
+            opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_growing_scale_not_given_never_overflows_the_statistics(cls):
+    """A scaler not given: each step's gradients are divided by the last step's scale as
+    they are folded, and the step corrects by ``(last / own)^2`` (exact for powers of two).
+    Before (found by an audit), once ``s^2 G`` passed float32's finiteness check (~1.8e19,
+    at ``s = 2^35`` here) every statistic was dropped and the run took plain gradients."""
+    plain, _ = _growing(cls, amp=False)
+    scaled, opt = _growing(cls, amp=True)
+    assert opt.skipped_statistics == 0
+    for p, q in zip(scaled.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    switched, _ = _growing(cls, amp=True, switch_at=5)  # back to the plain loop
+    for p, q in zip(switched.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

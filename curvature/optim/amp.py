@@ -18,7 +18,11 @@ which must be divided out; the measured losses of the plain-loop quadratic rule 
   are dropped, and it does not count) and ``grad_scale`` (``s``; the gradients are
   divided by it in place, as ``scaler.unscale_`` would, and the step's empirical
   ``G``-like sums by ``s^2`` before they enter the running estimates: the same numbers,
-  for the power-of-two scales of a ``GradScaler``). What cannot be recovered is said,
+  for the power-of-two scales of a ``GradScaler``). So that ``s^2 G`` never reaches the
+  float32 finiteness check (``s`` grows without bound where the gradients cannot
+  overflow: bfloat16 or float32 under a scaler), each gradient is divided as it is folded
+  by the scale handed to the previous step, and ``step()`` corrects by ``(previous /
+  s)^2``. What cannot be recovered is said,
   not guessed: after ``scaler.unscale_(optim)`` (to clip) no ``grad_scale`` is handed
   over (one warning: pass ``grad_scaler=``), and the quadratic rule, whose losses carry
   ``s``, refuses the step (``ValueError``). PyTorch Lightning refuses gradient clipping
@@ -103,6 +107,11 @@ class ScalerSide:
     amp_unscale: Optional[Tensor]
     amp_warned: bool
     _inverse_scale: Tuple[Any, int, Optional[Tensor]]
+    #: a scaler not given: the scale it handed to the last step, by which the next
+    #: step's gradients are divided as they are folded (so that ``s^2 G`` never
+    #: overflows the finiteness check), and the one this step's were divided by
+    amp_prev: Optional[Tensor] = None
+    amp_used: Optional[Tensor] = None
 
     def loss_scale(self) -> Optional[Tensor]:
         """The given grad scaler's loss scale, a 0-d device tensor (``None``: no scaler)."""
@@ -110,9 +119,12 @@ class ScalerSide:
 
     def _inverse_loss_scale(self) -> Optional[Tensor]:
         """``1 / loss_scale()`` as ``GradScaler.unscale_`` computes it, kept while the
-        scale tensor is unchanged (no host read).
+        scale tensor is unchanged (no host read); a scaler not given: ``1 /`` the scale of
+        the last step (:attr:`amp_prev`; corrected at ``step()`` by the step's own).
         """
         scale = self.loss_scale()
+        if scale is None and self.grad_scaler is None and self.amp_prev is not None:
+            scale = self.amp_used = self.amp_prev
         if scale is None:
             return None
         held, version, inv = self._inverse_scale
@@ -135,11 +147,24 @@ class ScalerSide:
             raise ValueError(quadratic_message(self.who))
         if self.fisher != FisherType.EMPIRICAL:
             return
-        if grad_scale is not None:
-            self.amp_unscale = grad_scale.double().reciprocal().square().float()
-        elif not self.amp_warned:
+        used, self.amp_used = self.amp_used, None
+        if grad_scale is not None:  # (used / s)^2: exact for a GradScaler's powers of two
+            ratio = grad_scale.double().reciprocal() * (1.0 if used is None else used.double())
+            self.amp_unscale = ratio.square().float()
+            self.amp_prev = grad_scale
+            return
+        if used is not None:  # the scale is unknown: as if none had been divided out
+            self.amp_unscale = used.double().square().float()
+        self.amp_prev = None
+        if not self.amp_warned:
             self.amp_warned = True
             warn(unscale_unknown_message(self.who))
+
+    def plain_step(self) -> None:
+        """``step()`` not called by a scaler: a division by :attr:`amp_prev` undone."""
+        if self.amp_used is not None:
+            self.amp_unscale = self.amp_used.double().square().float()
+        self.amp_prev = self.amp_used = None
 
     def skip_step(self) -> None:
         """A GradScaler found inf gradients: the step is skipped, its statistics are
@@ -151,7 +176,7 @@ class ScalerSide:
         with self.capture.computing():
             self.capture.take_pushed()
         self.discard()
-        self.amp_unscale = None
+        self.amp_unscale = self.amp_used = None
 
 
 def scaled_step_skipped(optimizer: Any, collector: Any, quadratic: bool) -> bool:
@@ -162,6 +187,8 @@ def scaled_step_skipped(optimizer: Any, collector: Any, quadratic: bool) -> bool
     """
     got = handoff(optimizer)
     if got is None:
+        if collector.amp_prev is not None:
+            collector.plain_step()
         return False
     found_inf, grad_scale = got
     if bool(found_inf):  # (the host read GradScaler.step makes for other optimizers)

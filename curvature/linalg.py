@@ -96,15 +96,16 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also=(), canonical=()) -
     return out + extra
 
 
-#: Eigenvalues at most ``NULL_RTOL * n * eps * max(evals)`` make the numerical null space.
-NULL_RTOL = 4.0
+#: Eigenvalues at most ``NULL_RTOL sqrt(n) eps max(evals)`` make the numerical null space
+#: (a rank-deficient ``A^T A`` gives at most 13 eps at ``n = 1537`` in float32, 5 in float64).
+NULL_RTOL = 1.0
 
 
 def null_count(evals: Tensor) -> Tensor:
     """``[...]`` the number of eigenvalues (``[..., n]``) in the numerical null space."""
     n = evals.shape[-1]
     top = evals.amax(-1, keepdim=True).clamp_min(0)
-    return (evals <= NULL_RTOL * n * torch.finfo(evals.dtype).eps * top).sum(-1)
+    return (evals <= NULL_RTOL * n**0.5 * torch.finfo(evals.dtype).eps * top).sum(-1)
 
 
 def canonical_null_basis(evecs: Tensor, ks: Sequence[int]) -> Tensor:

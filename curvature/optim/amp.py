@@ -150,11 +150,11 @@ class ScalerSide:
         used, self.amp_used = self.amp_used, None
         if grad_scale is not None:  # (used / s)^2: exact for a GradScaler's powers of two
             ratio = grad_scale.double().reciprocal() * (1.0 if used is None else used.double())
-            self.amp_unscale = ratio.square().float()
+            self.amp_unscale = ratio.square()  # (float64: 1 / s^2 of a float64 model's s)
             self.amp_prev = grad_scale
             return
         if used is not None:  # the scale is unknown: as if none had been divided out
-            self.amp_unscale = used.double().square().float()
+            self.amp_unscale = used.double().square()
         self.amp_prev = None
         if not self.amp_warned:
             self.amp_warned = True
@@ -163,7 +163,7 @@ class ScalerSide:
     def plain_step(self) -> None:
         """``step()`` not called by a scaler: a division by :attr:`amp_prev` undone."""
         if self.amp_used is not None:
-            self.amp_unscale = self.amp_used.double().square().float()
+            self.amp_unscale = self.amp_used.double().square()
         self.amp_prev = self.amp_used = None
 
     def skip_step(self) -> None:

@@ -166,7 +166,12 @@ def _per_sample_grads(model, loss_func, layout, params, X, y) -> Tensor:
     # randomness="different": each sample draws its own dropout mask, as in one batched
     # forward (the caller warns about dropout in train mode)
     per_sample = vmap(grad(l_n), in_dims=(None, 0, 0), randomness="different")
-    return _flat(layout, per_sample(params, X, y), (X.shape[0],))
+    try:
+        grads = per_sample(params, X, y)
+    except RuntimeError:  # a forward that fails under vmap (a recurrent layer without h_0
+        rows = [grad(l_n)(params, X[i], y[i]) for i in range(X.shape[0])]  # makes its own)
+        grads = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    return _flat(layout, grads, (X.shape[0],))
 
 
 def empirical_fisher(model: nn.Module, loss_func: nn.Module, data: Data) -> Tensor:

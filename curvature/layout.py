@@ -102,7 +102,8 @@ class ParamLayout:
         """The layout of ``model``'s trainable parameters (the SPEC's dense order).
 
         Args:
-            model: Any module.
+            model: Any module; DDP / DataParallel and ``torch.compile``'s wrappers are looked
+                through (the plain model's names, as the capture's layer names).
 
         Returns:
             The parameters of ``model.named_parameters()`` with ``requires_grad=True``, in
@@ -110,6 +111,9 @@ class ParamLayout:
             first name; frozen parameters are left out.
 
         """
+        from .layers.select import unwrap_model  # (layers import this module)
+
+        model = unwrap_model(model)
         return cls((n, p) for n, p in model.named_parameters() if p.requires_grad)
 
     @classmethod

@@ -158,6 +158,27 @@ def test_per_sample_quantities_of_a_compiled_model():
     assert_equal(quantities(torch.compile(model, backend="aot_eager")), quantities(model))
 
 
+def test_the_curvature_functions_of_a_compiled_model():
+    """``kfac()`` and ``diag_ggn()`` of ``torch.compile(model)``: the plain model's results,
+    under its names (before, found by an audit: ``KeyError: 'weight'``)."""
+    torch.manual_seed(0)
+    model = mlp()
+    X, y = torch.randn(10, 20), torch.randint(0, 4, (10,))
+    ce = nn.CrossEntropyLoss()
+    compiled = torch.compile(model, backend="aot_eager")
+    for fisher in ("type-2", "empirical"):
+        a, b = (
+            curvature.diag_ggn(compiled, ce, (X, y), fisher=fisher),
+            curvature.diag_ggn(model, ce, (X, y), fisher=fisher),
+        )
+        assert list(a) == list(b)
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+    Ka, Kb = curvature.kfac(compiled, ce, (X, y)), curvature.kfac(model, ce, (X, y))
+    assert set(Ka.factors) == set(Kb.factors)
+    torch.testing.assert_close(Ka.to_dense(), Kb.to_dense(), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
 @pytest.mark.parametrize("how", ["compiled after", "Module.compile"])
 def test_a_model_compiled_after_the_optimizer_was_built(how, fisher):

@@ -257,3 +257,59 @@ def test_a_hessian_trace_of_a_monitoring_loss_is_no_gradient_penalty(opt_cls):
         runs.append(model)
     for p, q in zip(*(m.parameters() for m in runs)):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+class _LearnedState(nn.Module):
+    """A learned initial state on the model itself, fed to a GRU."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 3)
+        self.h0 = nn.Parameter(0.3 * torch.randn(1, 1, 6))
+
+    def forward(self, x):
+        out, _ = self.rnn(x, self.h0.expand(-1, x.shape[0], -1).contiguous())
+        return self.head(out[:, -1])
+
+
+def test_a_learned_state_on_the_model_itself_is_named_in_the_error():
+    """The model is replayed whole per sample for its own ``h0``, and the GRU fails under
+    ``vmap``: before, a raw broadcast error from every entry point (found by an audit)."""
+    torch.manual_seed(0)
+    model, ce = _LearnedState(), nn.CrossEntropyLoss()
+    X, y = torch.randn(5, 7, 4), torch.randint(0, 3, (5,))
+    with pytest.raises(RuntimeError, match=r"replayed per sample under.*\['h0'\].*submodule"):
+        curvature.kfac(model, ce, (X, y))
+    opt = curvature.KFAC(model)
+    with pytest.warns(UserWarning, match=r"no curvature for layer <model>.*\['h0'\]"):
+        opt.zero_grad()
+        ce(model(X), y).backward()
+        opt.step()
+    assert {"rnn", "head"} <= set(opt.factors())
+    opt.close()
+
+
+def test_empirical_fisher_of_a_recurrent_model_without_an_initial_state():
+    """``torch.func.vmap`` fails on a recurrent layer that makes its own ``h_0`` (before,
+    found by an audit: the raw error); the dense reference then takes one sample at a
+    time: the per-sample gradients' ``R sum g g^T``."""
+    torch.manual_seed(0)
+    model = _GRUHead()
+    ce = nn.CrossEntropyLoss()
+    X, y = torch.randn(5, 7, 4), torch.randint(0, 3, (5,))
+    F = curvature.empirical_fisher(model, ce, (X, y))
+    grads = curvature.per_sample_grads(model, ce, X, y)
+    flat = torch.cat([g.flatten(1) for g in grads.values()], 1)
+    torch.testing.assert_close(F, flat.T @ flat / X.shape[0], rtol=1e-4, atol=1e-6)
+
+
+class _GRUHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])

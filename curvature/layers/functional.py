@@ -20,7 +20,10 @@ from .base import Call, LayerRule, replaying
 
 
 class ReplayRandomnessError(RuntimeError):
-    """A module replayed per sample draws random numbers (dropout in train mode)."""
+    """A module cannot be replayed per sample: it draws random numbers (dropout in train
+    mode), or its forward fails under ``vmap`` (e.g. a recurrent layer fed a learned state
+    by a container that is replayed whole for its own parameters).
+    """
 
 
 class FunctionalRule(LayerRule):
@@ -107,19 +110,27 @@ class FunctionalRule(LayerRule):
                         chunk_size=self.chunk_size,
                     )(params, call.args, call.kwargs, tuple(grads))
             except RuntimeError as err:
+                own = [n for n, q in module.named_parameters(recurse=False) if q.requires_grad]
+                why = (  # a container's own parameter: the whole container is replayed
+                    f" Its own parameters {own} (directly on it, beside its submodules) "
+                    "have no layer rule, so the whole module is replayed per sample for "
+                    "them: move them into a submodule of their own or freeze them."
+                    if own and any(True for _ in module.children())
+                    else ""
+                )
+                name = type(module).__name__
                 if "random" in str(err).lower():
-                    own = [n for n, q in module.named_parameters(recurse=False) if q.requires_grad]
-                    why = (  # a container's own parameter: the whole container is replayed
-                        f" Its own parameters {own} (directly on it, beside its submodules) "
-                        "have no layer rule, so the whole module is replayed per sample for "
-                        "them: move them into a submodule of their own or freeze them."
-                        if own and any(True for _ in module.children())
-                        else ""
-                    )
                     raise ReplayRandomnessError(
-                        f"{type(module).__name__} draws random numbers in its forward "
-                        "(dropout in train mode?), so its per-sample gradients cannot be "
-                        "replayed. Put this module in eval mode, or give it a layer rule." + why
+                        f"{name} draws random numbers in its forward (dropout in train "
+                        "mode?), so its per-sample gradients cannot be replayed. Put this "
+                        "module in eval mode, or give it a layer rule." + why
+                    ) from err
+                if why:  # (a learned initial state fed to a recurrent layer, say)
+                    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                    raise ReplayRandomnessError(
+                        f"{name}'s forward fails when replayed per sample under "
+                        f"torch.func.vmap ({first}), so the per-sample gradients of its "
+                        "own parameters cannot be computed." + why
                     ) from err
                 raise
             for k, v in per_sample.items():

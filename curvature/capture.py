@@ -204,7 +204,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         _remove_handles(self._handles, self._param_handles)
 
     def _on_forward(self, name: str, module: nn.Module, args, kwargs, output) -> Any:
-        if torch.compiler.is_compiling() and self._traceable[name]:
+        if torch.compiler.is_compiling() and self._traceable[name] and isinstance(output, Tensor):
             return self._record_traced(name, args, kwargs, output)  # the tapped output
         if self._recording and not self.suspended:
             self._record(name, module, args, kwargs, output)

@@ -22,6 +22,7 @@ import torch
 from .capture import capture, isolated
 from .dense import batch_weights, batches, empty_batch, warn_random_forward
 from .early_fold import FoldPlan, early_pays
+from .layers.select import unwrap_model
 from .losses import (
     backprop_sources,
     check_ignored,
@@ -67,6 +68,7 @@ def fisher_passes(
     for the caller (:meth:`~curvature.capture.Capture.reached`; layers with a tied
     parameter always). Chunked pulls take nothing early (the calls serve every chunk).
     """
+    model = unwrap_model(model)  # (a compiled or DDP model: the plain one, eagerly)
     warn_random_forward(model, caller)
     draws = fisher in (FisherType.MC, FisherType.RADEMACHER)  # on out's device, seeded
     generator = SamplingGenerators(torch.Generator().manual_seed(seed)) if draws else None

@@ -275,3 +275,42 @@ def test_a_compiled_training_step_that_calls_step(fisher):
         return factors, [p.detach().clone() for p in model.parameters()]
 
     assert_equal(run(True), run(False))
+
+
+class _Tagger(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.rnn = nn.LSTM(3, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("hidden", [8, 33], ids=["exact block", "kronecker"])
+def test_a_compiled_recurrent_layer_gets_its_statistics(hidden):
+    """A layer that returns a tuple is recorded as in eager mode (a graph break around it);
+    before (found by an audit), an ``nn.LSTM`` under ``torch.compile`` got no statistics."""
+    torch._dynamo.reset()
+    X, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
+    ce = nn.CrossEntropyLoss()
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = _Tagger(hidden)
+        opt = curvature.KFAC(model, lr=0.1)
+        fwd = torch.compile(model, backend="aot_eager") if compiled else model
+        for _ in range(2):
+            opt.zero_grad()
+            ce(fwd(X), y).backward()
+            opt.step()
+        runs.append((opt.factors(), [p.detach().clone() for p in model.parameters()]))
+        opt.close()
+    (fa, pa), (fb, pb) = runs
+    assert set(fa) == set(fb) and any(k.startswith("rnn") for k in fb)
+    for k in fa:
+        for x, z in zip(fa[k], fb[k]):
+            torch.testing.assert_close(x, z, rtol=1e-5, atol=1e-6)
+    for p, q in zip(pa, pb):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -137,9 +137,11 @@ class ScalerSide:
         """A GradScaler steps the optimizer with finite gradients scaled by ``grad_scale``.
 
         With ``grad_scaler`` given, the statistics are unscaled as they are folded. Else
-        the empirical ``G``-like sums of this step are divided by ``grad_scale^2`` at
-        :meth:`begin_step`; without ``grad_scale`` (``scaler.unscale_`` came first) one
-        warning says how to unscale them. The quadratic rule refuses (its losses).
+        the empirical ``G``-like sums of this step, whose gradients were divided by the
+        previous step's scale (:attr:`amp_used`, or not at all), are multiplied by
+        ``(used / grad_scale)^2`` at :meth:`begin_step`; without ``grad_scale``
+        (``scaler.unscale_`` came first) one warning says how to unscale them. The
+        quadratic rule refuses (its losses).
         """
         if self.grad_scaler is not None or self.closed:
             return

@@ -313,3 +313,44 @@ class _GRUHead(nn.Module):
     def forward(self, x):
         out, _ = self.rnn(x)
         return self.head(out[:, -1])
+
+
+class _FewShot(nn.Module):
+    """The encoder runs on the query batch (N) and on a support set (M) shared by all."""
+
+    def __init__(self, recurrent):
+        super().__init__()
+        self.recurrent = recurrent
+        self.enc = nn.LSTM(3, 33, batch_first=True) if recurrent else nn.Linear(15, 33)
+        self.head = nn.Linear(33, 2)
+        self.support = torch.randn(6, 5, 3)
+
+    def embed(self, x):
+        return self.enc(x)[0][:, -1] if self.recurrent else torch.tanh(self.enc(x.flatten(1)))
+
+    def forward(self, x):
+        return self.head(self.embed(x) * self.embed(self.support).mean(0))
+
+
+@pytest.mark.parametrize("recurrent", [False, True], ids=["linear", "lstm"])
+def test_a_layer_called_on_batches_of_different_sizes_is_refused_clearly(recurrent):
+    """Before (found by an audit): ``torch.cat``'s raw size error."""
+    torch.manual_seed(0)
+    model, ce = _FewShot(recurrent), nn.CrossEntropyLoss()
+    X, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4,))
+    match = r"called 2 times in one forward on batches of different sizes \[4, 6\].*Freeze"
+    with pytest.raises(ValueError, match=match):
+        curvature.kfac(model, ce, (X, y))
+    opt = curvature.KFAC(model, loss_func=ce)
+    with pytest.raises(ValueError, match=match):
+        opt.zero_grad()
+        ce(model(X), y).backward()
+        opt.step()
+    opt.close()
+    model.enc.requires_grad_(False)  # the way out
+    opt = curvature.KFAC(model, loss_func=ce)
+    opt.zero_grad()
+    ce(model(X), y).backward()
+    opt.step()
+    assert set(opt.factors()) == {"head"}
+    opt.close()

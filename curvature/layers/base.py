@@ -299,6 +299,20 @@ class LayerRule:
         return None if index is None else {s: tuple(ix.shape) for s, ix in index.items()}
 
 
+def check_same_samples(module: nn.Module, sizes: Sequence[int]) -> None:
+    """Several calls of one layer in a forward share its per-sample statistics (weight
+    sharing over their positions): every call must hold the same samples.
+    """
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"{type(module).__name__} is called {len(sizes)} times in one forward on batches "
+            f"of different sizes {list(sizes)}: its per-sample statistics need every call's "
+            "rows to be the loss's samples, and a batch shared by all of them (a support set "
+            "beside the query batch, say) is not. Freeze its parameters "
+            "(requires_grad_(False)) to train the rest with curvature."
+        )
+
+
 def gram_of(grads: Dict[str, Tensor]) -> Tensor:
     """``sum_p P_p P_p^T`` for per-sample gradients ``P_p [N, *p.shape]`` (no concatenation)."""
     total = None
@@ -393,6 +407,7 @@ class LinearFamilyRule(LayerRule):
             g_list.append(g)
         if len(calls) == 1:
             return a_list[0], g_list[0]
+        check_same_samples(module, [a.shape[0] for a in a_list])
         g_cat = None if g_list[0] is None else torch.cat(g_list, dim=-3)
         return torch.cat(a_list, dim=1), g_cat
 

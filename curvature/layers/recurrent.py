@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
-from .base import Call, LayerRule, replaying
+from .base import Call, LayerRule, check_same_samples, replaying
 from .kfac_sums import expanded_kfac
 from .recurrent_unrolled import sublayers, unrolled_blocks
 from .registry import register
@@ -102,6 +102,8 @@ class RecurrentRule(LayerRule):
             hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
             for s, (a, g) in unrolled_blocks(module, x, hx, call.grads, call.out_index).items():
                 out.setdefault(s, []).append((a, g))
+        for v in out.values():
+            check_same_samples(module, [a.shape[0] for a, _ in v])
         return {  # several calls: weight sharing over their time steps (axis S)
             s: (torch.cat([a for a, _ in v], 1), torch.cat([g for _, g in v], 2))
             for s, v in out.items()

@@ -97,10 +97,13 @@ class RecurrentRule(LayerRule):
         if not self.kronecker(module) or any(c.grads is None for c in calls):
             return None
         out: Dict[str, list] = {}
-        for call in calls:
-            x = self._input(module, call)
-            hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
-            for s, (a, g) in unrolled_blocks(module, x, hx, call.grads, call.out_index).items():
+        for call in calls:  # one replay per call and gradients, kept in ``call.expanded``
+            if call.expanded is None or call.expanded[0] is not call.grads:  # (EKFAC's
+                x = self._input(module, call)  # factors and corrections share it)
+                hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
+                blocks = unrolled_blocks(module, x, hx, call.grads, call.out_index)
+                call.expanded = (call.grads, blocks)
+            for s, (a, g) in call.expanded[1].items():
                 out.setdefault(s, []).append((a, g))
         for v in out.values():
             check_same_samples(module, [a.shape[0] for a, _ in v])

@@ -153,6 +153,17 @@ class BagOfTokens(nn.Module):
         return self.head(self.emb(x).mean(1))
 
 
+def _digits_cnn(name):
+    """Two convolutions on the 8x8 digits; ``cnn_bn`` with BatchNorm after each,
+    ``cnn_dropout`` with dropout after the first and before the head."""
+    bn, drop = name == "cnn_bn", name == "cnn_dropout"
+    layers = [Img(), nn.Conv2d(1, 16, 3, padding=1)]
+    layers += [nn.BatchNorm2d(16)] * bn + [nn.ReLU()] + [nn.Dropout(0.25)] * drop
+    layers += [nn.Conv2d(16, 32, 3, stride=2, padding=1)]
+    layers += [nn.BatchNorm2d(32)] * bn + [nn.ReLU(), nn.Flatten()] + [nn.Dropout(0.25)] * drop
+    return nn.Sequential(*layers, nn.Linear(512, 10))
+
+
 def build(name):
     """returns model, loss_func, data, kind ('clf','bin','ae')"""
     if name == "mlp_tanh":
@@ -171,43 +182,8 @@ def build(name):
             nn.Linear(128, 10),
         )
         return m, nn.CrossEntropyLoss(), digits(), "clf"
-    if name == "cnn":
-        m = nn.Sequential(
-            Img(),
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(512, 10),
-        )
-        return m, nn.CrossEntropyLoss(), digits(), "clf"
-    if name == "cnn_bn":
-        m = nn.Sequential(
-            Img(),
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.BatchNorm2d(16),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1),
-            nn.BatchNorm2d(32),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(512, 10),
-        )
-        return m, nn.CrossEntropyLoss(), digits(), "clf"
-    if name == "cnn_dropout":
-        m = nn.Sequential(
-            Img(),
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.ReLU(),
-            nn.Dropout(0.25),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Dropout(0.25),
-            nn.Linear(512, 10),
-        )
-        return m, nn.CrossEntropyLoss(), digits(), "clf"
+    if name in ("cnn", "cnn_bn", "cnn_dropout"):
+        return _digits_cnn(name), nn.CrossEntropyLoss(), digits(), "clf"
     if name == "logreg_bc":
         return nn.Sequential(nn.Linear(30, 1)), nn.BCEWithLogitsLoss(), cancer(), "bin"
     if name == "mlp_bc":

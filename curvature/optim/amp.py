@@ -104,9 +104,12 @@ class ScalerSide:
     """
 
     grad_scaler: Any
-    amp_unscale: Optional[Tensor]
-    amp_warned: bool
-    _inverse_scale: Tuple[Any, int, Optional[Tensor]]
+    #: the factor of this step's empirical G-like sums at ``begin_step`` (a scaler not
+    #: given), and whether the warning of an unknown scale was given
+    amp_unscale: Optional[Tensor] = None
+    amp_warned = False
+    #: ``(scale tensor, its version, 1 / scale)``: :meth:`_inverse_loss_scale`'s cache
+    _inverse_scale: Tuple[Any, int, Optional[Tensor]] = (None, -1, None)
     #: a scaler not given: the scale it handed to the last step, by which the next
     #: step's gradients are divided as they are folded (so that ``s^2 G`` never
     #: overflows the finiteness check), and the one this step's were divided by

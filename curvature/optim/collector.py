@@ -123,16 +123,12 @@ class StatisticsCollector(EmpiricalSide, ScalerSide):
         self.stats = StepStatistics()
         self.registered = False
         self.term = 0
-        #: 1 / s^2 (0-d) for this step's empirical G-like sums: the loss scale ``s`` a
-        #: GradScaler handed to step() when it was not given as grad_scaler
-        self.amp_unscale: Optional[Tensor] = None
-        self._inverse_scale: Tuple[Any, int, Optional[Tensor]] = (None, -1, None)
         self.pending: Optional[PendingReduction] = None
         self.waiting: Optional[Any] = None  # a forward whose curvature backward is due
         self.staged: Optional[PendingStatistics] = None  # its output pull, until the loss
         self.staged_rng: Optional[Tensor] = None
         self.mode = "unknown"  # where the automatic backward starts: "loss" or "output"
-        self.late_warned = self.graph_warned = self.axis_warned = self.amp_warned = False
+        self.late_warned = self.graph_warned = self.axis_warned = False
         self.settled = self.cat_warned = False
         self.outside = False  # recording outside the user's torch.func transform
         self.unreplayable: set = set()  # layers whose per-sample replay draws random numbers

@@ -226,7 +226,7 @@ MODELS = [
     "autoencoder",
     "bag_tokens",
 ]
-OPTS = ["adam", "kfac", "ekfac", "dng", "kfac_mc"]
+OPTS = ["adam", "kfac", "ekfac", "dng", "kfac_mc", "ekfac_power"]
 
 
 def make_opt(opt, model, loss_func, kw):
@@ -236,6 +236,8 @@ def make_opt(opt, model, loss_func, kw):
         return curvature.KFAC(model, **kw)
     if opt == "ekfac":
         return curvature.EKFAC(model, **kw)
+    if opt == "ekfac_power":
+        return curvature.EKFAC(model, eigenbasis_update="power", **kw)
     if opt == "dng":
         return curvature.DiagonalNaturalGradient(model, **kw)
     if opt == "kfac_mc":

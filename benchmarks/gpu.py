@@ -27,7 +27,9 @@ run stopped early keeps what it measured):
   on the same device: the AdamW step, plus the statistics GEMMs (``A = a^T a`` and ``G =
   g^T g`` for every Kronecker block, ``[R, D]`` operands with ``R`` rows: samples times
   positions), plus the preconditioning GEMMs (2 per block for KFAC, 4 for EKFAC), plus
-  the decompositions over 10 (Cholesky inverse for KFAC, ``eigh`` for EKFAC), plus for
+  the decompositions over 10 (Cholesky inverse for KFAC, the basis update of
+  ``curvature.blocks.power`` for EKFAC, ``eigh`` for its ``eigenbasis_update="eigh"``
+  row), plus for
   mc the extra backward (forward+backward minus forward of the plain model), plus for
   EKFAC the eigenbasis statistics (2 rotations and the squares GEMM) and for DiagonalNG
   the squares GEMM. Layers over ``max_factor_size`` keep only their full side. Layers
@@ -68,6 +70,7 @@ import optim_step  # noqa: E402
 from step_memory import curvature_bytes  # noqa: E402
 
 import curvature  # noqa: E402
+from curvature.blocks.power import power_step  # noqa: E402
 
 PERIOD = 10  # inverse_every of the curvature optimizers: one timed call = one period
 LR, DAMPING = 1e-4, 1e-2
@@ -247,6 +250,8 @@ def _quiet(fn: Callable[[], Any]) -> Any:
 
 #: KFAC empirical with its statistics GEMMs in bf16 (``statistics_dtype``, opt-in)
 BF16_ROW = "KFAC empirical, bf16 statistics"
+#: EKFAC with an eigendecomposition at every refresh (the default tracks its bases)
+EKFAC_EIGH_ROW = "EKFAC empirical, eigenbasis_update=eigh"
 
 
 def optimizers(model: nn.Module, loss_func: nn.Module):
@@ -261,6 +266,10 @@ def optimizers(model: nn.Module, loss_func: nn.Module):
         lambda: curvature.KFAC(model, fisher="empirical", statistics_dtype=torch.bfloat16, **kw),
     )
     yield "EKFAC empirical", lambda: curvature.EKFAC(model, fisher="empirical", **kw)
+    yield (
+        EKFAC_EIGH_ROW,
+        lambda: curvature.EKFAC(model, fisher="empirical", eigenbasis_update="eigh", **kw),
+    )
     yield (
         "DiagonalNG empirical",
         lambda: curvature.DiagonalNaturalGradient(model, fisher="empirical", **kw),
@@ -532,10 +541,21 @@ class GemmClock:
             return 0.0
         return self._time(("eigh", n), lambda: self._spd(n), torch.linalg.eigh)
 
+    def power_step(self, n: int) -> float:
+        """EKFAC's basis update (``curvature.blocks.power.power_step``: a GEMM and a QR)."""
+        if n == 0:
+            return 0.0
+
+        def make():
+            (S,) = self._spd(n)
+            return S, torch.linalg.eigh(S).eigenvectors
+
+        return self._time(("power", n), make, power_step)
+
 
 def lower_bounds(shapes: List[Dict], clock: GemmClock, adamw: float, plain: Dict) -> Dict:
     """Per optimizer name: the lower bound of one step and its terms (seconds)."""
-    stats = stats_bf16 = precond = chol = eig = ek_stats = squares = ek_precond = 0.0
+    stats = stats_bf16 = precond = chol = eig = power = ek_stats = squares = ek_precond = 0.0
     for s in shapes:
         R, a, g = s["rows"], s["a"], s["g"]
         out_, in_ = s["weight"]
@@ -545,6 +565,7 @@ def lower_bounds(shapes: List[Dict], clock: GemmClock, adamw: float, plain: Dict
         ek_precond += 2 * (clock.mm(g, g, in_) + clock.mm(out_, a, a))
         chol += clock.cholesky_inverse(a) + clock.cholesky_inverse(g)
         eig += clock.eigh(a) + clock.eigh(g)
+        power += clock.power_step(a) + clock.power_step(g)
         ek_stats += clock.mm(R, a, a) + clock.mm(R, g, g) + clock.mm(out_, R, in_)
         squares += clock.mm(out_, R, in_)
     backward = max(plain["forward_backward"] - plain["forward"], 0.0)
@@ -556,6 +577,7 @@ def lower_bounds(shapes: List[Dict], clock: GemmClock, adamw: float, plain: Dict
         "precond": precond,
         "cholesky_inverse": chol / PERIOD,
         "eigh": eig / PERIOD,
+        "power_step": power / PERIOD,
         "extra_backward": backward,
         "ekfac_stats": ek_stats,
         "squares": squares,
@@ -565,7 +587,8 @@ def lower_bounds(shapes: List[Dict], clock: GemmClock, adamw: float, plain: Dict
         "KFAC empirical": kfac,
         "KFAC mc-1": kfac + backward,
         BF16_ROW: kfac - stats + stats_bf16,
-        "EKFAC empirical": adamw + stats + ek_stats + ek_precond + eig / PERIOD,
+        "EKFAC empirical": adamw + stats + ek_stats + ek_precond + power / PERIOD,
+        EKFAC_EIGH_ROW: adamw + stats + ek_stats + ek_precond + eig / PERIOD,
         "DiagonalNG empirical": adamw + squares,
     }
 
@@ -703,6 +726,7 @@ TARGETS = {  # issue 17: step time against AdamW's on the GPU
     "KFAC mc-1": {"mlp": 2.0, "cnn": 2.0, "lm": 1.5},
     BF16_ROW: {"mlp": 2.0, "cnn": 2.0, "lm": 1.5},
     "EKFAC empirical": {"mlp": 3.0, "cnn": 3.0, "lm": 3.0},
+    EKFAC_EIGH_ROW: {"mlp": 3.0, "cnn": 3.0, "lm": 3.0},
     "DiagonalNG empirical": {"mlp": 1.5, "cnn": 1.5, "lm": 1.5},
 }
 

@@ -23,6 +23,7 @@ import traceback
 import warnings
 from collections import Counter
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -135,6 +136,10 @@ def optimizers(inverse_every):
         lambda m: curvature.KFAC(m, kl_clip=1e-3, momentum=0.9, weight_decay=1e-2, **kw),
     )
     yield "EKFAC empirical", lambda m: curvature.EKFAC(m, **kw)
+    yield (
+        "EKFAC empirical, eigenbasis_update=eigh",
+        lambda m: curvature.EKFAC(m, eigenbasis_update="eigh", **kw),
+    )
     yield "DiagonalNG empirical", lambda m: curvature.DiagonalNaturalGradient(m, **kw)
 
 
@@ -199,7 +204,9 @@ def gpu_shapes_refresh() -> list:
     for key, _, make, X, y, loss_func in gpu.step_workloads("full"):
         n = 8 if key == "mlp" else 2
         X, y = X[:n], y[: n * X.shape[1]] if key == "lm" else y[:n]
-        for cls in (curvature.KFAC, curvature.EKFAC, curvature.DiagonalNaturalGradient):
+        eigh = partial(curvature.EKFAC, eigenbasis_update="eigh")
+        eigh.__name__ = "EKFAC (eigh)"
+        for cls in (curvature.KFAC, curvature.EKFAC, eigh, curvature.DiagonalNaturalGradient):
             torch.manual_seed(0)
             model = make()
             with warnings.catch_warnings():

@@ -549,21 +549,21 @@ def generalized_eigh(B: Tensor, A: Tensor, *, name: str = "matrix") -> Tuple[Ten
 
 
 def orthonormal_basis(M: Tensor) -> Tensor:
-    """An orthonormal basis ``Q [P, r]`` of the columns of ``M [P, k]``, ``r = min(P, k)``.
-
-    Householder QR (``torch.linalg.qr``, reduced): ``Q`` has orthonormal columns even when
-    ``M`` is rank-deficient (then ``Q`` spans ``range(M)`` plus arbitrary directions, which
-    keeps Hutch++ unbiased). Half precision is promoted to float32 and cast back.
+    """An orthonormal basis ``Q [..., P, min(P, k)]`` of the columns of ``M [..., P, k]``:
+    ``torch.linalg.qr``'s reduced Q without forming R (``geqrf``, ``householder_product``;
+    no host read). Orthonormal also for a rank-deficient ``M`` (``range(M)`` plus arbitrary
+    directions: Hutch++ stays unbiased). Half precision is promoted to float32 and back.
     """
     dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
-    Q = torch.linalg.qr(M.to(dtype), mode="reduced").Q
-    return Q.to(M.dtype)
+    if M.requires_grad:  # (geqrf has no derivative)
+        return torch.linalg.qr(M.to(dtype), mode="reduced").Q.to(M.dtype)
+    QR, tau = torch.geqrf(M.to(dtype))
+    return torch.linalg.householder_product(QR[..., : tau.shape[-1]], tau).to(M.dtype)
 
 
 def eigh_unchecked(M: Tensor) -> Tuple[Tensor, Tensor]:
-    """:func:`eigh` without host synchronization: no finiteness check, no jitter retries.
-
-    For factors whose finiteness is guaranteed on the device (running averages of checked
+    """:func:`eigh` without host synchronization: no finiteness check, no jitter retries,
+    for factors whose finiteness is guaranteed on the device (running averages of checked
     statistics). A decomposition that does not converge is retried once in float64.
 
     Returns:

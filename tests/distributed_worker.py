@@ -72,6 +72,8 @@ SCENARIOS: Dict[str, Tuple[str, dict, bool]] = {
     "kfac-type2-owner": ("KFAC", dict(fisher="type-2", precondition="owner"), True),
     "ekfac-empirical-ddp": ("EKFAC", dict(fisher="empirical"), True),
     "ekfac-type2-plain": ("EKFAC", dict(fisher="type-2"), False),
+    # bases tracked after the first refresh (each block's owner steps from its record)
+    "ekfac-power-ddp": ("EKFAC", dict(fisher="empirical", eigenbasis_update="power"), True),
     "diag-type2-ddp": ("DiagonalNaturalGradient", dict(fisher="type-2"), True),
     # a deliberately broken run: statistics not reduced (each rank its own factors)
     "broken-unreduced": ("KFAC", dict(fisher="type-2", distributed=False), True),

@@ -47,6 +47,9 @@ def test_lower_bounds_add_the_timed_terms():
         def eigh(self, n):
             return 100.0 * (n > 0)
 
+        def power_step(self, n):
+            return 30.0 * (n > 0)
+
     shapes = [{"rows": 4, "a": 3, "g": 2, "weight": (2, 3)}]
     b = gpu.lower_bounds(
         shapes, Clock(), adamw=5.0, plain={"forward": 1.0, "forward_backward": 3.0}
@@ -55,8 +58,10 @@ def test_lower_bounds_add_the_timed_terms():
     assert b["KFAC empirical"] == pytest.approx(5 + 2 + 2 + 20 / 10)
     assert b["KFAC mc-1"] == pytest.approx(b["KFAC empirical"] + 2.0)  # + the extra backward
     assert b[gpu.BF16_ROW] == pytest.approx(b["KFAC empirical"] - 2 * 0.5)  # bf16 statistics
-    # 2 statistics + 3 eigenbasis statistics + 4 preconditioning GEMMs, 2 eigh over 10
-    assert b["EKFAC empirical"] == pytest.approx(5 + 2 + 3 + 4 + 200 / 10)
+    # 2 statistics + 3 eigenbasis statistics + 4 preconditioning GEMMs, 2 basis updates
+    # (default) or 2 eigh over 10
+    assert b["EKFAC empirical"] == pytest.approx(5 + 2 + 3 + 4 + 60 / 10)
+    assert b[gpu.EKFAC_EIGH_ROW] == pytest.approx(5 + 2 + 3 + 4 + 200 / 10)
     assert b["DiagonalNG empirical"] == pytest.approx(5 + 1)
 
 

@@ -23,8 +23,9 @@ from ..linalg import (
     non_finite_message,
     spare,
 )
-from .kronecker import KroneckerBlock
+from .kronecker import EigenCorrectedBlock, KroneckerBlock
 from .onesided import OneSidedBlock, full_sides, install_sides
+from .power import power_steps
 from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
 from .sum import KroneckerSumBlock
 
@@ -176,6 +177,7 @@ def eigendecompositions(
     damping_of: Callable[[object], float],
     also: Sequence[Any] = (),
     onesided: Sequence[OneSidedBlock] = (),
+    power: bool = False,
 ) -> Tuple[Dict[object, Outcome], list]:
     """:class:`Eigen` records (Kronecker blocks) and generalized ones (sum blocks).
 
@@ -183,18 +185,26 @@ def eigendecompositions(
     :func:`~curvature.linalg.eighs` (one host read for all of them, which also reads the
     tensors ``also``: their values are returned second), together with the full sides
     of the ``onesided`` blocks (refreshed here: :func:`~.onesided.install_sides`; on a
-    GPU their sizes join the same batched calls).
+    GPU their sizes join the same batched calls). With ``power``, an EKFAC block that
+    has a basis gets its next one by :func:`~.power.power_steps` instead (no
+    eigendecomposition; its finiteness read with the rest).
     """
     out: Dict[object, Outcome] = {}
-    single = []
+    single, stepped = [], []
     for b in blocks:
         if isinstance(b, KroneckerSumBlock):
             try:
                 out[b] = Outcome(RefreshStatus.OK, b.decompose(damping_of(b)))
             except RuntimeError as err:
                 out[b] = failure(b, str(err))
+        elif power and isinstance(b, EigenCorrectedBlock) and b.basis() is not None:
+            stepped.append(b)
         else:
             single.append(b)
+    steps, ok = power_steps(
+        [p for b in stepped for p in ((b.A, b.basis().QA), (b.G, b.basis().QG))]
+    )
+    also = [*ok, *also]
     mats, names, canonical = [], [], []
     for b in single:
         mats += [b.A, b.G]
@@ -205,6 +215,13 @@ def eigendecompositions(
     results = eighs(mats + sides, names + side_names, also, canonical)
     install_sides(jobs, results[len(mats) : len(mats) + len(sides)])
     results, extra = results[: len(mats)], results[len(mats) + len(sides) :]
+    ok, extra = extra[: len(ok)], extra[len(ok) :]
+    for i, b in enumerate(stepped):
+        if ok[2 * i] and ok[2 * i + 1]:
+            out[b] = Outcome(RefreshStatus.OK, Eigen(*steps[2 * i], *steps[2 * i + 1]))
+        else:
+            which = "A" if not ok[2 * i] else "G"
+            out[b] = failure(b, non_finite_message(f"power_step({which} of '{b.label}')"))
     for i, b in enumerate(single):
         a, g = results[2 * i], results[2 * i + 1]
         err = next((e for e in (a, g) if isinstance(e, Exception)), None)

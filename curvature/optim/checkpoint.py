@@ -226,8 +226,8 @@ def warn_dropped_corrections(who: str, blocks: Mapping[Key, Any]) -> None:
     if corrected:
         warn(
             f"{who}.load_state_dict: the state holds EKFAC's eigenvalue corrections of "
-            f"{sorted(corrected)}; they are dropped (the Kronecker factors and eigenbases "
-            "are kept). Load it into EKFAC to keep them."
+            f"{sorted(corrected)}; they are dropped (the Kronecker factors are kept, and "
+            "decomposed again). Load it into EKFAC to keep them."
         )
 
 

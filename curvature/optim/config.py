@@ -82,6 +82,7 @@ def check_kfac_arguments(
     precondition: str,
     inverse_method: str,
     statistics_dtype: Optional[torch.dtype] = None,
+    eigenbasis_update: str = "eigh",
 ) -> None:
     """The structure arguments of :class:`~curvature.KFAC` / ``EKFAC`` beyond the config."""
     if statistics_dtype is not None and statistics_dtype not in STATISTICS_DTYPES:
@@ -114,6 +115,11 @@ def check_kfac_arguments(
     if inverse_method not in ("cholesky", "eigh"):
         raise ValueError(
             f"{who}(inverse_method={inverse_method!r}): 'cholesky' (default) or 'eigh'."
+        )
+    if eigenbasis_update not in ("eigh", "power") or (eigenbasis_update == "power" and not ekfac):
+        raise ValueError(
+            f"{who}(eigenbasis_update={eigenbasis_update!r}): 'eigh' (default) or, for "
+            "EKFAC, 'power' (one subspace iteration from the previous eigenbasis)."
         )
 
 

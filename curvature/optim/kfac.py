@@ -1,9 +1,8 @@
 """``KFAC`` and ``EKFAC`` optimizers (``torch.optim.Optimizer`` subclasses).
 
 The optimizers route statistics to curvature blocks (:mod:`curvature.blocks`), which own
-the maths. Per layer block, with running factors ``A``, ``G`` and damping ``lambda``,
-the update direction for the gradient matrix ``M`` (rows: outputs, columns: inputs with
-the bias last) is
+the maths. Per layer block (running factors ``A``, ``G``, damping ``lambda``) the
+direction for the gradient matrix ``M`` (rows: outputs, columns: inputs, bias last) is
 
     pi (default):     (G + sqrt(lambda)/pi I)^{-1} M (A + pi sqrt(lambda) I)^{-1}
     per_factor:       (G + lambda I)^{-1} M (A + lambda I)^{-1}
@@ -11,17 +10,14 @@ the bias last) is
     EKFAC:            QG [ (QG^T M QA) / (Lambda + lambda) ] QA^T
 
 with ``Lambda`` the running second moments of the per-sample gradients in the Kronecker
-eigenbasis (George et al., 2018), carried over into a refreshed basis as the diagonal of
-the previous EKFAC matrix (:class:`~curvature.blocks.EigenCorrectedBlock`). A block
-reached by two registered outputs (terms; a PINN's interior and boundary residuals) is a
-:class:`~curvature.blocks.KroneckerSumBlock`: every term damped (per factor, or pi with
-its own ``pi``), the sum inverted exactly (more terms are merged into the second; no
-eigenvalue correction). Blocks with a factor larger than ``max_factor_size`` are
-:class:`~curvature.blocks.OneSidedBlock` (that factor diagonal, :mod:`.large`); layers
-without a Kronecker rule under ``unsupported="diagonal"`` are
-:class:`~curvature.blocks.DiagonalBlock`; layers without one, and with
-``exact_layer_size`` the small layers (:mod:`.exact_layers`), are exact blocks (``A =
-[[1]]``, ``G`` the layer's dense Fisher block).
+eigenbasis (George et al., 2018; the basis tracked by :mod:`curvature.blocks.power`),
+carried into a refreshed basis as the diagonal of the previous EKFAC matrix
+(:class:`~curvature.blocks.EigenCorrectedBlock`). A block reached by two registered
+outputs (a PINN's interior and boundary terms) is a :class:`~curvature.blocks.KroneckerSumBlock`
+(every term damped, the sum inverted exactly). Blocks with a factor over ``max_factor_size``
+are one-sided (:mod:`.large`); layers without a Kronecker rule are ``DiagonalBlock``
+(``unsupported="diagonal"``) or exact blocks (``A = [[1]]``, as the small layers under
+``exact_layer_size``: :mod:`.exact_layers`).
 """
 
 from __future__ import annotations
@@ -195,6 +191,10 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             (default; the damped factors by Cholesky) or ``"eigh"`` (from the factors'
             eigendecompositions, split over the ranks with ``decompose="split"``). The
             same matrices up to rounding.
+        eigenbasis_update (str | None): How EKFAC's refreshes after the first renew its
+            eigenbases: ``"power"`` (EKFAC's default: one step of subspace iteration from
+            the previous basis and a QR; no eigendecomposition, no host read on a GPU;
+            :mod:`curvature.blocks.power`) or ``"eigh"`` (eigendecompositions; KFAC's only).
 
     Warning:
         Statistics of ``"empirical"`` assume that the gradient accumulated in ``.grad``
@@ -245,6 +245,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         decompose: str = "split",
         precondition: str = "all",
         inverse_method: str = "cholesky",
+        eigenbasis_update: Optional[str] = None,
         large_factors: str = "diagonal_factor",
         statistics_dtype: Optional[torch.dtype] = None,
         exact_layer_size: int = 0,
@@ -259,13 +260,18 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             precondition,
             inverse_method,
             statistics_dtype,
+            eigenbasis_update or "eigh",
         )
         self.max_factor_size, self.statistics_dtype = max_factor_size, statistics_dtype
         ekfac = issubclass(self.block_type, EigenCorrectedBlock)
         self.exact_layer_size = check_exact_layer_size(type(self).__name__, exact_layer_size, ekfac)
         self.large_factors = check_mode(type(self).__name__, large_factors)
-        self.decompose, self.precondition = decompose, precondition
-        self.inverse_method = inverse_method
+        self.decompose, self.precondition, self.inverse_method = (
+            decompose,
+            precondition,
+            inverse_method,
+        )
+        self.eigenbasis_update = eigenbasis_update or ("power" if ekfac else "eigh")
         self._blocks: Dict[Key, Any] = {}
         self._diag: Dict[Key, DiagonalBlock] = {}
         self._large: Dict[Key, Tensor] = {}
@@ -457,11 +463,8 @@ class KFAC(KroneckerState, CurvatureOptimizer):
 
     # -- refresh -------------------------------------------------------------------------------
     def _by_cholesky(self, block) -> bool:
-        """Whether a block is inverted by Cholesky (KFAC, pi damping) instead of decomposed.
-
-        Pi damping only needs the two damped factor inverses: Cholesky gives them about
-        five times faster than ``eigh``, and every rank holds the identical factors after
-        the statistics' all-reduce, so nothing is exchanged.
+        """Whether a block is inverted by Cholesky (KFAC, pi damping: about five times
+        faster than ``eigh``; identical factors on every rank, nothing exchanged).
         """
         return (
             type(block) is KroneckerBlock
@@ -470,9 +473,8 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         )
 
     def _refresh(self) -> None:
-        """Decompose (or snapshot) every block: locally, or split over the ranks and shared.
-
-        Reads the deferred device values (:mod:`.deferred`) in its first synchronization.
+        """Decompose (or snapshot) every block: locally, or split over the ranks and shared;
+        reads the deferred device values (:mod:`.deferred`) in its first synchronization.
         """
         keys = sorted(self._blocks, key=repr)
         local = [k for k in keys if self._by_cholesky(self._blocks[k])]
@@ -488,9 +490,8 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         # the one-sided blocks' full sides: with the eigendecompositions where there are
         # some (one read, joint batched calls), else on their own (no read)
         onesided = [b for b in self._diag.values() if isinstance(b, OneSidedBlock)]
-        by_block, read = eigendecompositions(
-            mine, damping_of.get, also if shared else [], onesided if shared else []
-        )
+        power, jointly = self.eigenbasis_update == "power", (also, onesided) if shared else ([], [])
+        by_block, read = eigendecompositions(mine, damping_of.get, *jointly, power=power)
         outcomes = {k: by_block[self._blocks[k]] for k in shared if self._mine(k)}
         if self._comm is not None and self.decompose == "split" and shared:
             outcomes = share_outcomes(
@@ -588,10 +589,11 @@ class KFAC(KroneckerState, CurvatureOptimizer):
 class EKFAC(KFAC):
     """Eigenvalue-corrected KFAC (George et al., 2018); the same arguments as :class:`KFAC`.
 
-    The Kronecker eigenbasis is refreshed every ``inverse_every`` steps; in between, the
-    eigenvalues are replaced by the running second moments of the per-sample gradients
-    projected into that basis, re-estimated every ``factor_every`` steps. Its blocks are
-    :class:`~curvature.blocks.EigenCorrectedBlock`; damping is always exact.
+    The Kronecker eigenbasis is refreshed every ``inverse_every`` steps (after the first
+    decomposition by one subspace iteration: ``eigenbasis_update``); its eigenvalues are
+    replaced by the running second moments of the per-sample gradients projected into it,
+    re-estimated every ``factor_every`` steps (blocks:
+    :class:`~curvature.blocks.EigenCorrectedBlock`; damping always exact).
     """
 
     block_type = EigenCorrectedBlock

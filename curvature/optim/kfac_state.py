@@ -48,6 +48,12 @@ class KroneckerState:
             tuple(k): restore_block(block_name(*k), self._index[tuple(k)], st, self.block_type)
             for k, st in state["blocks"].items()
         }
+        if not issubclass(self.block_type, EigenCorrectedBlock):  # EKFAC's bases may be
+            # tracked (blocks.power), not exact: KFAC decomposes the factors again
+            for k, st in state["blocks"].items():
+                block = self._blocks[tuple(k)]
+                if st.get("corrections") is not None and block.record is not None:
+                    block.install(block.decompose())
         self._term_of = {tuple(k): t for k, t in state["terms"].items()}
         self._diag = {}
         for k, st in state["diag"].items():

@@ -1,0 +1,237 @@
+"""EKFAC's eigenbasis tracked by one subspace iteration per refresh (``eigenbasis_update="power"``).
+
+Twins: the exact eigenbasis is a fixed point of the step (an optimizer whose factors do
+not move gets eigh's bases at every refresh); repeated steps on one matrix converge to
+``eigh``'s basis; the null space stays put under a rounding change (as the canonical
+basis of a full decomposition does); the refresh reads the device once and decomposes
+nothing after the first.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import curvature
+from curvature.blocks.power import power_step, power_steps
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from step_counts import HostReads, as_on_cuda  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread_seeded")
+CE = nn.CrossEntropyLoss()
+F64 = torch.float64
+
+
+def psd(n=12, r=12, seed=0, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(r, n, generator=g, dtype=F64) * torch.logspace(0, -spread, n, dtype=F64)
+    return a.T @ a / r
+
+
+def off_diagonal(F, Q):
+    """``|offdiag(Q^T F Q)|_F / |F|_F``: 0 for an eigenbasis."""
+    M = Q.mT @ F @ Q
+    return float((M - torch.diag_embed(M.diagonal(dim1=-2, dim2=-1))).norm() / F.norm())
+
+
+def test_the_eigenbasis_is_a_fixed_point():
+    F = psd(30, r=60)
+    evals, Q = torch.linalg.eigh(F)
+    lam, Qn = power_step(F, Q)
+    torch.testing.assert_close(Qn, Q, rtol=0, atol=1e-10)  # same order, same signs
+    torch.testing.assert_close(lam, evals, rtol=0, atol=1e-12)
+
+
+def test_repeated_steps_converge_to_the_eigenbasis():
+    F, Q = psd(20, r=40, seed=1), psd(20, r=40, seed=2)
+    Q = torch.linalg.eigh(Q).eigenvectors  # another matrix's basis: far from F's
+    start = off_diagonal(F, Q)
+    for _ in range(300):
+        lam, Q = power_step(F, Q)
+    assert start > 0.1 and off_diagonal(F, Q) < 1e-8
+    torch.testing.assert_close(lam, torch.linalg.eigvalsh(F), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(Q.mT @ Q, torch.eye(20, dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_one_step_moves_a_stale_basis_toward_the_new_factor():
+    """The refresh's situation: the basis of the factor before a running-average update."""
+    F_old = psd(40, r=25, seed=3)
+    F = 0.6 * F_old + 0.4 * psd(40, r=25, seed=4)
+    Q = torch.linalg.eigh(F_old).eigenvectors
+    _, Qn = power_step(F, Q)
+    assert off_diagonal(F, Qn) < 0.6 * off_diagonal(F, Q)
+
+
+def test_the_null_space_stays_put_under_a_rounding_change():
+    """A rank-5 factor of size 12: without the shift, the QR of its rounding-level
+    columns would pick the null space's directions from rounding."""
+    F = psd(12, r=5)
+    Q = torch.linalg.eigh(F).eigenvectors
+    g = torch.Generator().manual_seed(9)
+    E = torch.randn(12, 12, generator=g, dtype=F64)
+    _, a = power_step(F, Q)
+    _, b = power_step(F + 1e-15 * (E + E.T), Q)
+    assert float((a - b).abs().max()) < 1e-9
+    torch.testing.assert_close(a[:, :7].mT @ F @ a[:, :7], torch.zeros(7, 7, dtype=F64),
+                               rtol=0, atol=1e-12)  # fmt: skip
+
+
+def test_a_zero_factor_keeps_its_basis():
+    Q = torch.linalg.eigh(psd(9)).eigenvectors
+    lam, Qn = power_step(torch.zeros(9, 9, dtype=F64), Q)
+    torch.testing.assert_close(Qn, Q, rtol=0, atol=1e-15)
+    assert float(lam.abs().max()) == 0.0
+
+
+def test_batched_steps_equal_single_ones_and_flag_non_finite_factors():
+    pairs = [
+        (psd(8, seed=s), torch.linalg.eigh(psd(8, seed=s + 10)).eigenvectors) for s in range(3)
+    ]
+    bad = psd(8, seed=5)
+    bad[0, 0] = float("nan")
+    pairs.append((bad, pairs[0][1]))
+    out, ok = power_steps(pairs)
+    for (F, Q), (lam, Qn) in zip(pairs[:3], out[:3]):
+        ref = power_step(F, Q)
+        torch.testing.assert_close(lam, ref[0], rtol=0, atol=1e-14)
+        torch.testing.assert_close(Qn, ref[1], rtol=0, atol=1e-14)
+    assert [bool(f) for f in ok] == [True, True, True, False]
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+TEACHER = torch.randn(10, 3, generator=torch.Generator().manual_seed(77), dtype=F64)
+
+
+def batch(seed, n=32):
+    """Inputs and the labels of a fixed linear teacher (something to learn)."""
+    X = torch.randn(n, 10, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    return X, (X @ TEACHER).argmax(1)
+
+
+def bases(opt):
+    return {k: (b.basis().QA.clone(), b.basis().QG.clone()) for k, b in opt.blocks.items()}
+
+
+def test_an_optimizer_whose_factors_do_not_move_keeps_the_exact_eigenbases():
+    """``lr=0`` and one batch: the running factors stay those of the first step, so every
+    power refresh must return eigh's bases (the exact case)."""
+    runs = {}
+    for update in ("eigh", "power"):
+        model = mlp()
+        opt = curvature.EKFAC(model, lr=0.0, inverse_every=2, eigenbasis_update=update)
+        X, y = batch(0)
+        for _ in range(9):
+            opt.zero_grad()
+            CE(model(X), y).backward()
+            opt.step()
+        runs[update] = bases(opt)
+    for k, (QA, QG) in runs["eigh"].items():
+        pA, pG = runs["power"][k]
+        # eigenvectors up to sign (eigh's signs are its own; the power step keeps the first)
+        torch.testing.assert_close(pA.abs(), QA.abs(), rtol=0, atol=1e-8)
+        torch.testing.assert_close(pG.abs(), QG.abs(), rtol=0, atol=1e-8)
+
+
+def train(update, steps=30, **kw):
+    model = mlp()
+    opt = curvature.EKFAC(model, lr=0.05, inverse_every=3, eigenbasis_update=update, **kw)
+    losses = []
+    for s in range(steps):
+        X, y = batch(s)
+        opt.zero_grad()
+        loss = CE(model(X), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return model, opt, losses
+
+
+def test_power_refreshes_train_as_eigh_refreshes_do():
+    _, _, eigh_losses = train("eigh")
+    _, opt_p, power_losses = train("power")
+    # the first refresh decomposes (the same bases); later ones only track
+    assert abs(power_losses[-1] - eigh_losses[-1]) < 0.05 * eigh_losses[-1]
+    assert power_losses[-1] < 0.8 * power_losses[0]
+    assert power_losses[:4] == eigh_losses[:4]  # up to the second refresh: identical
+    for k, (QA, QG) in bases(opt_p).items():  # orthonormal and near the current eigenbasis
+        A, G = opt_p.factors()[k]
+        QA, QG = QA[0], QG[0]
+        torch.testing.assert_close(QA.mT @ QA, torch.eye(len(QA), dtype=F64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(QG.mT @ QG, torch.eye(len(QG), dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_a_power_run_resumes_bit_for_bit():
+    model, opt, _ = train("power", steps=7)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = opt.state_dict()
+    tail = []
+    for s in range(7, 12):
+        X, y = batch(s)
+        opt.zero_grad()
+        CE(model(X), y).backward()
+        opt.step()
+    tail = [p.detach().clone() for p in model.parameters()]
+    model2 = mlp()
+    model2.load_state_dict(state)
+    opt2 = curvature.EKFAC(model2, lr=0.05, inverse_every=3, eigenbasis_update="power")
+    opt2.load_state_dict(saved)
+    for s in range(7, 12):
+        X, y = batch(s)
+        opt2.zero_grad()
+        CE(model2(X), y).backward()
+        opt2.step()
+    for a, b in zip(tail, model2.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("depth", [1, 5])
+def test_a_power_refresh_would_synchronize_a_gpu_once(depth):
+    """After the first refresh no eigendecomposition: the host read of the refresh only
+    (``torch.linalg.qr``'s parts read no error code on a GPU), against one read plus
+    one ``eigh`` call per padded size group with ``"eigh"``."""
+    counts = {}
+    for update in ("eigh", "power"):
+        torch.manual_seed(0)
+        sizes = [6] + [8] * depth + [4]
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers += ([nn.Tanh()] if i else []) + [nn.Linear(a, b)]
+        model = nn.Sequential(*layers)
+        opt = curvature.EKFAC(model, inverse_every=1, eigenbasis_update=update)
+        g = torch.Generator().manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                X, y = torch.randn(5, 6, generator=g), torch.randint(0, 4, (5,), generator=g)
+                with as_on_cuda(), HostReads(checked=True) as reads:
+                    opt.zero_grad()
+                    CE(model(X), y).backward()
+                    opt.step()
+        counts[update] = reads.count
+    assert counts["power"] == 1 and counts["eigh"] >= 2, counts
+
+
+def test_the_option_is_checked():
+    model = mlp()
+    with pytest.raises(ValueError, match="eigenbasis_update='qr'"):
+        curvature.EKFAC(model, eigenbasis_update="qr")
+    with pytest.raises(ValueError, match="for EKFAC, 'power'"):
+        curvature.KFAC(model, eigenbasis_update="power")
+
+
+def test_the_refresh_benchmark_runs_and_counts_one_read_for_power():
+    import ekfac_refresh
+
+    runs, syncs = ekfac_refresh.main("--widths 6,8,4 --batch 5 --repeats 2".split())
+    assert syncs["power"] == 1 and syncs["eigh"] >= 2
+    assert all(len(times) == 2 for _, _, times in runs.values())

@@ -422,6 +422,14 @@ class EigenCorrectedBlock(KroneckerBlock):
         """The refreshed eigenbasis, or ``None`` before the first eigendecomposition."""
         return self.record if isinstance(self.record, Eigen) else None
 
+    def tracks_basis(self) -> bool:
+        """Whether a refresh may track the basis (:mod:`~curvature.blocks.power`) instead of
+        decomposing: it has one and corrections in it (without corrections, e.g. under
+        ``fisher="forward-only"``, the block is KFAC with exact damping, whose eigenpairs
+        must be exact).
+        """
+        return self.basis() is not None and self.corrections is not None
+
     def install(self, record: Record) -> None:
         """Install a new basis and carry ``Lambda`` over into it.
 

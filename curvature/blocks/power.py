@@ -14,18 +14,19 @@ q_j`` in descending order (orthogonal iteration converges to nested dominant sub
 in the order of the columns; quotients below ``sigma`` count as equal and keep their
 previous order, so that rounding does not permute them) and the signs of ``R``'s
 diagonal folded into ``Q`` (each new column points as its old one). The shift ``sigma
-=`` :data:`POWER_SHIFT` times the largest Rayleigh quotient keeps the columns of the
-numerical null space where they were: ``F q ~ 0`` there, and the Householder QR of a
-rounding-level column would pick its direction from rounding (the reason a full
-eigendecomposition needs :func:`~curvature.linalg.canonical_null_basis`); with the shift
-the new basis is a smooth function of the factor and the previous basis.
+=`` :data:`POWER_SHIFT` times the largest quotient keeps the columns of a numerical null
+space where they were: ``F q ~ 0`` there (and ``F Q``'s columns lose rank where ``F``
+does), and the Householder QR of rounding-level columns would take their directions from
+the rounding (the reason a full eigendecomposition needs
+:func:`~curvature.linalg.canonical_null_basis`); with the shift the new basis is a
+smooth function of the factor and the previous basis.
 
 Cost per ``n x n`` factor: one GEMM (``F Q``, ``2 n^3`` flops) and one Householder QR
 (``~8/3 n^3``, :func:`~curvature.linalg.orthonormal_basis`), against an
 eigendecomposition's ``~9 n^3`` with less parallelism; on a GPU the QR reads no error
-code on the host (the eigendecomposition does, once per batched call). The eigenvalues returned are the
-Rayleigh quotients in the previous basis (what EKFAC uses only until its first
-corrections arrive).
+code on the host (the eigendecomposition does, once per batched call). The eigenvalues
+returned are the Rayleigh quotients in the previous basis (what EKFAC uses only until
+its first corrections arrive).
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ from torch import Tensor
 
 from ..linalg import orthonormal_basis
 
-#: ``sigma / max_j q_j^T F q_j`` of :func:`power_steps`: directions whose eigenvalue is
-#: below about this fraction of the largest turn slowly (they keep their previous
-#: columns), and a column's sensitivity to rounding of ``F`` is about its inverse.
-POWER_SHIFT = 1e-3
+#: ``sigma / max_j q_j^T F q_j`` of :func:`power_step`, per dtype of the basis: directions
+#: whose eigenvalue is below about this fraction of the largest barely turn (they keep
+#: their previous columns), and a rounding change ``delta`` (relative) of the factor
+#: moves the null space's columns by about ``delta / sigma``: ``1e-9`` for a float64
+#: rounding (``1e-15``), ``1e-4`` for a float32 one (``1e-7``). Float32 resolves no
+#: eigenvector much below ``1e-5`` of the largest eigenvalue anyway; a first version took
+#: ``1e-3`` in float64 too, which froze an audit's ill-conditioned least squares
+#: (eigenvalues over six decades) at a loss of ``7.6e-4`` where decompositions reach
+#: ``2e-27`` (now ``2e-27``).
+POWER_SHIFT = {torch.float32: 1e-3, torch.float64: 1e-6}
 
 
 def power_step(F: Tensor, Q: Tensor) -> Tuple[Tensor, Tensor]:
@@ -63,7 +70,7 @@ def power_step(F: Tensor, Q: Tensor) -> Tuple[Tensor, Tensor]:
     est = (Q * FQ).sum(-2)  # q_j^T F q_j
     top = est.amax(-1, keepdim=True).clamp_min(0)
     # a zero factor (a dead layer) keeps its basis: a shift of 1 (Y = Q P)
-    sigma = torch.where(top > 0, POWER_SHIFT * top, torch.ones_like(top))
+    sigma = torch.where(top > 0, POWER_SHIFT.get(dtype, 1e-3) * top, torch.ones_like(top))
     # ascending, the quotients below the shift tied (stable: in their previous order, so
     # that rounding does not permute the null space), then reversed for the iteration
     order = est.maximum(sigma).argsort(dim=-1, stable=True).flip(-1)

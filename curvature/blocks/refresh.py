@@ -186,8 +186,9 @@ def eigendecompositions(
     tensors ``also``: their values are returned second), together with the full sides
     of the ``onesided`` blocks (refreshed here: :func:`~.onesided.install_sides`; on a
     GPU their sizes join the same batched calls). With ``power``, an EKFAC block that
-    has a basis gets its next one by :func:`~.power.power_steps` instead (no
-    eigendecomposition; its finiteness read with the rest).
+    has a basis and corrections (:meth:`~.kronecker.EigenCorrectedBlock.tracks_basis`)
+    gets its next one by :func:`~.power.power_steps` instead (no eigendecomposition; its
+    finiteness read with the rest).
     """
     out: Dict[object, Outcome] = {}
     single, stepped = [], []
@@ -197,7 +198,7 @@ def eigendecompositions(
                 out[b] = Outcome(RefreshStatus.OK, b.decompose(damping_of(b)))
             except RuntimeError as err:
                 out[b] = failure(b, str(err))
-        elif power and isinstance(b, EigenCorrectedBlock) and b.basis() is not None:
+        elif power and isinstance(b, EigenCorrectedBlock) and b.tracks_basis():
             stepped.append(b)
         else:
             single.append(b)

@@ -82,7 +82,7 @@ def check_kfac_arguments(
     precondition: str,
     inverse_method: str,
     statistics_dtype: Optional[torch.dtype] = None,
-    eigenbasis_update: str = "eigh",
+    eigenbasis_update: Optional[str] = None,
 ) -> None:
     """The structure arguments of :class:`~curvature.KFAC` / ``EKFAC`` beyond the config."""
     if statistics_dtype is not None and statistics_dtype not in STATISTICS_DTYPES:
@@ -116,10 +116,13 @@ def check_kfac_arguments(
         raise ValueError(
             f"{who}(inverse_method={inverse_method!r}): 'cholesky' (default) or 'eigh'."
         )
-    if eigenbasis_update not in ("eigh", "power") or (eigenbasis_update == "power" and not ekfac):
+    if eigenbasis_update not in (None, "eigh", "power") or (
+        eigenbasis_update == "power" and not ekfac
+    ):
         raise ValueError(
-            f"{who}(eigenbasis_update={eigenbasis_update!r}): 'eigh' (default) or, for "
-            "EKFAC, 'power' (one subspace iteration from the previous eigenbasis)."
+            f"{who}(eigenbasis_update={eigenbasis_update!r}): None (the default: 'power' for "
+            "EKFAC, 'eigh' for KFAC), 'eigh' (eigendecompositions at every refresh) or, for "
+            "EKFAC only, 'power' (one subspace iteration from the previous eigenbasis)."
         )
 
 

@@ -260,7 +260,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             precondition,
             inverse_method,
             statistics_dtype,
-            eigenbasis_update or "eigh",
+            eigenbasis_update,
         )
         self.max_factor_size, self.statistics_dtype = max_factor_size, statistics_dtype
         ekfac = issubclass(self.block_type, EigenCorrectedBlock)
@@ -271,7 +271,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             precondition,
             inverse_method,
         )
-        self.eigenbasis_update = eigenbasis_update or ("power" if ekfac else "eigh")
+        self.eigenbasis_update = eigenbasis_update or ("power" if ekfac else "eigh")  # (None)
         self._blocks: Dict[Key, Any] = {}
         self._diag: Dict[Key, DiagonalBlock] = {}
         self._large: Dict[Key, Tensor] = {}

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from ..blocks import DiagonalBlock, EigenCorrectedBlock, block_state, restore_block
+from ..blocks import (
+    DiagonalBlock,
+    Eigen,
+    EigenCorrectedBlock,
+    KroneckerBlock,
+    block_state,
+    restore_block,
+)
 from ..layer_stats import block_name
 from ..options import Unsupported
 from .checkpoint import check_kronecker_state, warn_dropped_corrections
@@ -48,12 +55,13 @@ class KroneckerState:
             tuple(k): restore_block(block_name(*k), self._index[tuple(k)], st, self.block_type)
             for k, st in state["blocks"].items()
         }
-        if not issubclass(self.block_type, EigenCorrectedBlock):  # EKFAC's bases may be
-            # tracked (blocks.power), not exact: KFAC decomposes the factors again
-            for k, st in state["blocks"].items():
-                block = self._blocks[tuple(k)]
-                if st.get("corrections") is not None and block.record is not None:
-                    block.install(block.decompose())
+        # eigenbases across KFAC and EKFAC are decomposed again: EKFAC's may be tracked
+        # (blocks.power), not exact eigenpairs; KFAC's are not canonical in a null space
+        kinds = {KroneckerBlock.__name__, EigenCorrectedBlock.__name__} - {self.block_type.__name__}
+        for k, st in state["blocks"].items():
+            block = self._blocks[tuple(k)]
+            if st.get("type") in kinds and isinstance(block.record, Eigen):
+                block.install(block.decompose())
         self._term_of = {tuple(k): t for k, t in state["terms"].items()}
         self._diag = {}
         for k, st in state["diag"].items():

@@ -42,12 +42,12 @@ from ..linalg import orthonormal_basis
 #: whose eigenvalue is below about this fraction of the largest barely turn (they keep
 #: their previous columns), and a rounding change ``delta`` (relative) of the factor
 #: moves the null space's columns by about ``delta / sigma``: ``1e-9`` for a float64
-#: rounding (``1e-15``), ``1e-4`` for a float32 one (``1e-7``). Float32 resolves no
-#: eigenvector much below ``1e-5`` of the largest eigenvalue anyway; a first version took
-#: ``1e-3`` in float64 too, which froze an audit's ill-conditioned least squares
-#: (eigenvalues over six decades) at a loss of ``7.6e-4`` where decompositions reach
-#: ``2e-27`` (now ``2e-27``).
-POWER_SHIFT = {torch.float32: 1e-3, torch.float64: 1e-6}
+#: rounding (``1e-15``), ``1e-3`` for a float32 one (``1e-7``). A first version took
+#: ``1e-3`` for both, which froze an audit's ill-conditioned least squares (one Linear
+#: layer, input eigenvalues over six decades) at a loss of ``7.6e-4`` in float64 and
+#: ``6.2e-4`` in float32 where decompositions reach ``2e-27`` and ``6.5e-10``; now ``2e-27``
+#: and ``6.3e-10``.
+POWER_SHIFT = {torch.float32: 1e-4, torch.float64: 1e-6}
 
 
 def power_step(F: Tensor, Q: Tensor) -> Tuple[Tensor, Tensor]:
@@ -70,7 +70,7 @@ def power_step(F: Tensor, Q: Tensor) -> Tuple[Tensor, Tensor]:
     est = (Q * FQ).sum(-2)  # q_j^T F q_j
     top = est.amax(-1, keepdim=True).clamp_min(0)
     # a zero factor (a dead layer) keeps its basis: a shift of 1 (Y = Q P)
-    sigma = torch.where(top > 0, POWER_SHIFT.get(dtype, 1e-3) * top, torch.ones_like(top))
+    sigma = torch.where(top > 0, POWER_SHIFT.get(dtype, 1e-4) * top, torch.ones_like(top))
     # ascending, the quotients below the shift tied (stable: in their previous order, so
     # that rounding does not permute the null space), then reversed for the iteration
     order = est.maximum(sigma).argsort(dim=-1, stable=True).flip(-1)

@@ -59,13 +59,15 @@ def power_step(F: Tensor, Q: Tensor) -> Tuple[Tensor, Tensor]:
         Q: ``[..., n, n]`` orthonormal, the previous basis (ascending, as from ``eigh``).
 
     Returns:
-        ``(evals [..., n], Q_new [..., n, n])`` in ``Q``'s dtype: the Rayleigh quotients
-        of the previous columns (clamped at 0) and the new basis, both in ascending order
-        of those quotients. Non-finite where ``F`` is (checked by the caller).
+        ``(evals [..., n], Q_new [..., n, n])`` in ``Q``'s dtype (float64 for a float64
+        ``F``): the Rayleigh quotients of the previous columns (clamped at 0) and the new
+        basis, both in ascending order of those quotients. Non-finite where ``F`` is
+        (checked by the caller).
 
     """
-    dtype = Q.dtype
-    F = F.to(dtype)
+    # (a factor of a model made float64 since the last refresh: the basis follows it)
+    dtype = torch.promote_types(F.dtype, Q.dtype) if F.dtype == torch.float64 else Q.dtype
+    F, Q = F.to(dtype), Q.to(dtype)
     FQ = (F + F.mT).mul_(0.5) @ Q
     est = (Q * FQ).sum(-2)  # q_j^T F q_j
     top = est.amax(-1, keepdim=True).clamp_min(0)
@@ -98,14 +100,14 @@ def power_steps(
     out: List[Any] = [None] * len(pairs)
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     for i, (F, Q) in enumerate(pairs):
-        groups.setdefault((F.shape, Q.dtype, F.device), []).append(i)
+        groups.setdefault((F.shape, F.dtype, Q.dtype, F.device), []).append(i)
     for idx in groups.values():
         if len(idx) == 1:
             F, Q = pairs[idx[0]]
             out[idx[0]] = power_step(F, Q)
             continue
         evals, Qn = power_step(
-            torch.stack([pairs[i][0].to(pairs[i][1].dtype) for i in idx]),
+            torch.stack([pairs[i][0] for i in idx]),
             torch.stack([pairs[i][1] for i in idx]),
         )
         for j, i in enumerate(idx):

@@ -23,10 +23,14 @@ from .layers import Call, LayerRule
 #: column, the gradients in the GEMM's layout, the per-sample gradients; see
 #: :func:`diagonal_chunk`) stay within ``max(DIAGONAL_CHUNK_ELEMENTS,
 #: DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))``, ``x`` and ``g`` the layer's inputs
-#: and output gradients (alive anyway): the statistics at most double the memory of the
-#: layer's own tensors, and small inputs are one chunk (no extra calls).
+#: and output gradients (alive anyway): the statistics add at most half the memory of the
+#: layer's own tensors, and small inputs are one chunk (no extra calls). The share was 1.0
+#: until 2026-11-27: a DiagonalNaturalGradient step on benchmarks/gpu.py's VGG at batch
+#: 256 peaked in one chunk's per-sample weight gradients (66.6 MB) at 459.8 MB of live
+#: tensors, over issue 17's budget (AdamW's 352.2 + 3x the diagonals' 19.2 = 409.7);
+#: with 0.5, 407.0 MB, at the same step time (benchmarks/step_memory.py, docs).
 DIAGONAL_CHUNK_ELEMENTS = 2**16
-DIAGONAL_CHUNK_SHARE = 1.0
+DIAGONAL_CHUNK_SHARE = 0.5
 #: The floor of the Kronecker statistics' bound (:func:`kfac_chunk`), in elements: their
 #: temporaries are the patches alone (no per-sample gradients), and a layer whose patches
 #: of the whole batch fit in ``2**20`` elements (4 MiB in float32) takes them at once.

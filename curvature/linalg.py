@@ -113,17 +113,16 @@ def canonical_null_basis(evecs: Tensor, ks: Sequence[int]) -> Tensor:
     matrix (``ks``: one per matrix), a basis ``Q_k`` of its null space, replaced by the
     orthonormal basis of ``P R`` (``P = Q_k Q_k^T`` the projector onto that space, ``R [n,
     k]`` a fixed seeded Gaussian), computed as ``Q_k U`` with ``U`` the QR factor of ``Q_k^T
-    R``: a function of the space alone (up to column signs), which a rounding change of
-    the matrix moves by as little (EKFAC's eigenbasis; ``eigh`` picks any basis there).
+    R``: a function of the space alone, which a rounding change of the matrix moves by as
+    little (EKFAC's eigenbasis; ``eigh`` picks any basis there). In place (``n x k`` new).
     """
-    n, out = evecs.shape[-1], []
-    for Q, k in zip(evecs.reshape(-1, n, n), ks):
+    n = evecs.shape[-1]
+    for Q, k in zip(evecs.view(-1, n, n), ks):
         if k > 1:
             R = torch.randn(n, k, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
-            U = orthonormal_basis(Q[:, :k].mT @ R.to(Q.device, Q.dtype))  # (Q_k U: P R's)
-            Q = torch.cat([Q[:, :k] @ U, Q[:, k:]], dim=1)
-        out.append(Q)
-    return torch.stack(out).reshape(evecs.shape)
+            R = Q[:, :k].mT @ R.to(Q.device, Q.dtype)  # (the float64 draw gone first)
+            Q[:, :k] = Q[:, :k] @ orthonormal_basis(R)  # (Q_k U: P R's)
+    return evecs
 
 
 def _finite_sum(t: Tensor) -> Tensor:
@@ -136,9 +135,8 @@ def _finite_sum(t: Tensor) -> Tensor:
 #: on the host once per call there (a synchronization each). ``[[S, 0], [0, s I]]`` has
 #: the eigenpairs of ``S`` (zero in the padded coordinates) and ``(s, e_k)``; ``s`` below
 #: the spectrum of ``S`` (``-2 (1 + |M|_F)``) makes them the first in ascending order, and
-#: they are dropped. The tridiagonal reduction never mixes the zero rows in, so the other
-#: pairs are those of ``S`` up to rounding. On a CPU (no synchronization to save) every
-#: size keeps its own call, bit for bit as one by one.
+#: they are dropped (the tridiagonal reduction never mixes the zero rows in: the other
+#: pairs are ``S``'s up to rounding). A CPU keeps every size's own call (bit for bit).
 PAD_EIGH_DEVICES = ("cuda",)
 
 #: How much more work padding may cost on :data:`PAD_EIGH_DEVICES`: sizes join the next
@@ -150,8 +148,8 @@ PAD_EIGH_DEVICES = ("cuda",)
 PAD_EIGH_COST = 0.1
 
 #: Added work (``count * m^3`` units) that padding may always cost, whatever
-#: :data:`PAD_EIGH_COST` allows: that of decomposing one ``64 x 64`` matrix (small
-#: matrices cost a GPU little besides the synchronization of their call).
+#: :data:`PAD_EIGH_COST` allows: one ``64 x 64`` decomposition (small ones cost a GPU
+#: little besides the synchronization of their call).
 PAD_EIGH_FREE = 64**3
 
 
@@ -184,10 +182,10 @@ def padded_sizes(
 ) -> Dict[int, int]:
     """Size ``n`` -> the size ``m >= n`` it is decomposed at on :data:`PAD_EIGH_DEVICES`.
 
-    ``counts``: size to the number of matrices of that size. Greedy: the group whose join
-    into the next larger group adds the least work joins it, while the added work stays
-    within ``budget`` (default :data:`PAD_EIGH_COST`) times ``sum count * n^3``, or
-    within ``free`` (default :data:`PAD_EIGH_FREE`) where that is more.
+    ``counts``: size to the number of matrices of that size. Greedy: the cheapest join of
+    a group into the next larger one, while the added work stays within ``budget``
+    (default :data:`PAD_EIGH_COST`) times ``sum count * n^3`` or ``free`` (default
+    :data:`PAD_EIGH_FREE`), whichever is more.
     """
     budget = PAD_EIGH_COST if budget is None else budget
     free = PAD_EIGH_FREE if free is None else free
@@ -549,16 +547,18 @@ def generalized_eigh(B: Tensor, A: Tensor, *, name: str = "matrix") -> Tuple[Ten
 
 
 def orthonormal_basis(M: Tensor) -> Tensor:
-    """An orthonormal basis ``Q [..., P, min(P, k)]`` of the columns of ``M [..., P, k]``:
-    ``torch.linalg.qr``'s reduced Q without forming R (``geqrf``, ``householder_product``;
-    no host read). Orthonormal also for a rank-deficient ``M`` (``range(M)`` plus arbitrary
-    directions: Hutch++ stays unbiased). Half precision is promoted to float32 and back.
+    """An orthonormal basis ``Q [..., P, min(P, k)]`` of ``M [..., P, k]``'s columns: the
+    reduced QR's Q with ``R``'s diagonal made non-negative (``geqrf``, ``householder_product``,
+    no host read), also for a rank-deficient ``M`` (arbitrary directions beyond its range:
+    Hutch++ stays unbiased); half precision promoted to float32 and back.
     """
     dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
     if M.requires_grad:  # (geqrf has no derivative)
         return torch.linalg.qr(M.to(dtype), mode="reduced").Q.to(M.dtype)
     QR, tau = torch.geqrf(M.to(dtype))
-    return torch.linalg.householder_product(QR[..., : tau.shape[-1]], tau).to(M.dtype)
+    signs = torch.where(QR.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(dtype).unsqueeze(-2)
+    Q = torch.linalg.householder_product(QR[..., : tau.shape[-1]], tau)
+    return Q.mul_(signs).to(M.dtype)
 
 
 def eigh_unchecked(M: Tensor) -> Tuple[Tensor, Tensor]:
@@ -575,9 +575,8 @@ def eigh_unchecked(M: Tensor) -> Tuple[Tensor, Tensor]:
 
 def eighs_unchecked(mats: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:
     """:func:`eigh_unchecked` of several matrices, without a host read: grouped as in
-    :func:`eighs` (one batched call per shape; on :data:`PAD_EIGH_DEVICES` sizes joined
-    within :data:`PAD_EIGH_COST`, one synchronization per call there). A group whose
-    call does not converge is decomposed one by one (float64 where that fails too).
+    :func:`eighs` (one synchronization per batched call on a GPU). A group whose call does
+    not converge is decomposed one by one (float64 where that fails too).
 
     Returns:
         Per matrix ``(evals >= 0, evecs)`` in its dtype (at least float32).

@@ -52,38 +52,39 @@ POWER_SHIFT = {torch.float32: 1e-4, torch.float64: 1e-6}
 
 def power_step(F: Tensor, Q: Tensor) -> Tuple[Tensor, Tensor]:
     """One step of shifted subspace iteration of ``F [..., n, n]`` from ``Q`` (the module's
-    formula); ``Q``'s columns in ascending order of their eigenvalue estimates.
+    formula).
+
+    Memory: besides ``F`` and ``Q``, at most three ``n x n`` temporaries at a time (``F
+    Q``, its columns in the new order, the QR's two outputs); ``F`` is used as it is (a
+    running factor, symmetric up to rounding: ``F`` and ``F^T`` give the same quotients).
 
     Args:
-        F: Symmetric positive semi-definite (only ``F``'s symmetric part is used).
-        Q: ``[..., n, n]`` orthonormal, the previous basis (ascending, as from ``eigh``).
+        F: Symmetric positive semi-definite.
+        Q: ``[..., n, n]`` orthonormal, the previous basis (its columns in any order).
 
     Returns:
         ``(evals [..., n], Q_new [..., n, n])`` in ``Q``'s dtype (float64 for a float64
         ``F``): the Rayleigh quotients of the previous columns (clamped at 0) and the new
-        basis, both in ascending order of those quotients. Non-finite where ``F`` is
-        (checked by the caller).
+        basis, both in descending order of those quotients (``eigh``'s order is
+        ascending; nothing depends on the order). Non-finite where ``F`` is (checked by
+        the caller).
 
     """
     # (a factor of a model made float64 since the last refresh: the basis follows it)
     dtype = torch.promote_types(F.dtype, Q.dtype) if F.dtype == torch.float64 else Q.dtype
     F, Q = F.to(dtype), Q.to(dtype)
-    FQ = (F + F.mT).mul_(0.5) @ Q
-    est = (Q * FQ).sum(-2)  # q_j^T F q_j
+    Y = F @ Q
+    est = (Q * Y).sum(-2)  # q_j^T F q_j
     top = est.amax(-1, keepdim=True).clamp_min(0)
     # a zero factor (a dead layer) keeps its basis: a shift of 1 (Y = Q P)
     sigma = torch.where(top > 0, POWER_SHIFT.get(dtype, 1e-4) * top, torch.ones_like(top))
-    # ascending, the quotients below the shift tied (stable: in their previous order, so
-    # that rounding does not permute the null space), then reversed for the iteration
-    order = est.maximum(sigma).argsort(dim=-1, stable=True).flip(-1)
-    cols = order.unsqueeze(-2).expand(Q.shape)
-    Qs, Y = Q.gather(-1, cols), FQ.gather(-1, cols)
-    Y.add_(Qs * sigma.unsqueeze(-1))
-    Qn = orthonormal_basis(Y)
-    # each column as its old one: the sign of R's diagonal (Q_j^T Y_j)
-    Qn = Qn * torch.where((Qn * Y).sum(-2) < 0, -1.0, 1.0).to(dtype).unsqueeze(-2)
-    evals = est.gather(-1, order).clamp_min(0)
-    return evals.flip(-1), Qn.flip(-1)
+    Y.addcmul_(Q, sigma.unsqueeze(-1))  # (F + sigma I) Q, in place
+    # descending, the quotients below the shift tied (stable: in their previous order,
+    # so that rounding does not permute the null space)
+    order = est.maximum(sigma).argsort(dim=-1, descending=True, stable=True)
+    Y = Y.gather(-1, order.unsqueeze(-2).expand(Q.shape))
+    # each column as its old one: R's diagonal made non-negative by orthonormal_basis
+    return est.gather(-1, order).clamp_min(0), orthonormal_basis(Y)
 
 
 def power_steps(

@@ -46,7 +46,7 @@ from ..linalg import orthonormal_basis
 #: ``1e-3`` for both, which froze an audit's ill-conditioned least squares (one Linear
 #: layer, input eigenvalues over six decades) at a loss of ``7.6e-4`` in float64 and
 #: ``6.2e-4`` in float32 where decompositions reach ``2e-27`` and ``6.5e-10``; now ``2e-27``
-#: and ``6.3e-10``.
+#: and ``6.5e-10`` (untracked ``scratch/audit5/s12_illcond_training.py``).
 POWER_SHIFT = {torch.float32: 1e-4, torch.float64: 1e-6}
 
 
@@ -54,9 +54,10 @@ def power_step(F: Tensor, Q: Tensor) -> Tuple[Tensor, Tensor]:
     """One step of shifted subspace iteration of ``F [..., n, n]`` from ``Q`` (the module's
     formula).
 
-    Memory: besides ``F`` and ``Q``, at most three ``n x n`` temporaries at a time (``F
-    Q``, its columns in the new order, the QR's two outputs); ``F`` is used as it is (a
-    running factor, symmetric up to rounding: ``F`` and ``F^T`` give the same quotients).
+    Memory: besides ``F`` and ``Q``, at most three ``n x n`` temporaries at a time (the
+    shifted ``F Q`` with its columns in the new order, and the QR's two outputs); ``F`` is
+    used as it is (a running factor, symmetric up to rounding: ``F`` and ``F^T`` give the
+    same quotients).
 
     Args:
         F: Symmetric positive semi-definite.

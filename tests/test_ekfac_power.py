@@ -339,3 +339,22 @@ def test_a_kfac_state_with_eigenbases_loads_into_ekfac_with_the_canonical_basis(
     """Before (an audit): EKFAC took KFAC's eigenbases as they were, whose null space
     follows the rounding: a 1e-15 change of the first batch moved the run by 3.9."""
     assert float((_from_kfac_eigh(0.0) - _from_kfac_eigh(1e-15)).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (3, 7), (2, 5, 5), (6, 6), (2, 3, 7)])
+def test_the_orthonormal_basis_is_the_qr_factor_with_a_non_negative_r_diagonal(shape):
+    """``curvature.linalg.orthonormal_basis`` (Hutch++ and the power step): ``torch.linalg.qr``'s
+    Q up to the signs that make ``R``'s diagonal non-negative (each column points as
+    ``M``'s); differentiable where ``M`` requires a gradient."""
+    from curvature.linalg import orthonormal_basis
+
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(*shape, generator=g, dtype=F64)
+    Q = orthonormal_basis(M)
+    Q0, R0 = torch.linalg.qr(M)
+    signs = torch.where(R0.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(F64).unsqueeze(-2)
+    torch.testing.assert_close(Q, Q0 * signs, rtol=0, atol=1e-14)
+    assert bool(((Q.mT @ M).diagonal(dim1=-2, dim2=-1) >= 0).all())
+    leaf = M.clone().requires_grad_()
+    orthonormal_basis(leaf).sum().backward()
+    assert leaf.grad is not None and bool(torch.isfinite(leaf.grad).all())

@@ -23,7 +23,6 @@ import traceback
 import warnings
 from collections import Counter
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -191,6 +190,15 @@ def scaled_reads(steps: int = 3) -> dict:
     return {name: per_step(make, HostReads, steps, scaled=True) for name, make in makers.items()}
 
 
+#: ``(row name, class, options)`` of :func:`gpu_shapes_refresh`
+REFRESH_OPTIMIZERS = [
+    ("KFAC", curvature.KFAC, {}),
+    ("EKFAC", curvature.EKFAC, {}),
+    ("EKFAC (eigh)", curvature.EKFAC, {"eigenbasis_update": "eigh"}),
+    ("DiagonalNaturalGradient", curvature.DiagonalNaturalGradient, {}),
+]
+
+
 def gpu_shapes_refresh() -> list:
     """Predicted GPU synchronizations of a refresh on ``benchmarks/gpu.py``'s workloads
     (MLP 784-2048-2048-10, the VGG-like CNN, the transformer LM at their GPU shapes; batch
@@ -204,20 +212,18 @@ def gpu_shapes_refresh() -> list:
     for key, _, make, X, y, loss_func in gpu.step_workloads("full"):
         n = 8 if key == "mlp" else 2
         X, y = X[:n], y[: n * X.shape[1]] if key == "lm" else y[:n]
-        eigh = partial(curvature.EKFAC, eigenbasis_update="eigh")
-        eigh.__name__ = "EKFAC (eigh)"
-        for cls in (curvature.KFAC, curvature.EKFAC, eigh, curvature.DiagonalNaturalGradient):
+        for name, cls, kw in REFRESH_OPTIMIZERS:
             torch.manual_seed(0)
             model = make()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                opt = cls(model, loss_func=loss_func, inverse_every=1)
+                opt = cls(model, loss_func=loss_func, inverse_every=1, **kw)
                 for _ in range(2):
                     with as_on_cuda(), HostReads(checked=True) as reads:
                         opt.zero_grad()
                         loss_func(model(X), y).backward()
                         opt.step()
-            rows.append([key, cls.__name__, reads.count, dict(reads.where)])
+            rows.append([key, name, reads.count, dict(reads.where)])
             print(*rows[-1][:3], flush=True)
     return rows
 

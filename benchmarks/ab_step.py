@@ -4,6 +4,7 @@
     python benchmarks/ab_step.py --old ../old [--workload fm] [--optimizer KFAC] [--periods 31]
         [--inverse-every 1]                   # every step a refresh
         [--fisher mc]                         # the optimizer's curvature type
+        [--options '{"kfac_approx": "reduce"}']  # further options of the optimizer (JSON)
 
 The package of ``--old`` (its ``curvature/`` directory) is copied under another name
 (``curvature_old``, into a temporary directory: the package imports itself only
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -82,9 +84,11 @@ def make_step(
     warmup: int = 12,
     inverse_every: Optional[int] = None,
     fisher: Optional[str] = None,
+    extra: Optional[Dict[str, object]] = None,
 ) -> Callable[[], None]:
     """A training step of ``lib``'s ``optimizer`` on the workload, warmed up
-    (``inverse_every``, ``fisher``: the optimizer's, else its defaults).
+    (``inverse_every``, ``fisher``: the optimizer's, else its defaults; ``extra``: further
+    options).
     """
     cls = getattr(lib, optimizer, None)
     if not isinstance(cls, type):
@@ -95,7 +99,7 @@ def make_step(
     loss_func = nn.CrossEntropyLoss()
     if fisher is not None:
         options = {**options, "fisher": fisher, "loss_func": loss_func}
-    opt = cls(model, **options)
+    opt = cls(model, **{**options, **(extra or {})})
 
     def step() -> None:
         opt.zero_grad()
@@ -149,6 +153,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20, help="steps per timed period")
     p.add_argument("--inverse-every", type=int, default=None, help="e.g. 1: every step a refresh")
     p.add_argument("--fisher", default=None, help="e.g. mc (default: the optimizer's)")
+    p.add_argument("--options", type=json.loads, default={}, help="further options, JSON")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     import curvature
@@ -162,6 +167,7 @@ def main(argv=None) -> None:
                 args.optimizer,
                 inverse_every=args.inverse_every,
                 fisher=args.fisher,
+                extra=args.options,
             )
             for k, lib in (("old", old), ("new", curvature))
         }
@@ -175,6 +181,7 @@ def main(argv=None) -> None:
     q = {k: quantiles(v) for k, v in times.items()}
     every = "" if args.inverse_every is None else f", inverse_every={args.inverse_every}"
     every += "" if args.fisher is None else f", fisher={args.fisher}"
+    every += "".join(f", {k}={v}" for k, v in args.options.items())
     print(f"{args.optimizer}{every} on {args.workload}, ms per step, {args.periods} periods:")
     for k in ("old", "new"):
         print(f"  {k}: " + ", ".join(f"{n} {x:.2f}" for n, x in q[k].items()))

@@ -152,17 +152,22 @@ def test_the_readme_settings_train_the_residual_cnn(cls):
 @pytest.mark.parametrize("cls", [curvature.KFAC, curvature.EKFAC], ids=lambda c: c.__name__)
 def test_the_plain_defaults_train_the_residual_cnn(cls):
     """``cls(model)``: no KL clip, inverses every 10 steps; ``stale_clip=2`` keeps the
-    steps between two refreshes from blowing up (the test below: without it, NaN)."""
+    steps between two refreshes from blowing up (the test below: without it, NaN).
+
+    150 steps: KFAC sits on the plateau of the class frequencies (2.3) for its first
+    40-60 steps, so that the loss after 60 steps depended on the rounding of the run
+    (2.0 to 2.4 when the initial weights moved by a relative 1e-6); after 150 steps it
+    is 0.1 to 0.9 in 11 of 12 such runs (2.2 in one)."""
     X, y = digits()
     model = residual_cnn()
     opt = cls(model)
     assert opt.kl_clip is None and opt.stale_clip == 2.0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses, before, after = train(opt, model, X, y)
+        losses, before, after = train(opt, model, X, y, steps=150)
     assert not [w for w in caught if "non-finite" in str(w.message)]
     assert all(math.isfinite(v) and v < 10 for v in losses), losses
-    assert after < before - 0.1, (before, after)  # 2.31 to 2.09 (KFAC), 0.83 (EKFAC) here
+    assert after < before - 1.0, (before, after)  # 2.31 to 0.17 (KFAC), 0.02 (EKFAC) here
 
 
 def test_without_either_clip_kfac_diverges_with_one_warning():

@@ -258,22 +258,26 @@ def test_kfac_statistics_in_chunks_equal_the_whole_batch(make, fisher, approx, m
 def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
     import curvature.layers.conv as conv
 
-    seen = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
+    # the patches come from unfold_patches, or on a CPU from kernel_major_sums
+    channel_major = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
+    kernel_major = samples_seen(monkeypatch, (conv,), "kernel_major_sums", arg=1)
 
     def step():
+        channel_major.clear()
+        kernel_major.clear()
         model = Twice()
         opt = curvature.KFAC(model, lr=0.1, loss_func=nn.CrossEntropyLoss())
         X, y = data()
         nn.CrossEntropyLoss()(model(X), y).backward()
         opt.step()
 
-    step()
-    assert set(seen) == {N}  # small inputs: the whole batch at once
-    seen.clear()
+        return channel_major + kernel_major
+
+    assert set(step()) == {N}  # small inputs: the whole batch at once
+    assert kernel_major  # (the CPU's route)
     # S C D = 72 * 1 * 19 elements per sample (the patches): 3 samples per chunk
     chunk_bound(monkeypatch, 3 * 72 * 19)
-    step()
-    assert sorted(set(seen)) == [1, 3]  # chunks of 3, 3 and 1 samples
+    assert sorted(set(step())) == [1, 3]  # chunks of 3, 3 and 1 samples
 
 
 def test_kfac_statistics_of_a_small_layer_are_one_chunk_above_the_share_bound(monkeypatch):

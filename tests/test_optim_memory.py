@@ -434,7 +434,8 @@ def test_kfac_statistics_unfold_at_most_their_share_of_the_layer(share, monkeypa
     seen = []
 
     def on_alloc(func, t):
-        if t.shape[-3:] == (16, 3, 3) and t.numel() % per_sample == 0:
+        # the patches, channel-major (C, k) or (a CPU's route) kernel-major (k, C)
+        if t.shape[-3:] in ((16, 3, 3), (3, 3, 16)) and t.numel() % per_sample == 0:
             seen.append(t.numel())
 
     model = nn.Sequential(

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import CHUNK_ELEMENTS, LayerRule, LinearFamilyRule, expanded_kfac
+from .base import CHUNK_ELEMENTS, LayerRule, LinearFamilyRule, check_same_samples, expanded_kfac
+from .kfac_sums import positions_gram
+from .precision import gram
 from .registry import register
 
 
@@ -68,6 +70,88 @@ def _windows(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     return x  # the channels split into groups as (G, C_in / G)
 
 
+#: Devices on which a convolution's ``"expand"`` Kronecker statistics unfold the patches
+#: of one group kernel-major (:func:`kernel_major_sums`): from a channels-last copy of
+#: the input, whose windows copy in runs of ``k_d C_in`` elements instead of ``k_d``. A
+#: CPU copies short runs slowly: at one thread, ``sum P^T P`` with its patches costs
+#: 0.50-0.87x the channel-major route on training.py's ResNet-18 (width 16, batch 128)
+#: where ``N S >= 0.89 D``, 0.56-0.97x on gpu.py's CNNs (batch 32), but 1.26x and 1.54x
+#: at ``N S = 0.22 D`` and ``0.11 D`` (``python benchmarks/conv_patches.py --layers
+#: resnet --threads 1``; docs/benchmarks.md). Not on a GPU (not measured there).
+KERNEL_MAJOR_DEVICES = ("cpu",)
+#: ``N S >= KERNEL_MAJOR_ROWS * D``: the patch rows per patch entry from which
+#: :data:`KERNEL_MAJOR_DEVICES` take the kernel-major route.
+KERNEL_MAJOR_ROWS = 0.5
+#: Output positions per sample from which :func:`patch_sums` sums the windows in place
+#: instead of copying the patches (the same script, ``"reduce"``: 0.06-0.74x the copy
+#: from 16 positions on, 1.84-1.87x at 4, even at 1).
+WINDOW_SUM_POSITIONS = 16
+
+
+def _kernel_major(module: nn.modules.conv._ConvNd, call) -> bool:
+    """Whether :meth:`ConvRule.kfac_factors` takes :func:`kernel_major_sums` for ``call``."""
+    x = call.args[0]
+    if module.groups != 1 or x.device.type not in KERNEL_MAJOR_DEVICES or call.grads is None:
+        return False
+    S = call.grads[0].shape[-len(module.kernel_size) :].numel()
+    D = module.in_channels * math.prod(module.kernel_size)
+    return x.shape[0] * S >= KERNEL_MAJOR_ROWS * D
+
+
+def kernel_major_sums(
+    module: nn.modules.conv._ConvNd, x: Tensor, bias: bool
+) -> tuple[Tensor, Optional[Tensor], int]:
+    """``(sum P^T P [1, D, D], sum P [1, D] or None, N S)`` of a one-group convolution's
+    patches ``P [N S, D]`` (``D = C_in prod(k)``, the weight's order), unfolded
+    kernel-major.
+
+    The patches are taken from a channels-last copy of the padded input, ordered ``(k,
+    C_in)``: their windows copy in contiguous runs of ``k_d C_in`` elements. The product
+    ``P_k^T P_k`` is then permuted into the weight's ``(C_in, k)`` order, a copy of
+    ``D^2`` elements (against ``N S D`` for the patches). The same sums as the
+    channel-major patches up to the order of the GEMM's additions.
+    """
+    d = len(module.kernel_size)
+    pad = module._reversed_padding_repeated_twice
+    if any(pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, pad, mode=mode)
+    x = x.movedim(1, -1).contiguous()  # [N, *spatial, C_in]
+    for i in range(d):  # [N, O_1..O_d, C_in, k_1..k_d]
+        k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
+        x = x.unfold(1 + i, dil * (k - 1) + 1, s)
+        if dil != 1:
+            x = x[..., ::dil]
+    C, K = module.in_channels, math.prod(module.kernel_size)
+    outs, ks = range(1, 1 + d), range(2 + d, 2 + 2 * d)
+    P = x.permute(0, *outs, *ks, 1 + d).reshape(-1, K * C)  # [N S, (k, C_in)]: the copy
+    pp = gram(P.unsqueeze(0))  # [1, D, D], (k, C) order: the weight's if C or K is 1
+    if C > 1 and K > 1:  # (k, C) x (k, C) -> (C, k) x (C, k), a copy
+        kc = pp.view(1, *module.kernel_size, C, *module.kernel_size, C)
+        rows, cols = (1 + d, *range(1, 1 + d)), (2 + 2 * d, *range(2 + d, 2 + 2 * d))
+        pp = kc.permute(0, *rows, *cols).reshape(1, C * K, C * K)
+    ps = None
+    if bias:
+        ps = P.sum(0).view(*module.kernel_size, C).movedim(-1, 0).reshape(1, C * K)
+    return pp, ps, P.shape[0]
+
+
+def patch_sums(module: nn.modules.conv._ConvNd, x: Tensor) -> tuple[Tensor, int]:
+    """``(sum_s P[n, s] [N, D], S)``: a one-group convolution's patches summed over its
+    ``S`` output positions, ``D = C_in prod(k)`` in the weight's order.
+
+    From ``WINDOW_SUM_POSITIONS`` positions on, the windows are summed where they lie
+    (a reduction of the strided view; no copy of the patches), else the patches are
+    copied and summed (fewer, longer runs).
+    """
+    w = _windows(module, x)  # [N, C_in, O_1..O_d, k_1..k_d]
+    d = len(module.kernel_size)
+    S = math.prod(w.shape[2 : 2 + d])
+    if S >= WINDOW_SUM_POSITIONS:
+        return w.sum(tuple(range(2, 2 + d))).flatten(1), S
+    return _patch_rows(w, 1).sum(1)[:, 0], S
+
+
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(LinearFamilyRule):
     """Convolutions as Linear layers over unfolded patches (shared over positions)."""
@@ -83,29 +167,47 @@ class ConvRule(LinearFamilyRule):
     def kfac_factors(self, module, calls, approx, with_g=True):
         """KFAC statistics from the unfolded patches ``P`` without a bias column copied.
 
-        ``"expand"`` with a trainable weight and bias: ``A_sum = [[P^T P, P^T 1], [1^T P,
-        N S]]`` (the bias coordinate is 1 at every position), the same matrix as
-        :meth:`expand_calls`' ``a^T a`` without a second copy of the patches; the other
-        cases (``"reduce"``, no bias, calls inside :func:`shared_slots`) take the general
-        path.
+        ``"expand"`` with a trainable weight: ``A_sum = [[P^T P, P^T 1], [1^T P, N S]]``
+        (the bias coordinate, where trainable, is 1 at every position), the same matrix as
+        :meth:`expand_calls`' ``a^T a`` without a second copy of the patches; on
+        :data:`KERNEL_MAJOR_DEVICES` the patches of one group are unfolded kernel-major
+        (:func:`kernel_major_sums`). ``"reduce"`` with one group: the patches' means
+        without copying them where a sample has many positions (:func:`patch_sums`).
+        The other cases (groups with ``"reduce"``, no trainable weight, calls inside
+        :func:`shared_slots`) take the general path.
         """
         has_w, has_b = self._weight_bias(module)
-        plain = approx == "expand" and has_w and has_b
-        if not plain or any(c.slots is not None for c in calls):
+        if not has_w or any(c.slots is not None for c in calls):
+            return super().kfac_factors(module, calls, approx, with_g)
+        if approx == "reduce":
+            return self._reduced_factors(module, calls, has_b, with_g)
+        kernel_major = [_kernel_major(module, c) for c in calls]
+        if not (has_b or any(kernel_major)):
             return super().kfac_factors(module, calls, approx, with_g)
         ww = wb = G_sum = None
         count = 0
-        for call in calls:
-            p, g = self.expand(module, call)  # [N, S, C, D_in], [..., N, S, C, D_out]
-            if g is not None and p.dtype != g.dtype:  # e.g. bf16 inputs under autocast
-                p = p.to(torch.promote_types(p.dtype, g.dtype))
-            # the patches' a^T a and g^T g, as for any Linear-family block (no bias column)
-            pp, gg, n = expanded_kfac(p, g if with_g else None, "expand")
-            ps = p.sum((0, 1))  # [C, D_in]
-            ww, wb = (pp, ps) if ww is None else (ww.add_(pp), wb.add_(ps))
+        for call, km in zip(calls, kernel_major):
+            g = self._grads(module, call) if with_g else None
+            if km:  # [1, D_in, D_in], [1, D_in]: no patch copy in the weight's order
+                x = call.args[0]
+                dtype = x.dtype if g is None else torch.promote_types(x.dtype, g.dtype)
+                pp, ps, n = kernel_major_sums(module, x.to(dtype), has_b)
+                gg = None if g is None else positions_gram(g[..., 0, :])
+            else:
+                p, _ = self.expand(module, call)  # [N, S, C, D_in]
+                if g is not None and p.dtype != g.dtype:  # e.g. bf16 inputs under autocast
+                    p = p.to(torch.promote_types(p.dtype, g.dtype))
+                # the patches' a^T a and g^T g, as for any Linear-family block (no bias column)
+                pp, gg, n = expanded_kfac(p, g, "expand")
+                ps = p.sum((0, 1)) if has_b else None  # [C, D_in]
+            ww = pp if ww is None else ww.add_(pp)
+            if has_b:
+                wb = ps if wb is None else wb.add_(ps)
             count += n
             if gg is not None:
                 G_sum = gg if G_sum is None else G_sum.add_(gg)
+        if not has_b:
+            return {"": (ww, G_sum, count)}
         C, D_in = wb.shape
         A_sum = ww.new_empty(C, D_in + 1, D_in + 1)
         A_sum[:, :D_in, :D_in] = ww
@@ -113,6 +215,41 @@ class ConvRule(LinearFamilyRule):
         A_sum[:, D_in, :D_in] = wb
         A_sum[:, D_in, D_in] = count
         return {"": (A_sum, G_sum, count)}
+
+    @staticmethod
+    def _grads(module, call) -> Optional[Tensor]:
+        """``g [..., N, S, G, C_out / G]`` of one call (a view), ``None`` without a backward."""
+        if call.grads is None:
+            return None
+        g = call.grads[0].flatten(-len(module.kernel_size)).transpose(-1, -2)
+        return g.unflatten(-1, (module.groups, -1))
+
+    def _reduced_factors(self, module, calls, has_b: bool, with_g: bool):
+        """``"reduce"`` statistics: the patches meaned over the positions of all calls
+        (:func:`patch_means`), the output gradients summed over them, one GEMM each.
+        """
+        if module.groups != 1:
+            return super().kfac_factors(module, calls, "reduce", with_g)
+        check_same_samples(module, [c.args[0].shape[0] for c in calls])
+        means, g_sum = None, None
+        S = 0
+        for call in calls:
+            g = self._grads(module, call) if with_g else None
+            x = call.args[0]
+            if g is not None and x.dtype != g.dtype:
+                x = x.to(torch.promote_types(x.dtype, g.dtype))
+            sums, s = patch_sums(module, x)  # [N, D_in], the call's positions
+            means = sums if means is None else means.add_(sums)
+            S += s
+            if g is not None:
+                gs = g[..., 0, :].sum(-2)  # [..., N, C_out]
+                g_sum = gs if g_sum is None else g_sum.add_(gs)
+        means = means.div_(S)
+        if has_b:
+            means = torch.cat([means, means.new_ones(means.shape[0], 1)], 1)
+        A_sum = gram(means.unsqueeze(0))  # [1, D, D], a tensor of its own
+        G_sum = None if g_sum is None else gram(g_sum.reshape(1, -1, g_sum.shape[-1]))
+        return {"": (A_sum, G_sum, means.shape[0])}
 
     def expanded_shape(self, module, calls):
         """``(N, S, C, D, D_out)`` of :meth:`expand_calls`' operands, without unfolding.

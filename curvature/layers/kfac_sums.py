@@ -9,7 +9,7 @@ from torch import Tensor
 from .precision import gram
 
 
-def _positions_gram(g: Tensor) -> Tensor:
+def positions_gram(g: Tensor) -> Tensor:
     """``[1, D_out, D_out]``: ``sum g g^T`` over every axis but the last of ``g [..., S,
     D_out]`` (a tensor of its own, not a view: the statistics' flush zeroes it in place).
 
@@ -47,11 +47,19 @@ def expanded_kfac(
     N, S = a.shape[:2]
     if approx == "expand" and a.shape[2] == 1:  # one group: two plain GEMMs
         A_sum = _gram1(a.reshape(-1, a.shape[-1]))
-        return A_sum, None if g is None else _positions_gram(g[..., 0, :]), N * S
+        return A_sum, None if g is None else positions_gram(g[..., 0, :]), N * S
     if approx == "expand":
-        A_sum = gram(a, "nsci,nscj->cij")
-        return A_sum, None if g is None else gram(g, "knsco,knscp->cop"), N * S
-    A_sum = gram(a.mean(1), "nci,ncj->cij")
+        A_sum = _group_grams(a)
+        return A_sum, None if g is None else _group_grams(g), N * S
+    A_sum = _group_grams(a.mean(1))
     if g is None:
         return A_sum, None, N
-    return A_sum, gram(g.sum(2), "knco,kncp->cop"), N
+    return A_sum, _group_grams(g.sum(-3)), N
+
+
+def _group_grams(x: Tensor) -> Tensor:
+    """``[C, D, D]``: ``sum x x^T`` per group ``c`` of ``x [..., C, D]`` over all other axes,
+    one batched GEMM whose result is a tensor of its own (an ``einsum``'s is a view, which
+    the statistics' flush would select into a copy instead of zeroing it in place).
+    """
+    return gram(x.reshape(-1, *x.shape[-2:]).transpose(0, 1))

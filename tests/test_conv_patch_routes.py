@@ -1,0 +1,153 @@
+"""A convolution's Kronecker statistics by either route of its patches.
+
+On a CPU the ``"expand"`` statistics of a one-group convolution unfold the patches
+kernel-major from a channels-last copy of the input (``KERNEL_MAJOR_DEVICES``), and the
+``"reduce"`` statistics sum the windows in place from ``WINDOW_SUM_POSITIONS`` output
+positions on; the other routes copy the patches channel-major. Both routes must give the
+same factors (float64: to rounding), for every padding, stride, dilation, dimension and
+bias; the reduced factors must be tensors of their own (zeroed in place by the step's
+flush, no ``where`` copy).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import curvature
+import curvature.layers.conv as conv
+
+pytestmark = pytest.mark.usefixtures("float64_seeded")
+
+CONVS = {
+    "3x3 no bias": (lambda: nn.Conv2d(3, 5, 3, padding=1, bias=False), (6, 3, 7, 7)),
+    "stride, dilation, asymmetric": (
+        lambda: nn.Conv2d(3, 5, (3, 2), padding=(1, 2), stride=(2, 1), dilation=(1, 2)),
+        (6, 3, 8, 7),
+    ),
+    "reflect padding": (
+        lambda: nn.Conv2d(3, 5, 3, padding=1, padding_mode="reflect"),
+        (6, 3, 7, 7),
+    ),
+    "circular, same": (
+        lambda: nn.Conv2d(2, 3, 3, padding="same", padding_mode="circular"),
+        (5, 2, 6, 6),
+    ),
+    "conv1d": (lambda: nn.Conv1d(4, 5, 3, padding=1), (6, 4, 9)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2, padding=1), (4, 2, 4, 4, 3)),
+    "one input channel": (lambda: nn.Conv2d(1, 4, 3), (6, 1, 7, 7)),
+    "1x1": (lambda: nn.Conv2d(4, 4, 1), (6, 4, 5, 5)),
+    "groups": (lambda: nn.Conv2d(4, 4, 3, groups=2), (6, 4, 5, 5)),
+}
+
+
+def _factors(name: str, approx: str, fast: bool, monkeypatch, calls: int = 1):
+    make, shape = CONVS[name]
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ("cpu",) if fast else ())
+    monkeypatch.setattr(conv, "WINDOW_SUM_POSITIONS", 1 if fast else 10**9)
+    torch.manual_seed(0)
+    layer = make()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):  # ``calls`` calls of one module: shared positions
+            return torch.cat([self.layer(x * (i + 1)).flatten(1) for i in range(calls)], 1)
+
+    model = Net()
+    X = torch.randn(shape)
+    y = torch.randn(model(X).shape)
+    res = curvature.kfac(model, nn.MSELoss(), (X, y), fisher="empirical", kfac_approx=approx)
+    return {k: [t.clone() for t in v] for k, v in res.factors.items()}
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("name", list(CONVS))
+def test_both_routes_give_the_same_factors(name, approx, monkeypatch):
+    slow = _factors(name, approx, False, monkeypatch)
+    fast = _factors(name, approx, True, monkeypatch)
+    assert slow.keys() == fast.keys() == {"layer"}
+    for a, b in zip(slow["layer"], fast["layer"]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_both_routes_agree_over_several_calls_of_one_layer(approx, monkeypatch):
+    slow = _factors("stride, dilation, asymmetric", approx, False, monkeypatch, calls=2)
+    fast = _factors("stride, dilation, asymmetric", approx, True, monkeypatch, calls=2)
+    for a, b in zip(slow["layer"], fast["layer"]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_the_kernel_major_route_is_exact_for_one_sample(monkeypatch):
+    """One datum, MSE, one conv: KFAC-expand's ``kron(G, A)`` is not exact (weight
+    sharing), but ``A`` is ``1 / S sum_s a_s a_s^T`` of the patches, built here by hand."""
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ("cpu",))
+    layer = nn.Conv2d(2, 3, 3, padding=1, stride=2)
+    X = torch.randn(1, 2, 6, 5)
+    y = torch.randn(1, 3 * 3 * 3)
+    model = nn.Sequential(layer, nn.Flatten())
+    res = curvature.kfac(model, nn.MSELoss(), (X, y), fisher="empirical")
+    A = res.factors["0"][0]
+    patches = nn.functional.unfold(X, 3, padding=1, stride=2)[0].T  # [S, C k k]
+    a = torch.cat([patches, torch.ones(len(patches), 1)], 1)
+    torch.testing.assert_close(A, a.T @ a / len(a), rtol=1e-12, atol=1e-12)
+
+
+def test_the_route_follows_the_rows_per_patch_entry(monkeypatch):
+    """Kernel-major where ``N S >= KERNEL_MAJOR_ROWS * D`` on the CPU, one group only."""
+    taken = []
+    inner = conv.kernel_major_sums
+    monkeypatch.setattr(conv, "kernel_major_sums", lambda *a: taken.append(1) or inner(*a))
+
+    def step(layer, shape):
+        taken.clear()
+        model = nn.Sequential(layer, nn.Flatten())
+        opt = curvature.KFAC(model, lr=1e-3)
+        model(torch.randn(shape)).square().mean().backward()
+        opt.step()
+        return bool(taken)
+
+    assert step(nn.Conv2d(4, 4, 3, padding=1), (8, 4, 5, 5))  # N S = 200 >= 18
+    assert not step(nn.Conv2d(64, 4, 3, padding=1), (2, 64, 1, 1))  # N S = 2 < 288
+    assert not step(nn.Conv2d(4, 4, 3, padding=1, groups=2), (8, 4, 5, 5))
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ())
+    assert not step(nn.Conv2d(4, 4, 3, padding=1), (8, 4, 5, 5))
+
+
+class Selects(TorchDispatchMode):
+    """The sizes of the ``where`` calls made inside the mode (their largest operand)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.startswith("where"):
+            self.sizes.append(max(a.numel() for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+def test_reduced_factors_are_zeroed_in_place_not_selected(layer, monkeypatch):
+    """The ``"reduce"`` statistics (like ``"expand"``'s) are tensors of their own: the
+    step's flush zeroes them in place, without a ``where`` (which copies a factor)."""
+    torch.manual_seed(0)
+    if layer == "conv":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 16, 2))
+        X = torch.randn(8, 3, 6, 6)
+    else:  # a Linear layer over shared positions [N, S, D]
+        model = nn.Sequential(nn.Linear(5, 4), nn.Flatten(), nn.Linear(4 * 3, 2))
+        X = torch.randn(8, 3, 5)
+    opt = curvature.KFAC(model, lr=1e-3, kfac_approx="reduce")
+    for _ in range(2):
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(X), torch.zeros(8, dtype=torch.long)).backward()
+        with Selects() as selects:
+            opt.step()
+    # (the step's own selects are of counts and flags, at most one per output channel)
+    assert selects.sizes and max(selects.sizes) <= 4, selects.sizes

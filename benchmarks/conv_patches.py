@@ -17,7 +17,6 @@ each route is timed in the same process (median of 5 rounds of ``--reps`` calls)
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -27,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conv_weight_grads import LAYERS, timed  # noqa: E402
+from conv_weight_grads import LAYERS, layer_args, timed  # noqa: E402
 
 import curvature.layers.conv as conv  # noqa: E402
 from curvature.layers.precision import gram  # noqa: E402
@@ -39,18 +38,7 @@ def channel_major(layer: nn.Conv2d, x: torch.Tensor):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=None, help="override the batch sizes")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--layers", choices=sorted(LAYERS), default="resnet")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(0)
+    args, device = layer_args(__doc__, argv, reps=5, layers="resnet")
     kept = conv.WINDOW_SUM_POSITIONS
     print(f"device {device}, threads {torch.get_num_threads()}, torch {torch.__version__}")
     print("ms per call; kernel-major / channel-major, window sums / copied patches")

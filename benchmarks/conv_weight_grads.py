@@ -63,20 +63,27 @@ def timed(fn, device: torch.device, reps: int) -> float:
     return sorted(times)[2]
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_args(doc: str, argv=None, reps: int = 10, layers: str = "gpu"):
+    """``(args, device)``: the command line of a script over :data:`LAYERS` (``--device``,
+    ``--batch``, ``--reps``, ``--layers``, ``--threads``), threads set, TF32 off, seeded.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=None, help="override the batch sizes")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--layers", choices=sorted(LAYERS), default="gpu")
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--layers", choices=sorted(LAYERS), default=layers)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
+    return args, torch.device(args.device)
+
+
+def main(argv=None) -> None:
+    args, device = layer_args(__doc__, argv)
     kept = conv.PATCH_GEMM_DEVICES, conv.PATCH_GEMM_POSITIONS
     print(f"device {device}, threads {torch.get_num_threads()}, torch {torch.__version__}")
     try:

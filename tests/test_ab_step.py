@@ -67,3 +67,23 @@ def test_the_fisher_option_reaches_the_optimizer(monkeypatch):
     ab_step.make_step(curvature, "fm", "KFAC", warmup=1, fisher="mc")
     ab_step.make_step(curvature, "fm", "KFAC", warmup=1)
     assert made == ["mc", None]
+
+
+def test_further_options_reach_the_optimizer(monkeypatch):
+    import curvature
+
+    made = []
+
+    class Spy(curvature.KFAC):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("kfac_approx"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(curvature, "KFAC", Spy)
+    ab_step.make_step(curvature, "fm", "KFAC", warmup=1, extra={"kfac_approx": "reduce"})
+    assert made == ["reduce"]
+
+
+def test_options_are_read_as_json():
+    with pytest.raises(SystemExit):  # argparse's refusal of a value that is not JSON
+        ab_step.main(["--old", str(ROOT), "--options", "{not json"])

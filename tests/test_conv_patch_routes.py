@@ -151,3 +151,16 @@ def test_reduced_factors_are_zeroed_in_place_not_selected(layer, monkeypatch):
             opt.step()
     # (the step's own selects are of counts and flags, at most one per output channel)
     assert selects.sizes and max(selects.sizes) <= 4, selects.sizes
+
+
+def test_the_benchmark_script_runs_and_reports_both_routes(capsys):
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import conv_patches
+
+    conv_patches.main(["--device", "cpu", "--batch", "2", "--reps", "1", "--layers", "resnet"])
+    out = capsys.readouterr().out
+    assert out.count("kernel-major") >= 7 and "rel. diff" in out
+    assert conv.WINDOW_SUM_POSITIONS == 16  # restored

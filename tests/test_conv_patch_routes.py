@@ -19,7 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import curvature
 import curvature.layers.conv as conv
 
-pytestmark = pytest.mark.usefixtures("float64_seeded")
+pytestmark = [
+    pytest.mark.usefixtures("float64_seeded"),
+    pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel"),  # torch's
+]
 
 CONVS = {
     "3x3 no bias": (lambda: nn.Conv2d(3, 5, 3, padding=1, bias=False), (6, 3, 7, 7)),
@@ -35,6 +38,11 @@ CONVS = {
         lambda: nn.Conv2d(2, 3, 3, padding="same", padding_mode="circular"),
         (5, 2, 6, 6),
     ),
+    "same, even kernel": (lambda: nn.Conv2d(3, 4, 4, padding="same"), (5, 3, 6, 6)),
+    "replicate, dilation": (
+        lambda: nn.Conv2d(3, 4, 3, padding=2, padding_mode="replicate", dilation=2),
+        (5, 3, 6, 6),
+    ),
     "conv1d": (lambda: nn.Conv1d(4, 5, 3, padding=1), (6, 4, 9)),
     "conv3d": (lambda: nn.Conv3d(2, 3, 2, padding=1), (4, 2, 4, 4, 3)),
     "one input channel": (lambda: nn.Conv2d(1, 4, 3), (6, 1, 7, 7)),
@@ -43,7 +51,7 @@ CONVS = {
 }
 
 
-def _factors(name: str, approx: str, fast: bool, monkeypatch, calls: int = 1):
+def _factors(name: str, approx: str, fast: bool, monkeypatch, calls: int = 1, layout=None):
     make, shape = CONVS[name]
     monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ("cpu",) if fast else ())
     monkeypatch.setattr(conv, "WINDOW_SUM_POSITIONS", 1 if fast else 10**9)
@@ -60,6 +68,10 @@ def _factors(name: str, approx: str, fast: bool, monkeypatch, calls: int = 1):
 
     model = Net()
     X = torch.randn(shape)
+    if layout == "channels_last":
+        X = X.contiguous(memory_format=torch.channels_last)
+    elif layout == "sliced":  # every other channel of a wider input: no stride 1 at all
+        X = torch.randn(shape[0], 2 * shape[1], *shape[2:]).mT.contiguous().mT[:, ::2]
     y = torch.randn(model(X).shape)
     res = curvature.kfac(model, nn.MSELoss(), (X, y), fisher="empirical", kfac_approx=approx)
     return {k: [t.clone() for t in v] for k, v in res.factors.items()}
@@ -79,6 +91,14 @@ def test_both_routes_give_the_same_factors(name, approx, monkeypatch):
 def test_both_routes_agree_over_several_calls_of_one_layer(approx, monkeypatch):
     slow = _factors("stride, dilation, asymmetric", approx, False, monkeypatch, calls=2)
     fast = _factors("stride, dilation, asymmetric", approx, True, monkeypatch, calls=2)
+    for a, b in zip(slow["layer"], fast["layer"]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "sliced"])
+def test_both_routes_agree_on_inputs_of_any_layout(layout, monkeypatch):
+    slow = _factors("3x3 no bias", "expand", False, monkeypatch, layout=layout)
+    fast = _factors("3x3 no bias", "expand", True, monkeypatch, layout=layout)
     for a, b in zip(slow["layer"], fast["layer"]):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 

@@ -248,10 +248,13 @@ def correction_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) 
     """Samples per chunk of EKFAC's eigenvalue corrections, or ``None`` for the whole batch.
 
     A sample's temporaries: the patches, their copy with the bias column and their
-    rotation (``3 S C D``), the rotated gradients (``K S C D_out``) and the rotated
-    per-sample gradient (``K C D_out D``); the bound is ``max(CORRECTION_CHUNK_ELEMENTS,
-    DIAGONAL_CHUNK_SHARE * (numel(x) + numel(g)))`` (on CUDA the floor
-    :data:`CORRECTION_CHUNK_ELEMENTS_CUDA`).
+    rotation (``3 S C D``), the rotated gradients (``K S C D_out``) and, where a sample
+    has several positions (``S > 1``), the rotated per-sample gradient (``K C D_out D``;
+    with one position the corrections are one GEMM of the squared rotations, no
+    per-sample matrix: a padded 3x3 convolution on 1x1 maps, ResNet-18's last stage on
+    28x28 inputs, is one chunk instead of 22 of 6 samples, each a GEMM through the whole
+    ``D x D`` basis); the bound is ``max(CORRECTION_CHUNK_ELEMENTS, DIAGONAL_CHUNK_SHARE
+    * (numel(x) + numel(g)))`` (on CUDA the floor :data:`CORRECTION_CHUNK_ELEMENTS_CUDA`).
     """
     # (the device of the first output: a layer may take its input by keyword)
     cuda = bool(calls) and bool(calls[0].out_meta) and calls[0].out_meta[0][2].type == "cuda"
@@ -259,7 +262,7 @@ def correction_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) 
         rule,
         module,
         calls,
-        lambda S, C, D, D_out, K: 3 * S * C * D + K * S * C * D_out + K * C * D_out * D,
+        lambda S, C, D, D_out, K: (3 * S * C * D + K * S * C * D_out) + (S > 1) * K * C * D_out * D,
         floor=CORRECTION_CHUNK_ELEMENTS_CUDA if cuda else CORRECTION_CHUNK_ELEMENTS,
     )
 

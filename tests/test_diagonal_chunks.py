@@ -315,10 +315,13 @@ def test_kfac_statistics_of_a_small_layer_are_one_chunk_above_the_share_bound(mo
 
 
 def test_ekfac_corrections_of_a_small_layer_take_many_samples_per_chunk(monkeypatch):
-    """EKFAC's corrections of a padded 3x3 convolution on 1x1 maps, batch 128: a sample's
-    temporaries (its rotated per-sample gradient ``64 x 577`` among them) are above the
-    diagonal's floor, which cut the batch into 128 one-sample chunks; under
-    ``CORRECTION_CHUNK_ELEMENTS`` a chunk holds dozens of samples (here 27)."""
+    """EKFAC's corrections of a padded 3x3 convolution on 1x1 maps, batch 128 (ResNet-18's
+    last stage on 28x28 inputs): one position per sample, so no rotated per-sample
+    gradient ``[64, 577]`` is formed (one GEMM of the squared rotations); a sample's
+    temporaries are its patches, their copy and rotation and its rotated gradients. The
+    diagonal's floor (once 128 one-sample chunks, then chunks of 27 while the per-sample
+    gradient was counted) cuts the batch into chunks of 36; ``CORRECTION_CHUNK_ELEMENTS``
+    takes it whole, and the corrections agree."""
     import curvature.layers.conv as conv
 
     n, c = 128, 64
@@ -335,15 +338,20 @@ def test_ekfac_corrections_of_a_small_layer_take_many_samples_per_chunk(monkeypa
             opt.zero_grad()
             nn.CrossEntropyLoss()(model(X), y).backward()
             opt.step()
+        approx = curvature.ekfac(model, nn.CrossEntropyLoss(), (X, y), fisher="empirical")
+        corrections = {b.name: b.corrections for b in approx.blocks}
         opt.close()
         monkeypatch.undo()
-        return [k for k in seen if k < n]  # the corrections' chunks (the factors: n)
+        return [k for k in seen if k < n], corrections  # the corrections' chunks
 
-    per_sample = 3 * 577 + 64 + 64 * 577
-    assert chunks(layer_diagonal.DIAGONAL_CHUNK_ELEMENTS) == [1] * n
-    default = chunks(layer_diagonal.CORRECTION_CHUNK_ELEMENTS)
-    want = layer_diagonal.CORRECTION_CHUNK_ELEMENTS // per_sample
-    assert default == [want] * (n // want) + [n % want] and want >= 16
+    per_sample = 3 * 577 + 64
+    small, cut = chunks(layer_diagonal.DIAGONAL_CHUNK_ELEMENTS)
+    want = layer_diagonal.DIAGONAL_CHUNK_ELEMENTS // per_sample
+    assert want == 36 and small[: n // want] == [want] * (n // want)
+    whole, kept = chunks(layer_diagonal.CORRECTION_CHUNK_ELEMENTS)
+    assert whole == []  # one chunk: the batch (n samples, not recorded)
+    for name in kept:
+        torch.testing.assert_close(cut[name], kept[name], rtol=1e-5, atol=1e-7)
 
 
 class Pooled(nn.Module):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 17 and 19, as one prepared script for a machine with CUDA.
 #
-#   bash benchmarks/gpu_session.sh checks OUTDIR   # ~3 min: CUDA tests, gpu.py, conv paths
+#   bash benchmarks/gpu_session.sh checks OUTDIR   # ~4 min: CUDA tests, gpu.py, conv paths
 #   bash benchmarks/gpu_session.sh resnet OUTDIR   # ~5 min: ResNet-18 (width 64) to 90%
 #   bash benchmarks/gpu_session.sh profile OUTDIR  # ~1 min: where ResNet-18's KFAC step goes
 #
@@ -42,6 +42,9 @@ checks)
     timeout 330 python3 benchmarks/gpu.py --device cuda --json "$out/gpu.json" --no-doc \
         2>&1 | tee "$out/gpu.log" | tail -5
     timeout 90 python3 benchmarks/conv_weight_grads.py --device cuda 2>&1 | tee "$out/conv.txt"
+    # whether the kernel-major patches of a CPU (KERNEL_MAJOR_DEVICES) pay on the GPU too
+    timeout 60 python3 benchmarks/conv_patches.py --device cuda --layers gpu 2>&1 \
+        | tee "$out/conv_patches.txt"
     ;;
 resnet)
     fm=/usr/share/datasets/fashion-mnist

@@ -226,7 +226,7 @@ class ConvRule(LinearFamilyRule):
 
     def _reduced_factors(self, module, calls, has_b: bool, with_g: bool):
         """``"reduce"`` statistics: the patches meaned over the positions of all calls
-        (:func:`patch_means`), the output gradients summed over them, one GEMM each.
+        (:func:`patch_sums`), the output gradients summed over them, one GEMM each.
         """
         if module.groups != 1:
             return super().kfac_factors(module, calls, "reduce", with_g)

@@ -348,6 +348,16 @@ def eigenvalue_corrections(
                 return {name: plain_rotated(ops, QA, QG)}
         else:
             return out
+    permuted = rule.permuted_blocks(module, calls)
+    if permuted is not None:  # a's columns in another order: QA's rows taken in it
+        for suffix, (a, g, order) in permuted.items():
+            full = block_name(name, suffix)
+            if full in bases:
+                QA, QG = bases[full]
+                if QA.shape[-2] == order.numel():  # (a stale basis: as it is)
+                    QA = QA.index_select(1, order.to(QA.device))
+                out[full] = rotated_second_moments(a, g, QA, QG)
+        return out
     expanded = rule.expanded_blocks(module, calls)
     if expanded is not None:
         for suffix, (a, g) in expanded.items():

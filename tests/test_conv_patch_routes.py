@@ -184,3 +184,44 @@ def test_the_benchmark_script_runs_and_reports_both_routes(capsys):
     out = capsys.readouterr().out
     assert out.count("kernel-major") >= 7 and "rel. diff" in out
     assert conv.WINDOW_SUM_POSITIONS == 16  # restored
+
+
+def _corrections(name: str, fast: bool, monkeypatch, fisher: str = "empirical"):
+    make, shape = CONVS[name]
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ("cpu",) if fast else ())
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), nn.Flatten())
+    X = torch.randn(shape)
+    y = torch.randn(model(X).shape)
+    approx = curvature.ekfac(model, nn.MSELoss(), (X, y), fisher=fisher)
+    return {b.name: b.corrections.clone() for b in approx.blocks}
+
+
+@pytest.mark.parametrize("name", [n for n in CONVS if n != "groups"])
+def test_ekfac_corrections_agree_by_either_route(name, monkeypatch):
+    """EKFAC's corrections from kernel-major patches (the basis's rows taken in their
+    order) equal those from the channel-major ones."""
+    slow = _corrections(name, False, monkeypatch)
+    made = []
+    inner = conv.kernel_major_patches
+    monkeypatch.setattr(conv, "kernel_major_patches", lambda *a: made.append(1) or inner(*a))
+    fast = _corrections(name, True, monkeypatch)
+    assert len(made) == 2  # the factors' pass made one, the corrections' pass another
+    assert slow.keys() == fast.keys() == {"0"}
+    torch.testing.assert_close(fast["0"], slow["0"], rtol=1e-12, atol=1e-12)
+
+
+def test_ekfac_corrections_of_several_vectors_agree_by_either_route(monkeypatch):
+    slow = _corrections("stride, dilation, asymmetric", False, monkeypatch, "type-2")
+    fast = _corrections("stride, dilation, asymmetric", True, monkeypatch, "type-2")
+    torch.testing.assert_close(fast["0"], slow["0"], rtol=1e-12, atol=1e-12)
+
+
+def test_the_kernel_major_order_maps_onto_the_weights_columns():
+    layer = nn.Conv2d(2, 3, (2, 3), bias=True)
+    x = torch.randn(4, 2, 5, 6)
+    a_c = conv.unfold_patches(layer, x)[:, :, 0]  # [N, S, C k], channel-major
+    a_k = conv.kernel_major_patches(layer, x, True)  # [N, S, k C + 1]
+    order = conv.kernel_major_order(layer, True)
+    torch.testing.assert_close(a_k[..., :-1], a_c[..., order[:-1]], rtol=0, atol=0)
+    assert order[-1] == 12 and bool((a_k[..., -1] == 1).all())

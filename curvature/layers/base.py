@@ -243,6 +243,15 @@ class LayerRule:
         """
         return None
 
+    def permuted_blocks(
+        self, module: nn.Module, calls: Sequence[Call]
+    ) -> Optional[Dict[str, Tuple[Tensor, Tensor, Tensor]]]:
+        """:meth:`expanded_blocks` with ``a``'s columns in an order cheaper to make:
+        ``{suffix: (a, g, order)}``, column ``j`` of ``a`` being column ``order[j]`` of
+        :meth:`expanded_blocks`' ``a``. ``None`` (the default): no such order.
+        """
+        return None
+
     def expanded_shape(
         self, module: nn.Module, calls: Sequence[Call]
     ) -> Optional[Tuple[int, int, int, int, int]]:

@@ -98,18 +98,13 @@ def _kernel_major(module: nn.modules.conv._ConvNd, call) -> bool:
     return x.shape[0] * S >= KERNEL_MAJOR_ROWS * D
 
 
-def kernel_major_sums(
-    module: nn.modules.conv._ConvNd, x: Tensor, bias: bool
-) -> tuple[Tensor, Optional[Tensor], int]:
-    """``(sum P^T P [1, D, D], sum P [1, D] or None, N S)`` of a one-group convolution's
-    patches ``P [N S, D]`` (``D = C_in prod(k)``, the weight's order), unfolded
-    kernel-major.
-
-    The patches are taken from a channels-last copy of the padded input, ordered ``(k,
-    C_in)``: their windows copy in contiguous runs of ``k_d C_in`` elements. The product
-    ``P_k^T P_k`` is then permuted into the weight's ``(C_in, k)`` order, a copy of
-    ``D^2`` elements (against ``N S D`` for the patches). The same sums as the
-    channel-major patches up to the order of the GEMM's additions.
+def kernel_major_patches(module: nn.modules.conv._ConvNd, x: Tensor, bias: bool) -> Tensor:
+    """Patches ``[N, S, D + bias]`` of a one-group convolution's input, unfolded
+    kernel-major: column ``(k, c)`` for kernel entry ``k`` and input channel ``c`` (the
+    weight's order is ``(c, k)``: :func:`kernel_major_order`), then a column of ones where
+    ``bias``. One copy of the windows of a channels-last copy of the padded input, in
+    contiguous runs of ``k_d C_in`` elements (the channel-major windows of a
+    channels-first input copy in runs of ``k_d``: slow on a CPU).
     """
     d = len(module.kernel_size)
     pad = module._reversed_padding_repeated_twice
@@ -122,9 +117,42 @@ def kernel_major_sums(
         x = x.unfold(1 + i, dil * (k - 1) + 1, s)
         if dil != 1:
             x = x[..., ::dil]
-    C, K = module.in_channels, math.prod(module.kernel_size)
     outs, ks = range(1, 1 + d), range(2 + d, 2 + 2 * d)
-    P = x.permute(0, *outs, *ks, 1 + d).reshape(-1, K * C)  # [N S, (k, C_in)]: the copy
+    w = x.permute(0, *outs, *ks, 1 + d)  # [N, O.., k.., C_in]: a view
+    N, D = w.shape[0], module.in_channels * math.prod(module.kernel_size)
+    S = math.prod(w.shape[1 : 1 + d])
+    if not bias:
+        return w.reshape(N, S, D)  # the copy
+    out = w.new_empty(N, S, D + 1)
+    out[..., :D].view(w.shape).copy_(w)  # the copy, beside the bias column
+    out[..., D] = 1
+    return out
+
+
+def kernel_major_order(module: nn.modules.conv._ConvNd, bias: bool, device=None) -> Tensor:
+    """``[D + bias]``: kernel-major column ``j`` of :func:`kernel_major_patches` is column
+    ``order[j]`` of the weight's (channel-major) order; the bias column last in both.
+    """
+    C, K = module.in_channels, math.prod(module.kernel_size)
+    order = torch.arange(C * K + bias, device=device)
+    order[: C * K] = order[: C * K].view(C, K).T.flatten()
+    return order
+
+
+def kernel_major_sums(
+    module: nn.modules.conv._ConvNd, x: Tensor, bias: bool
+) -> tuple[Tensor, Optional[Tensor], int]:
+    """``(sum P^T P [1, D, D], sum P [1, D] or None, N S)`` of a one-group convolution's
+    patches ``P [N S, D]`` (``D = C_in prod(k)``, the weight's order), unfolded
+    kernel-major (:func:`kernel_major_patches`).
+
+    The product ``P_k^T P_k`` of the kernel-major patches is permuted into the weight's
+    ``(C_in, k)`` order, a copy of ``D^2`` elements (against ``N S D`` for the patches).
+    The same sums as the channel-major patches up to the order of the GEMM's additions.
+    """
+    d = len(module.kernel_size)
+    C, K = module.in_channels, math.prod(module.kernel_size)
+    P = kernel_major_patches(module, x, False).flatten(0, 1)  # [N S, (k, C_in)]
     pp = gram(P.unsqueeze(0))  # [1, D, D], (k, C) order: the weight's if C or K is 1
     if C > 1 and K > 1:  # (k, C) x (k, C) -> (C, k) x (C, k), a copy
         kc = pp.view(1, *module.kernel_size, C, *module.kernel_size, C)
@@ -215,6 +243,22 @@ class ConvRule(LinearFamilyRule):
         A_sum[:, D_in, :D_in] = wb
         A_sum[:, D_in, D_in] = count
         return {"": (A_sum, G_sum, count)}
+
+    def permuted_blocks(self, module, calls):
+        """Kernel-major patches with the bias column (:func:`kernel_major_patches`: one
+        copy instead of the channel-major patches' and their copy with the bias column)
+        where :meth:`kfac_factors` takes them (one call), with their column order.
+        """
+        if len(calls) != 1 or calls[0].slots is not None or not _kernel_major(module, calls[0]):
+            return None
+        has_w, has_b = self._weight_bias(module)
+        if not has_w:
+            return None
+        g = self._grads(module, calls[0])
+        x = calls[0].args[0]
+        x = x.to(torch.promote_types(x.dtype, g.dtype))
+        a = kernel_major_patches(module, x, has_b).unsqueeze(2)  # [N, S, 1, D]
+        return {"": (a, g, kernel_major_order(module, has_b, x.device))}
 
     @staticmethod
     def _grads(module, call) -> Optional[Tensor]:

@@ -89,16 +89,17 @@ def diagonal_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) ->
 
     For a rule with :meth:`~curvature.layers.LayerRule.expanded_shape` ``(N, S, C, D,
     D_out)``, the temporaries of one sample are ``S C (2 D + K D_out)`` (the patches, a
-    copy with the bias column, the ``K`` gradients in the GEMM's layout) plus ``K C D_out
-    D`` (the per-sample gradients); chunks hold as many samples as the bound
-    (:data:`DIAGONAL_CHUNK_ELEMENTS`) takes, at least one. ``None`` when the whole
-    batch fits (or the rule cannot say).
+    copy with the bias column, the ``K`` gradients in the GEMM's layout) plus, with
+    several positions (``S > 1``), ``K C D_out D`` (the per-sample gradients; with one
+    position :func:`expanded_diagonal` is one GEMM of the squares, without them); chunks
+    hold as many samples as the bound (:data:`DIAGONAL_CHUNK_ELEMENTS`) takes, at least
+    one. ``None`` when the whole batch fits (or the rule cannot say).
     """
     return samples_per_chunk(
         rule,
         module,
         calls,
-        lambda S, C, D, D_out, K: S * C * (2 * D + K * D_out) + K * C * D_out * D,
+        lambda S, C, D, D_out, K: S * C * (2 * D + K * D_out) + (S > 1) * K * C * D_out * D,
     )
 
 

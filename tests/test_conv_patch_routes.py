@@ -225,3 +225,38 @@ def test_the_kernel_major_order_maps_onto_the_weights_columns():
     order = conv.kernel_major_order(layer, True)
     torch.testing.assert_close(a_k[..., :-1], a_c[..., order[:-1]], rtol=0, atol=0)
     assert order[-1] == 12 and bool((a_k[..., -1] == 1).all())
+
+
+def test_a_strided_1x1_convolution_keeps_the_channel_major_patches(monkeypatch):
+    """Its padded input is ``prod(stride)`` times its patches: the channels-last copy
+    would take more memory than the patches (the chunk bound counts the patches)."""
+    taken = []
+    inner = conv.kernel_major_sums
+    monkeypatch.setattr(conv, "kernel_major_sums", lambda *a: taken.append(1) or inner(*a))
+    model = nn.Sequential(nn.Conv2d(4, 8, 1, stride=2), nn.Flatten())
+    opt = curvature.KFAC(model, lr=1e-3)
+    model(torch.randn(16, 4, 8, 8)).square().mean().backward()
+    opt.step()
+    assert not taken
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_an_unbatched_call_is_refused_by_either_route(approx, monkeypatch):
+    """A convolution called per sample on ``[C, H, W]`` inputs whose ``C`` equals the
+    batch size (so the sample axis looks right upstream): the layer's clear error."""
+    for fast in (False, True):
+        monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ("cpu",) if fast else ())
+        monkeypatch.setattr(conv, "WINDOW_SUM_POSITIONS", 1 if fast else 10**9)
+
+        class PerSample(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(5, 4, 3, padding=1)
+                self.head = nn.Linear(4 * 36, 3)
+
+            def forward(self, x):
+                return self.head(torch.stack([self.conv(xi).flatten() for xi in x]))
+
+        X, y = torch.randn(5, 5, 6, 6), torch.randint(0, 3, (5,))
+        with pytest.raises(ValueError, match="unbatched input"):
+            curvature.kfac(PerSample(), nn.CrossEntropyLoss(), (X, y), kfac_approx=approx)

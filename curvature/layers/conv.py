@@ -49,14 +49,18 @@ def _patch_rows(w: Tensor, groups: int, fold: bool = False) -> Tensor:
     return w.permute(0, *outs, 1, 2, *ks).reshape(N, S, groups, (C // groups) * K)
 
 
-def _windows(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
-    """The padded input's windows ``[N, C_in, O_1..O_d, k_1..k_d]`` (a strided view)."""
-    d = len(module.kernel_size)
-    if x.dim() == d + 1:
+def _check_batched(module: nn.modules.conv._ConvNd, x: Tensor) -> None:
+    if x.dim() == len(module.kernel_size) + 1:
         raise ValueError(
             f"{type(module).__name__} got an unbatched input of shape {tuple(x.shape)}; "
             "per-sample quantities need a leading batch axis."
         )
+
+
+def _windows(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
+    """The padded input's windows ``[N, C_in, O_1..O_d, k_1..k_d]`` (a strided view)."""
+    d = len(module.kernel_size)
+    _check_batched(module, x)
     pad = module._reversed_padding_repeated_twice
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
@@ -89,13 +93,22 @@ WINDOW_SUM_POSITIONS = 16
 
 
 def _kernel_major(module: nn.modules.conv._ConvNd, call) -> bool:
-    """Whether :meth:`ConvRule.kfac_factors` takes :func:`kernel_major_sums` for ``call``."""
+    """Whether :meth:`ConvRule.kfac_factors` takes :func:`kernel_major_sums` for ``call``:
+    on :data:`KERNEL_MAJOR_DEVICES`, one group, at least ``KERNEL_MAJOR_ROWS * D`` patch
+    rows, and a padded input no larger than the patches (its channels-last copy: a
+    strided 1x1 convolution's input is ``prod(stride)`` times its patches).
+    """
     x = call.args[0]
     if module.groups != 1 or x.device.type not in KERNEL_MAJOR_DEVICES or call.grads is None:
         return False
-    S = call.grads[0].shape[-len(module.kernel_size) :].numel()
-    D = module.in_channels * math.prod(module.kernel_size)
-    return x.shape[0] * S >= KERNEL_MAJOR_ROWS * D
+    d = len(module.kernel_size)
+    S = call.grads[0].shape[-d:].numel()
+    K = math.prod(module.kernel_size)
+    pad = module._reversed_padding_repeated_twice
+    padded = math.prod(
+        x.shape[-d + i] + pad[2 * (d - 1 - i)] + pad[2 * (d - 1 - i) + 1] for i in range(d)
+    )
+    return x.shape[0] * S >= KERNEL_MAJOR_ROWS * module.in_channels * K and padded <= S * K
 
 
 def kernel_major_patches(module: nn.modules.conv._ConvNd, x: Tensor, bias: bool) -> Tensor:
@@ -107,6 +120,7 @@ def kernel_major_patches(module: nn.modules.conv._ConvNd, x: Tensor, bias: bool)
     channels-first input copy in runs of ``k_d``: slow on a CPU).
     """
     d = len(module.kernel_size)
+    _check_batched(module, x)
     pad = module._reversed_padding_repeated_twice
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
@@ -365,9 +379,15 @@ class ConvRule(LinearFamilyRule):
         sample before squaring) and ``sum_{k,n} (sum_{calls, s} g_kns)^2`` for the bias.
         A chunk holds ``bound // (K |W| (1 + [several calls]))`` samples, at least one
         (its per-sample gradients, and their running sum over several calls).
-        ``None`` for calls inside :func:`shared_slots` (the general path).
+        ``None`` for calls inside :func:`shared_slots` and for one call with one output
+        position per sample (the general path: there the diagonal is one GEMM ``(g^2)^T
+        (a^2)`` of the patches, no per-sample gradient; ResNet-18's last stage on 28x28
+        inputs made 128 one-sample chunks of ``[128, 1152]`` gradients per layer here).
         """
         if any(c.slots is not None or c.grads is None for c in calls):
+            return None
+        d = len(module.kernel_size)
+        if len(calls) == 1 and calls[0].grads[0].shape[-d:].numel() == 1:
             return None
         has_w, has_b = self._weight_bias(module)
         x0, g0 = calls[0].args[0], calls[0].grads[0]

@@ -407,3 +407,23 @@ def test_ekfac_corrections_in_chunks_equal_the_whole_batch(fisher, monkeypatch):
         for p, q in zip(whole, params(bound)):
             torch.testing.assert_close(q, p, rtol=1e-9, atol=1e-12)
         assert {c for c in chunks if c is not None} == expected
+
+
+def test_the_diagonal_of_a_convolution_on_1x1_maps_is_one_gemm(monkeypatch):
+    """One output position per sample (ResNet-18's last stage on 28x28 inputs): the
+    Fisher diagonal is ``(g^2)^T (a^2)`` of the patches, without per-sample gradients
+    (they went one sample per chunk there); it equals the squared per-sample gradients'
+    sum, for ``diag_ggn()`` and for DiagonalNaturalGradient's first statistics."""
+    import curvature.layers.conv as conv
+
+    made = samples_seen(monkeypatch, (conv,), "per_sample_weight_grads", arg=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(6, 5, 3, padding=1), nn.Flatten(), nn.Linear(5, 3))
+    X, y = torch.randn(9, 6, 1, 1, dtype=torch.float64), torch.randint(0, 3, (9,))
+    model = model.double()
+    diag = curvature.diag_ggn(model, nn.CrossEntropyLoss(), (X, y), "empirical")
+    assert made == []  # no per-sample weight gradients of the convolution
+    grads = curvature.per_sample_grads(model, nn.CrossEntropyLoss(reduction="sum"), X, y)
+    R = 1 / len(y)  # the mean loss: EF = R sum_n g_n g_n^T
+    for name in ("0.weight", "0.bias"):
+        torch.testing.assert_close(diag[name], R * grads[name].pow(2).sum(0))

@@ -243,12 +243,9 @@ class LayerRule:
         """
         return None
 
-    def permuted_blocks(
-        self, module: nn.Module, calls: Sequence[Call]
-    ) -> Optional[Dict[str, Tuple[Tensor, Tensor, Tensor]]]:
-        """:meth:`expanded_blocks` with ``a``'s columns in an order cheaper to make:
-        ``{suffix: (a, g, order)}``, column ``j`` of ``a`` being column ``order[j]`` of
-        :meth:`expanded_blocks`' ``a``. ``None`` (the default): no such order.
+    def permuted_blocks(self, module: nn.Module, calls: Sequence[Call]) -> Optional[dict]:
+        """:meth:`expanded_blocks` with ``a``'s columns in a cheaper order, ``{suffix: (a, g,
+        order)}``: ``a[..., j]`` is their ``a[..., order[j]]``. ``None``: no such order.
         """
         return None
 
@@ -387,12 +384,10 @@ class LinearFamilyRule(LayerRule):
         """
         if call.slots is None:
             return cached_ones(a.shape[:-1] + (1,), a.dtype, a.device)
-        col = a.new_ones(*a.shape[:-1], 1)
-        if call.slots is not None:
-            col = col.view(a.shape[0], -1, call.slots, *a.shape[2:-1], 1).clone()
-            col[:, :, 1:] = 0
-            col = col.view(*a.shape[:-1], 1)
-        return col
+        col = a.new_ones(*a.shape[:-1], 1)  # (calls inside shared_slots)
+        col = col.view(a.shape[0], -1, call.slots, *a.shape[2:-1], 1).clone()
+        col[:, :, 1:] = 0
+        return col.view(*a.shape[:-1], 1)
 
     def expand_calls(self, module: nn.Module, calls: Sequence[Call]) -> Tuple[Tensor, Tensor]:
         """Expanded inputs with trainable columns, all calls concatenated along ``S``.
@@ -579,12 +574,10 @@ def materialize(a: Tensor, g: Tensor) -> Tensor:
     """Per-sample gradients ``sum_s g[n, s, c] a[n, s, c]^T`` as ``[N, C, D_out, D]``.
 
     One batched GEMM over ``N C`` with the position axis contracted (faster than the
-    equivalent ``einsum``, which may copy its operands into a different layout). The
-    operands are, in einops' notation, ``g: "n s c o -> (n c) o s"`` and
-    ``a: "n s c i -> (n c) s i"``; written with ``permute``/``reshape`` because this runs
-    once per layer per call on tensors that may be tiny, where ``einops.rearrange``'s
-    few microseconds of Python cost 4% of a per-sample-gradient call (measured on a
-    16-32-10 MLP over ``[32, 12, 16]``).
+    equivalent ``einsum``, which may copy its operands). The operands are ``g: "n s c o ->
+    (n c) o s"`` and ``a: "n s c i -> (n c) s i"`` (einops' notation), written with
+    ``permute``/``reshape``: ``einops.rearrange``'s Python cost 4% of a per-sample-gradient
+    call on tiny tensors (a 16-32-10 MLP over ``[32, 12, 16]``).
     """
     N, S, C, D = a.shape
     D_out = g.shape[-1]
@@ -599,9 +592,8 @@ _ONES: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
 def cached_ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A ones tensor, allocated once per shape, dtype and device (read only: never written)."""
     key = (tuple(shape), dtype, device)
-    hit = _ONES.get(key)
-    if hit is None:
+    if key not in _ONES:
         if len(_ONES) > 32:  # many batch shapes: start over
             _ONES.clear()
-        hit = _ONES[key] = torch.ones(key[0], dtype=dtype, device=device)
-    return hit
+        _ONES[key] = torch.ones(key[0], dtype=dtype, device=device)
+    return _ONES[key]

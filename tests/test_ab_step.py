@@ -53,35 +53,27 @@ def test_an_unknown_optimizer_is_refused():
         ab_step.make_step(torch, "fm", "NoSuchOptimizer")
 
 
-def test_the_fisher_option_reaches_the_optimizer(monkeypatch):
+@pytest.mark.parametrize(
+    "kwargs, key, want",
+    [
+        ({"fisher": "mc"}, "fisher", "mc"),
+        ({}, "fisher", None),
+        ({"extra": {"kfac_approx": "reduce"}}, "kfac_approx", "reduce"),
+    ],
+)
+def test_the_options_reach_the_optimizer(kwargs, key, want, monkeypatch):
     import curvature
 
     made = []
 
     class Spy(curvature.KFAC):
-        def __init__(self, *args, **kwargs):
-            made.append(kwargs.get("fisher"))
-            super().__init__(*args, **kwargs)
+        def __init__(self, *args, **options):
+            made.append(options.get(key))
+            super().__init__(*args, **options)
 
     monkeypatch.setattr(curvature, "KFAC", Spy)
-    ab_step.make_step(curvature, "fm", "KFAC", warmup=1, fisher="mc")
-    ab_step.make_step(curvature, "fm", "KFAC", warmup=1)
-    assert made == ["mc", None]
-
-
-def test_further_options_reach_the_optimizer(monkeypatch):
-    import curvature
-
-    made = []
-
-    class Spy(curvature.KFAC):
-        def __init__(self, *args, **kwargs):
-            made.append(kwargs.get("kfac_approx"))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(curvature, "KFAC", Spy)
-    ab_step.make_step(curvature, "fm", "KFAC", warmup=1, extra={"kfac_approx": "reduce"})
-    assert made == ["reduce"]
+    ab_step.make_step(curvature, "fm", "KFAC", warmup=1, **kwargs)
+    assert made == [want]
 
 
 def test_options_are_read_as_json():

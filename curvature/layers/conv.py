@@ -57,18 +57,22 @@ def _check_batched(module: nn.modules.conv._ConvNd, x: Tensor) -> None:
         )
 
 
-def _windows(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
-    """The padded input's windows ``[N, C_in, O_1..O_d, k_1..k_d]`` (a strided view)."""
+def _windows(module: nn.modules.conv._ConvNd, x: Tensor, channels_last: bool = False) -> Tensor:
+    """The padded input's windows ``[N, C_in, O_1..O_d, k_1..k_d]`` (a strided view);
+    ``channels_last``: those of a channels-last copy, ``[N, O_1..O_d, C_in, k_1..k_d]``.
+    """
     d = len(module.kernel_size)
     _check_batched(module, x)
     pad = module._reversed_padding_repeated_twice
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, pad, mode=mode)
+    if channels_last:
+        x = x.movedim(1, -1).contiguous()  # [N, *spatial, C_in]
     for i in range(d):
         k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
         # window of extent dil * (k - 1) + 1 at every stride, then keep every dil-th entry
-        x = x.unfold(2 + i, dil * (k - 1) + 1, s)
+        x = x.unfold(1 + i + (not channels_last), dil * (k - 1) + 1, s)
         if dil != 1:
             x = x[..., ::dil]
     return x  # the channels split into groups as (G, C_in / G)
@@ -120,17 +124,7 @@ def kernel_major_patches(module: nn.modules.conv._ConvNd, x: Tensor, bias: bool)
     channels-first input copy in runs of ``k_d``: slow on a CPU).
     """
     d = len(module.kernel_size)
-    _check_batched(module, x)
-    pad = module._reversed_padding_repeated_twice
-    if any(pad):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, pad, mode=mode)
-    x = x.movedim(1, -1).contiguous()  # [N, *spatial, C_in]
-    for i in range(d):  # [N, O_1..O_d, C_in, k_1..k_d]
-        k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
-        x = x.unfold(1 + i, dil * (k - 1) + 1, s)
-        if dil != 1:
-            x = x[..., ::dil]
+    x = _windows(module, x, channels_last=True)  # [N, O_1..O_d, C_in, k_1..k_d]
     outs, ks = range(1, 1 + d), range(2 + d, 2 + 2 * d)
     w = x.permute(0, *outs, *ks, 1 + d)  # [N, O.., k.., C_in]: a view
     N, D = w.shape[0], module.in_channels * math.prod(module.kernel_size)

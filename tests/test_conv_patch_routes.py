@@ -24,6 +24,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel"),  # torch's
 ]
 
+
+@pytest.fixture(autouse=True)
+def _small_layers_too(monkeypatch):
+    """The tests' layers are small: the kernel-major route without its size floor."""
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_MIN_ELEMENTS", 0)
+
+
 CONVS = {
     "3x3 no bias": (lambda: nn.Conv2d(3, 5, 3, padding=1, bias=False), (6, 3, 7, 7)),
     "stride, dilation, asymmetric": (
@@ -119,7 +126,8 @@ def test_the_kernel_major_route_is_exact_for_one_sample(monkeypatch):
 
 
 def test_the_route_follows_the_rows_per_patch_entry(monkeypatch):
-    """Kernel-major where ``N S >= KERNEL_MAJOR_ROWS * D`` on the CPU, one group only."""
+    """Kernel-major where ``N S >= KERNEL_MAJOR_ROWS * D`` and ``N S D >=
+    KERNEL_MAJOR_MIN_ELEMENTS`` on the CPU, one group only."""
     taken = []
     inner = conv.kernel_major_sums
     monkeypatch.setattr(conv, "kernel_major_sums", lambda *a: taken.append(1) or inner(*a))
@@ -135,6 +143,10 @@ def test_the_route_follows_the_rows_per_patch_entry(monkeypatch):
     assert step(nn.Conv2d(4, 4, 3, padding=1), (8, 4, 5, 5))  # N S = 200 >= 18
     assert not step(nn.Conv2d(64, 4, 3, padding=1), (2, 64, 1, 1))  # N S = 2 < 288
     assert not step(nn.Conv2d(4, 4, 3, padding=1, groups=2), (8, 4, 5, 5))
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_MIN_ELEMENTS", 200 * 36 + 1)  # N S D = 7200
+    assert not step(nn.Conv2d(4, 4, 3, padding=1), (8, 4, 5, 5))
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_MIN_ELEMENTS", 200 * 36)
+    assert step(nn.Conv2d(4, 4, 3, padding=1), (8, 4, 5, 5))
     monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ())
     assert not step(nn.Conv2d(4, 4, 3, padding=1), (8, 4, 5, 5))
 

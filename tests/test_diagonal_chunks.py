@@ -258,7 +258,8 @@ def test_kfac_statistics_in_chunks_equal_the_whole_batch(make, fisher, approx, m
 def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
     import curvature.layers.conv as conv
 
-    # the patches come from unfold_patches, or on a CPU from kernel_major_sums
+    # the patches come from unfold_patches, or on a CPU from kernel_major_sums (here small)
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_MIN_ELEMENTS", 0)
     channel_major = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
     kernel_major = samples_seen(monkeypatch, (conv,), "kernel_major_sums", arg=1)
 

@@ -90,6 +90,10 @@ KERNEL_MAJOR_DEVICES = ("cpu",)
 #: ``N S >= KERNEL_MAJOR_ROWS * D``: the patch rows per patch entry from which
 #: :data:`KERNEL_MAJOR_DEVICES` take the kernel-major route.
 KERNEL_MAJOR_ROWS = 0.5
+#: Patches of fewer elements (``N S D``) keep the channel-major copy: the kernel-major
+#: route's few more calls cost more than it saves on tiny layers (benchmarks/ab_step.py's
+#: ResNet-18 at width 4, batch 4, a host-bound step: 20.4 against 19.3 ms per step).
+KERNEL_MAJOR_MIN_ELEMENTS = 2**15
 #: Output positions per sample from which :func:`patch_sums` sums the windows in place
 #: instead of copying the patches (the same script, ``"reduce"``: 0.06-0.74x the copy
 #: from 16 positions on, 1.84-1.87x at 4, even at 1).
@@ -112,7 +116,10 @@ def _kernel_major(module: nn.modules.conv._ConvNd, call) -> bool:
     padded = math.prod(
         x.shape[-d + i] + pad[2 * (d - 1 - i)] + pad[2 * (d - 1 - i) + 1] for i in range(d)
     )
-    return x.shape[0] * S >= KERNEL_MAJOR_ROWS * module.in_channels * K and padded <= S * K
+    rows, D = x.shape[0] * S, module.in_channels * K
+    return (
+        rows >= KERNEL_MAJOR_ROWS * D and padded <= S * K and rows * D >= KERNEL_MAJOR_MIN_ELEMENTS
+    )
 
 
 def kernel_major_patches(module: nn.modules.conv._ConvNd, x: Tensor, bias: bool) -> Tensor:

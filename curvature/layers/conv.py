@@ -103,8 +103,9 @@ WINDOW_SUM_POSITIONS = 16
 def _kernel_major(module: nn.modules.conv._ConvNd, call) -> bool:
     """Whether :meth:`ConvRule.kfac_factors` takes :func:`kernel_major_sums` for ``call``:
     on :data:`KERNEL_MAJOR_DEVICES`, one group, at least ``KERNEL_MAJOR_ROWS * D`` patch
-    rows, and a padded input no larger than the patches (its channels-last copy: a
-    strided 1x1 convolution's input is ``prod(stride)`` times its patches).
+    rows and ``KERNEL_MAJOR_MIN_ELEMENTS`` patch entries, and a padded input no larger
+    than the patches (its channels-last copy: a strided 1x1 convolution's input is
+    ``prod(stride)`` times its patches).
     """
     x = call.args[0]
     if module.groups != 1 or x.device.type not in KERNEL_MAJOR_DEVICES or call.grads is None:

@@ -155,6 +155,8 @@ def main(argv=None) -> None:
     p.add_argument("--fisher", default=None, help="e.g. mc (default: the optimizer's)")
     p.add_argument("--options", type=json.loads, default={}, help="further options, JSON")
     args = p.parse_args(argv)
+    if not isinstance(args.options, dict):
+        raise SystemExit(f"--options: expected a JSON object, got {args.options!r}")
     torch.set_num_threads(1)
     import curvature
 

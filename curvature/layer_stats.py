@@ -354,7 +354,9 @@ def eigenvalue_corrections(
             full = block_name(name, suffix)
             if full in bases:
                 QA, QG = bases[full]
-                if QA.shape[-2] == order.numel():  # (a stale basis: as it is)
+                # (a basis of another size, e.g. the bias made trainable since: left as
+                # it is, to fail as on the channel-major path, not to be cut to size)
+                if QA.shape[-2] == order.numel():
                     QA = QA.index_select(1, order.to(QA.device))
                 out[full] = rotated_second_moments(a, g, QA, QG)
         return out

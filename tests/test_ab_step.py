@@ -79,3 +79,8 @@ def test_the_options_reach_the_optimizer(kwargs, key, want, monkeypatch):
 def test_options_are_read_as_json():
     with pytest.raises(SystemExit):  # argparse's refusal of a value that is not JSON
         ab_step.main(["--old", str(ROOT), "--options", "{not json"])
+
+
+def test_options_must_be_a_json_object():
+    with pytest.raises(SystemExit, match="expected a JSON object"):
+        ab_step.main(["--old", str(ROOT), "--options", "[1, 2]"])

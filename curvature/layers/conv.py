@@ -67,12 +67,13 @@ def _windows(module: nn.modules.conv._ConvNd, x: Tensor, channels_last: bool = F
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, pad, mode=mode)
+    first = 2  # the first spatial axis
     if channels_last:
-        x = x.movedim(1, -1).contiguous()  # [N, *spatial, C_in]
+        x, first = x.movedim(1, -1).contiguous(), 1  # [N, *spatial, C_in]
     for i in range(d):
         k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
         # window of extent dil * (k - 1) + 1 at every stride, then keep every dil-th entry
-        x = x.unfold(1 + i + (not channels_last), dil * (k - 1) + 1, s)
+        x = x.unfold(first + i, dil * (k - 1) + 1, s)
         if dil != 1:
             x = x[..., ::dil]
     return x  # the channels split into groups as (G, C_in / G)
@@ -201,12 +202,7 @@ class ConvRule(LinearFamilyRule):
     """Convolutions as Linear layers over unfolded patches (shared over positions)."""
 
     def expand(self, module, call):  # noqa: D102
-        a = unfold_patches(module, call.args[0])
-        if call.grads is None:  # forward-only statistics
-            return a, None
-        # [..., N, C_out, O_1..O_d] -> [..., N, S, G, C_out / G] (a view, no copy)
-        g = call.grads[0].flatten(-len(module.kernel_size)).transpose(-1, -2)
-        return a, g.unflatten(-1, (module.groups, -1))
+        return unfold_patches(module, call.args[0]), self._grads(module, call)
 
     def kfac_factors(self, module, calls, approx, with_g=True):
         """KFAC statistics from the unfolded patches ``P`` without a bias column copied.
@@ -278,7 +274,9 @@ class ConvRule(LinearFamilyRule):
 
     @staticmethod
     def _grads(module, call) -> Optional[Tensor]:
-        """``g [..., N, S, G, C_out / G]`` of one call (a view), ``None`` without a backward."""
+        """``g [..., N, S, G, C_out / G]`` of one call (a view of ``[..., N, C_out, O_1..
+        O_d]``, no copy), ``None`` without a backward (forward-only statistics).
+        """
         if call.grads is None:
             return None
         g = call.grads[0].flatten(-len(module.kernel_size)).transpose(-1, -2)

@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_session.sh checks OUTDIR   # ~4 min: CUDA tests, gpu.py, conv paths
 #   bash benchmarks/gpu_session.sh resnet OUTDIR   # ~5 min: ResNet-18 (width 64) to 90%
 #   bash benchmarks/gpu_session.sh profile OUTDIR  # ~1 min: where ResNet-18's KFAC step goes
+#   bash benchmarks/gpu_session.sh all OUTDIR      # <= 9.5 min: gpu.py, the CUDA tests, the
+#                                                  # profile, conv patches (8 files: the most
+#                                                  # the device tool brings back)
 #
 # Run from the repository root. The peers (ASDL, curvlinops, BackPACK) are installed from
 # wheels in .whl/ when that folder exists; without them gpu.py's peer rows are left out.
@@ -22,8 +25,8 @@
 # GPU section, and `python benchmarks/training.py --from-json <json>` for the ResNet rows
 # (their JSON goes into benchmarks/gpu_runs/training/: gpu_runs/*.json are gpu.py runs).
 set -u -o pipefail
-mode=${1:?usage: gpu_session.sh checks|resnet|profile OUTDIR}
-out=${2:?usage: gpu_session.sh checks|resnet|profile OUTDIR}
+mode=${1:?usage: gpu_session.sh checks|resnet|profile|all OUTDIR}
+out=${2:?usage: gpu_session.sh checks|resnet|profile|all OUTDIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -60,8 +63,21 @@ profile)
     timeout 240 python3 benchmarks/resnet_step.py --device cuda --width 64 --batch 128 \
         --out "$out" 2>&1 | tee "$out/resnet_step.log" | head -8
     ;;
+all)
+    # issue 17's measurements first; each part bounded so the whole fits one 10-minute call
+    timeout 270 python3 benchmarks/gpu.py --device cuda --json "$out/gpu.json" --no-doc \
+        2>&1 | tee "$out/gpu.log" | cut -c1-110
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matches_cpu.py \
+        tests/test_optim_syncs.py tests/test_conv_patch_gemm.py tests/test_linalg.py \
+        -k "cuda or patch or cpu_takes or kron or padded" \
+        2>&1 | tee "$out/tests.log" | tail -3
+    timeout 130 python3 benchmarks/resnet_step.py --device cuda --width 64 --batch 128 \
+        --out "$out" 2>&1 | tee "$out/resnet_step.log" | head -6
+    timeout 50 python3 benchmarks/conv_patches.py --device cuda --layers gpu 2>&1 \
+        | tee "$out/conv_patches.txt"
+    ;;
 *)
-    echo "unknown mode $mode (checks, resnet or profile)" >&2
+    echo "unknown mode $mode (checks, resnet, profile or all)" >&2
     exit 2
     ;;
 esac

@@ -14,8 +14,8 @@ it prints per training step (zero_grad, forward, loss, backward, step):
   a host-bound step has ``host`` close to ``wall``);
 * ``aten``: aten calls per step (each a kernel launch or more on a GPU).
 
-Then a ``torch.profiler`` table of KFAC's steps (device time where there is a device,
-else CPU time; ``--out``: written to ``profile.txt``). On a CPU at a small width
+Then ``torch.profiler`` tables of KFAC's steps (sorted by device time where there is a
+device, and by host (CPU) time; ``--out``: written to ``profile.txt``). On a CPU at a small width
 (``--width 4 --batch 4``) the step is host-bound, a proxy of a GPU's host side.
 """
 
@@ -114,9 +114,14 @@ def profile(device: str, width: int, batch: int, steps: int, rows: int) -> str:
         if cuda:
             torch.cuda.synchronize()
     opt.close()
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    return prof.key_averages(group_by_input_shape=True).table(
-        sort_by=key, row_limit=rows, max_name_column_width=40, max_shapes_column_width=60
+    # device time by operator and shape; host time by operator (where the Python goes)
+    keys = (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]
+    return "\n\n".join(
+        f"sorted by {key} ({steps} steps)\n"
+        + prof.key_averages(group_by_input_shape=key != "self_cpu_time_total").table(
+            sort_by=key, row_limit=rows, max_name_column_width=40, max_shapes_column_width=60
+        )
+        for key in keys
     )
 
 

@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .rng import probe_matrix
+
 
 def symmetrize(M: Tensor) -> Tensor:
     """``(M + M^T) / 2`` over the last two axes (one temporary: the sum, halved in place)."""
@@ -119,8 +121,7 @@ def canonical_null_basis(evecs: Tensor, ks: Sequence[int]) -> Tensor:
     n = evecs.shape[-1]
     for Q, k in zip(evecs.view(-1, n, n), ks):
         if k > 1:
-            R = torch.randn(n, k, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
-            R = Q[:, :k].mT @ R.to(Q.device, Q.dtype)  # (the float64 draw gone first)
+            R = Q[:, :k].mT @ probe_matrix(n, k, Q.device, Q.dtype)  # (made on Q's device)
             Q[:, :k] = Q[:, :k] @ orthonormal_basis(R)  # (Q_k U: P R's)
     return evecs
 

@@ -5,7 +5,8 @@ nothing is copied to the host to sample. The CPU generator is the optimizer's
 ``generator`` (its draws are those of earlier versions on CPU); a generator for another
 device is created at its first draw, seeded with the CPU generator's seed of the
 moment. Every generator's state is saved in the optimizer's ``state_dict``, so a
-resumed run draws the same numbers.
+resumed run draws the same numbers. :func:`probe_matrix` is a fixed generic matrix made
+on any device without a generator.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import torch
+from torch import Tensor
 
 
 class SamplingGenerators:
@@ -61,3 +63,24 @@ class SamplingGenerators:
     def device_states(self) -> Dict[str, Any]:
         """The states of the non-CPU generators (saved next to the CPU one)."""
         return {k: g.get_state() for k, g in self.devices.items()}
+
+
+#: The modulus of :func:`probe_matrix`'s integer hash (the Mersenne prime ``2^31 - 1``).
+_PROBE_MODULUS = 2**31 - 1
+
+
+def probe_matrix(n: int, k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``[n, k]`` a fixed generic matrix, entries in ``(-1, 1)``, made on ``device``.
+
+    Entry ``(i, j)`` is an integer hash of ``i k + j`` (xor-shifts and multiplications
+    modulo ``2^31 - 1``, every product below ``2^47``): exact integer arithmetic, so the
+    same matrix on every device and in every process, and no host-to-device copy (a
+    draw from a seeded CPU generator moved to a GPU would synchronize the host there).
+    Its role is a random matrix's: ``Q_k^T R`` has full rank for any orthonormal ``Q_k``
+    off a set of measure zero.
+    """
+    m = _PROBE_MODULUS
+    x = torch.arange(1, n * k + 1, device=device, dtype=torch.int64).view(n, k)
+    for shift in (13, 7, 17):
+        x = torch.bitwise_xor(x, x >> shift).mul_(48271).remainder_(m)
+    return (x.to(torch.float64) * (2.0 / m) - 1.0).to(dtype)

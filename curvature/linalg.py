@@ -69,11 +69,8 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also=(), canonical=()) -
     first: Dict[int, Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]] = {}
     # the inputs' finiteness, judged on the device now and read below with the results
     inputs = [_finite_sum(M).isfinite() for M in mats]
-    groups: Dict[Tuple[Any, ...], List[int]] = {}  # one batched call per group
-    for i, key in _group_keys(mats).items():
-        groups.setdefault(key, []).append(i)
-    for idx in groups.values():
-        first.update(_first_eighs([mats[i] for i in idx], idx, sanitize=True))
+    for key, idx in _groups(mats).items():  # one batched call per group
+        first.update(_first_eighs([mats[i] for i in idx], idx, key[0], sanitize=True))
     tried = [i for i in range(len(mats)) if first[i][2] is not None]
     results = [_finite_sum(t).isfinite() for i in tried for t in first[i][2]]
     nulls = [i for i in tried if i < len(canonical) and canonical[i]]
@@ -153,29 +150,34 @@ PAD_EIGH_COST = 0.1
 #: little besides the synchronization of their call).
 PAD_EIGH_FREE = 64**3
 
+#: On :data:`PAD_EIGH_DEVICES`, float32 calls of a size from ``SYEVD_PAD_FROM`` to 512
+#: are padded to 513: ``torch.linalg.eigh`` hands float32 sizes 32-512 to cuSOLVER's
+#: Jacobi solver (``syevj``, one matrix after another), 513 and up to its
+#: divide-and-conquer solver (``syevd``); ``None``: never. See docs/benchmarks.md (GPU).
+SYEVD_PAD_FROM: Optional[int] = 257
 
-def _group_keys(mats: Sequence[Tensor]) -> Dict[int, Tuple[Any, ...]]:
-    """The batched call of each matrix: equal shapes together (every device), and on
-    :data:`PAD_EIGH_DEVICES` sizes of one dtype joined within :data:`PAD_EIGH_COST`.
+
+def _groups(mats: Sequence[Tensor]) -> Dict[Tuple[Any, ...], List[int]]:
+    """The batched calls (key: the decomposition size first) and their matrices: equal
+    shapes together (every device), and on :data:`PAD_EIGH_DEVICES` sizes of one dtype
+    joined within :data:`PAD_EIGH_COST`, then raised past :data:`SYEVD_PAD_FROM`'s range.
     """
     counts: Dict[Tuple[Any, ...], Dict[int, int]] = {}
-    for M in mats:
-        if M.device.type in PAD_EIGH_DEVICES:
-            sizes = counts.setdefault((M.dtype, M.device), {})
-            n = M.shape[-1]
-            sizes[n] = sizes.get(n, 0) + math.prod(M.shape[:-2])
+    for M in (M for M in mats if M.device.type in PAD_EIGH_DEVICES):
+        sizes, n = counts.setdefault((M.dtype, M.device), {}), M.shape[-1]
+        sizes[n] = sizes.get(n, 0) + math.prod(M.shape[:-2])
     into: Dict[Tuple[Any, ...], int] = {}  # (dtype, device, n) -> the size it joins
+    jacobi = SYEVD_PAD_FROM or 513
     for (dtype, device), sizes in counts.items():
         for n, m in padded_sizes(sizes).items():
-            into[(dtype, device, n)] = m
-    keys: Dict[int, Tuple[Any, ...]] = {}
+            syevj = _eigh_dtype(dtype) == torch.float32 and jacobi <= m <= 512
+            into[(dtype, device, n)] = 513 if syevj else m
+    groups: Dict[Tuple[Any, ...], List[int]] = {}
     for i, M in enumerate(mats):
-        n = M.shape[-1]
-        if M.device.type in PAD_EIGH_DEVICES:
-            keys[i] = ("sizes", into[(M.dtype, M.device, n)], M.dtype, M.device)
-        else:
-            keys[i] = (M.shape, M.dtype, M.device)
-    return keys
+        n, padded = M.shape[-1], M.device.type in PAD_EIGH_DEVICES
+        key = (into[(M.dtype, M.device, n)], "sizes") if padded else (n, M.shape)
+        groups.setdefault((*key, M.dtype, M.device), []).append(i)
+    return groups
 
 
 def padded_sizes(
@@ -209,19 +211,19 @@ def padded_sizes(
 
 
 def _first_eighs(
-    mats: Sequence[Tensor], idx: Sequence[int], sanitize: bool = False
+    mats: Sequence[Tensor], idx: Sequence[int], size: int, sanitize: bool = False
 ) -> Dict[int, Any]:
     """:func:`_first_eigh` of several matrices in one batched call (on a GPU,
     ``torch.linalg.eigh`` reads its error codes on the host once per call); one by one
     where the batched call raises. Leading axes are flattened into the batch; a matrix
-    smaller than the largest is padded (:data:`PAD_EIGH_DEVICES`).
+    smaller than ``size`` is padded to it (:data:`PAD_EIGH_DEVICES`).
     """
-    m = max(M.shape[-1] for M in mats)
+    m = max(size, *(M.shape[-1] for M in mats))
     if len(mats) == 1 and mats[0].shape[-1] == m:
         return {idx[0]: _first_eigh(mats[0], sanitize=sanitize)}
     # symmetrized straight into the batch (no stacked copy of the matrices besides it:
     # the memory of decomposing them one by one)
-    dtype = _eigh_dtype(mats[0])
+    dtype = _eigh_dtype(mats[0].dtype)
     counts = [math.prod(M.shape[:-2]) for M in mats]
     S = mats[0].new_empty((sum(counts), m, m), dtype=dtype)
     starts = []
@@ -259,9 +261,9 @@ def _first_eighs(
     return out
 
 
-def _eigh_dtype(M: Tensor) -> torch.dtype:
-    """The dtype :func:`eigh` decomposes ``M`` in: ``M``'s, at least float32."""
-    return M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
+def _eigh_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`eigh` decomposes a matrix of ``dtype`` in: at least float32."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _first_eigh(
@@ -273,7 +275,7 @@ def _first_eigh(
     where ``symmetric``: already symmetrized in that dtype; its non-finite entries zeroed
     where ``sanitize``); ``None`` when ``torch.linalg.eigh`` raised (e.g. no convergence).
     """
-    dtype = _eigh_dtype(M)
+    dtype = _eigh_dtype(M.dtype)
     S = M if symmetric else symmetrize(M.to(dtype))
     if sanitize:  # (eighs: a bad matrix is decomposed too, its result dropped with its error)
         S.nan_to_num_(0.0, 0.0, 0.0)
@@ -584,11 +586,8 @@ def eighs_unchecked(mats: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:
 
     """
     out: List[Any] = [None] * len(mats)
-    groups: Dict[Tuple[Any, ...], List[int]] = {}
-    for i, key in _group_keys(mats).items():
-        groups.setdefault(key, []).append(i)
-    for idx in groups.values():
-        for i, (S, dtype, res) in _first_eighs([mats[i] for i in idx], idx).items():
+    for key, idx in _groups(mats).items():
+        for i, (S, dtype, res) in _first_eighs([mats[i] for i in idx], idx, key[0]).items():
             if res is None:  # no convergence (rare for a PSD factor): once more in float64
                 res = tuple(t.to(dtype) for t in torch.linalg.eigh(S.double()))
             out[i] = (res[0].clamp_min(0), res[1])

@@ -213,6 +213,38 @@ def test_eighs_pads_smaller_sizes_into_larger_calls_within_the_cost(monkeypatch)
         torch.testing.assert_close(rebuilt, M, rtol=1e-10, atol=1e-10 * scale)
 
 
+def test_float32_calls_in_cusolvers_jacobi_range_are_padded_past_it(monkeypatch):
+    """On ``PAD_EIGH_DEVICES``, float32 calls of a size from ``SYEVD_PAD_FROM`` to 512 (which
+    ``torch.linalg.eigh`` gives cuSOLVER's Jacobi solver on CUDA) are padded to 513, its
+    divide-and-conquer solver's range; smaller float32 sizes, float64 and a CPU's own
+    calls keep their size. The results are those of each matrix alone."""
+    import curvature.linalg as linalg
+
+    monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",))
+    monkeypatch.setattr(linalg, "SYEVD_PAD_FROM", 8)
+    monkeypatch.setattr(linalg, "PAD_EIGH_COST", 0.0)  # (no joins of their own)
+    monkeypatch.setattr(linalg, "PAD_EIGH_FREE", 0)
+    mats = [_psd(D=9).float(), _psd(2, D=12, rank=5).float(), _psd(D=6).float(), _psd(D=10)]
+    shapes = []
+    inner = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda M: shapes.append(tuple(M.shape)) or inner(M))
+    got = eighs(mats, ["a", "b", "c", "d"])
+    monkeypatch.setattr(linalg, "SYEVD_PAD_FROM", None)
+    eighs(mats, ["a", "b", "c", "d"])
+    monkeypatch.undo()
+    # the 9 and the two 12s in one 513 call; the 6 (below the range) and the float64 10 alone
+    assert sorted(shapes[:3]) == [(3, 513, 513), (6, 6), (10, 10)], shapes
+    assert sorted(shapes[3:]) == [(2, 12, 12), (6, 6), (9, 9), (10, 10)], shapes  # None: never
+    for (evals, evecs), M in zip(got, mats):
+        ref = torch.linalg.eigvalsh(M.double())
+        scale = float(M.abs().max())
+        torch.testing.assert_close(evals.double(), ref.clamp_min(0), rtol=0, atol=1e-5 * scale)
+        rebuilt = evecs @ torch.diag_embed(evals) @ evecs.mT
+        torch.testing.assert_close(rebuilt, M, rtol=0, atol=1e-5 * scale)
+        eye = torch.eye(M.shape[-1], dtype=M.dtype).expand_as(M)
+        torch.testing.assert_close(evecs.mT @ evecs, eye, rtol=0, atol=1e-5)
+
+
 def test_a_non_finite_matrix_in_a_padded_call_fails_alone(monkeypatch):
     """A matrix with NaN or inf entries joins the padded call (its entries zeroed for the
     decomposition) and gets its error; the others of the call are decomposed as alone."""

@@ -11,7 +11,8 @@ and batch this prints, in ms per call (median of ``--reps`` after a warm-up):
 * ``eigh f32``: ``torch.linalg.eigh`` itself (``syevj`` from 32 to 512 on CUDA);
 * ``eighs as is`` / ``eighs padded``: ``curvature.linalg.eighs`` (symmetrize, checks,
   one host read) with ``SYEVD_PAD_FROM=None`` and with every size padded to 513;
-* ``eigh f64``: ``torch.linalg.eigh`` in float64 (``syevd`` at every size).
+* ``eigh f64``: ``torch.linalg.eigh`` in float64 (``syevd`` at every size);
+* the largest error of ``eighs``' results either way (rebuilt matrix, orthonormality).
 
 ``--resnet``: a KFAC step with a refresh every step on ResNet-18 (width 64, batch 128,
 random data; the three ``layer4`` blocks keep their 512 x 512 ``G`` full and need its
@@ -66,6 +67,16 @@ def factors(n: int, batch: int, device: str) -> List[torch.Tensor]:
     return out
 
 
+def rebuilt_error(M: torch.Tensor, evals: torch.Tensor, evecs: torch.Tensor) -> float:
+    """``max |Q diag(l) Q^T - M| / max |M|``, and ``Q``'s departure from orthonormality."""
+    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    rebuilt = (evecs * evals[..., None, :]) @ evecs.mT
+    scale = M.abs().max()
+    return max(
+        float((rebuilt - M).abs().max() / scale), float((evecs.mT @ evecs - eye).abs().max())
+    )
+
+
 def solver_table(sizes: List[int], batches: List[int], device: str, reps: int) -> None:
     default = linalg.SYEVD_PAD_FROM
     print(
@@ -77,12 +88,20 @@ def solver_table(sizes: List[int], batches: List[int], device: str, reps: int) -
             mats = factors(n, b, device)
             stacked = torch.stack(mats)
             row = [timed(lambda s=stacked: torch.linalg.eigh(s), device, reps)]
+            errors = []
             for pad_from in (None, 1):
                 linalg.SYEVD_PAD_FROM = pad_from
                 row.append(timed(lambda m=mats: linalg.eighs(m, ["f"] * len(m)), device, reps))
+                errors.append(
+                    max(rebuilt_error(M, *r) for M, r in zip(mats, linalg.eighs(mats, ["f"] * b)))
+                )
             linalg.SYEVD_PAD_FROM = default
             row.append(timed(lambda s=stacked: torch.linalg.eigh(s.double()), device, reps))
-            print(f"{n:5d} {b:5d} " + " ".join(f"{t:{w}.2f}" for t, w in zip(row, (9, 12, 13, 9))))
+            print(
+                f"{n:5d} {b:5d} "
+                + " ".join(f"{t:{w}.2f}" for t, w in zip(row, (9, 12, 13, 9)))
+                + f"   rebuilt error as is {errors[0]:.1e}, padded {errors[1]:.1e}"
+            )
 
 
 def resnet_refresh(device: str, rounds: int, steps: int) -> None:

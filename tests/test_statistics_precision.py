@@ -121,3 +121,32 @@ def test_a_short_run_trains_as_with_full_precision_statistics():
 def test_a_bad_statistics_dtype_is_refused(bad):
     with pytest.raises(ValueError, match="statistics_dtype"):
         curvature.KFAC(mlp(), statistics_dtype=bad)
+
+
+def test_a_device_without_wide_output_gemms_falls_back_to_the_rounded_product(monkeypatch):
+    """``WIDE_OUTPUT_DEVICES`` (CUDA: a bf16 x bf16 -> float32 GEMM) on a device whose
+    GEMM has no such kernel (the CPU): the rounded product, widened, as without it, and
+    the device is not tried again."""
+    import curvature.layers.precision as precision
+
+    a = torch.randn(50, 7, generator=torch.Generator().manual_seed(0))
+    with statistics_precision(torch.bfloat16):
+        expected = gram(a)
+        monkeypatch.setattr(precision, "WIDE_OUTPUT_DEVICES", ["cpu"])
+        got = gram(a)
+        assert precision.WIDE_OUTPUT_DEVICES == []
+        again = gram(a[None])[0]
+    assert got.dtype == torch.float32
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_bf16_statistic_is_not_rounded_after_its_product():
+    """On CUDA the bf16 operands' product comes out in float32: within float32's
+    accumulation of the rounded operands' exact Gram matrix (2^-8 off without it)."""
+    a = torch.randn(4096, 300, generator=torch.Generator().manual_seed(0)).add_(0.5).cuda()
+    with statistics_precision(torch.bfloat16):
+        got = gram(a)
+    exact = rounded_gram(a, torch.bfloat16)
+    err = ((got.double() - exact).abs().max() / exact.abs().max()).item()
+    assert got.dtype == torch.float32 and err < 1e-5, err

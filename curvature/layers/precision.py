@@ -30,6 +30,7 @@ _DTYPE: contextvars.ContextVar[Optional[torch.dtype]] = contextvars.ContextVar(
 
 #: the dtypes a user may ask for (narrower than the statistics' own dtype to matter)
 STATISTICS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @contextmanager
@@ -52,14 +53,41 @@ def _narrower(x: Tensor, dtype: Optional[torch.dtype]) -> bool:
     )
 
 
+#: Devices whose GEMMs take half-precision operands to a float32 result in one call
+#: (``torch.mm(..., out_dtype=torch.float32)``: CUDA; a CPU has no such kernel): there a
+#: float32 statistic's bf16 / fp16 product is not rounded to half precision (only its
+#: operands are), and no widening copy follows. Where the call fails (an older torch),
+#: the device falls back to the rounded product for the rest of the process.
+WIDE_OUTPUT_DEVICES = ["cuda"]
+
+
+def _wide_gram(y: Tensor) -> Optional[Tensor]:
+    """``y^T y`` of half-precision ``y`` (2-d or 3-d) as float32, or ``None``."""
+    if y.device.type not in WIDE_OUTPUT_DEVICES or y.dim() not in (2, 3):
+        return None
+    try:
+        mm = torch.bmm if y.dim() == 3 else torch.mm
+        return mm(y.mT, y, out_dtype=torch.float32)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError, NotImplementedError):
+        WIDE_OUTPUT_DEVICES.remove(y.device.type)
+        return None
+
+
 def gram(x: Tensor, spec: Optional[str] = None) -> Tensor:
     """``x^T x``: ``[..., M, D] -> [..., D, D]`` (``torch.bmm`` for 3-d, a GEMM for 2-d),
     or ``torch.einsum(spec, x, x)``; in the dtype of :func:`statistics_precision` when it
-    is narrower than ``x``'s (the result widened back to ``x.dtype``).
+    is narrower than ``x``'s (the result widened back to ``x.dtype``; a float32 result
+    straight from half-precision operands on :data:`WIDE_OUTPUT_DEVICES`).
     """
     dtype = _DTYPE.get()
     low = _narrower(x, dtype)
     y = x.to(dtype) if low else x
+    if low and spec is None and x.dtype == torch.float32 and dtype in _HALF:
+        out = _wide_gram(y)
+        if out is not None:
+            return out
     if spec is not None:
         out = torch.einsum(spec, y, y)
     elif y.dim() == 3:

@@ -3,20 +3,22 @@
     python benchmarks/eigh_solvers.py [--device cuda] [--sizes 64,128,...] [--resnet]
 
 ``torch.linalg.eigh`` hands float32 matrices of sizes 32 to 512 to cuSOLVER's Jacobi
-solver (``syevj``, one matrix after another) and larger ones to divide and conquer
-(``syevd``). ``curvature.linalg.SYEVD_PAD_FROM`` pads such a call to 513 (one sentinel
-row and column per missing size, dropped after) to take ``syevd`` instead. For each size
-and batch this prints, in ms per call (median of ``--reps`` after a warm-up):
+solver (``syevj``, one matrix after another) and larger ones, and float64 ones, to divide
+and conquer (``syevd``). ``curvature.linalg.FLOAT64_EIGH_SIZES`` solves float32 calls of
+sizes in its range in float64 instead. For each size and batch this prints, in ms per
+call (median of ``--reps`` after a warm-up):
 
 * ``eigh f32``: ``torch.linalg.eigh`` itself (``syevj`` from 32 to 512 on CUDA);
-* ``eighs as is`` / ``eighs padded``: ``curvature.linalg.eighs`` (symmetrize, checks,
-  one host read) with ``SYEVD_PAD_FROM=None`` and with every size padded to 513;
-* ``eigh f64``: ``torch.linalg.eigh`` in float64 (``syevd`` at every size);
+* ``eighs f32`` / ``eighs f64``: ``curvature.linalg.eighs`` (symmetrize, checks, one
+  host read) with ``FLOAT64_EIGH_SIZES=None`` and with every size solved in float64;
+* ``eigh f64``: ``torch.linalg.eigh`` of the float64 copy (``syevd`` at every size);
 * the largest error of ``eighs``' results either way (rebuilt matrix, orthonormality).
 
-``--resnet``: a KFAC step with a refresh every step on ResNet-18 (width 64, batch 128,
-random data; the three ``layer4`` blocks keep their 512 x 512 ``G`` full and need its
-eigenbasis), with ``SYEVD_PAD_FROM=None`` and the library's default, alternated.
+(Until commit ac6e68b the script timed a padding of such calls to 513 instead, the
+earlier rule: docs/benchmarks.md has that run.) ``--resnet``: a KFAC step with a refresh
+every step on ResNet-18 (width 64, batch 128, random data; the three ``layer4`` blocks
+keep their 512 x 512 ``G`` full and need its eigenbasis), with ``FLOAT64_EIGH_SIZES=None``
+and the library's default, alternated.
 On a CPU nothing is padded by default (``PAD_EIGH_DEVICES``): the script adds the CPU
 there to time the same code.
 """
@@ -78,10 +80,9 @@ def rebuilt_error(M: torch.Tensor, evals: torch.Tensor, evecs: torch.Tensor) -> 
 
 
 def solver_table(sizes: List[int], batches: List[int], device: str, reps: int) -> None:
-    default = linalg.SYEVD_PAD_FROM
+    default = linalg.FLOAT64_EIGH_SIZES
     print(
-        f"{'n':>5} {'batch':>5} {'eigh f32':>9} {'eighs as is':>12} {'eighs padded':>13} "
-        f"{'eigh f64':>9}"
+        f"{'n':>5} {'batch':>5} {'eigh f32':>9} {'eighs f32':>12} {'eighs f64':>13} {'eigh f64':>9}"
     )
     for n in sizes:
         for b in batches:
@@ -89,18 +90,18 @@ def solver_table(sizes: List[int], batches: List[int], device: str, reps: int) -
             stacked = torch.stack(mats)
             row = [timed(lambda s=stacked: torch.linalg.eigh(s), device, reps)]
             errors = []
-            for pad_from in (None, 1):
-                linalg.SYEVD_PAD_FROM = pad_from
+            for sizes in (None, (1, 1 << 20)):
+                linalg.FLOAT64_EIGH_SIZES = sizes
                 row.append(timed(lambda m=mats: linalg.eighs(m, ["f"] * len(m)), device, reps))
                 errors.append(
                     max(rebuilt_error(M, *r) for M, r in zip(mats, linalg.eighs(mats, ["f"] * b)))
                 )
-            linalg.SYEVD_PAD_FROM = default
+            linalg.FLOAT64_EIGH_SIZES = default
             row.append(timed(lambda s=stacked: torch.linalg.eigh(s.double()), device, reps))
             print(
                 f"{n:5d} {b:5d} "
                 + " ".join(f"{t:{w}.2f}" for t, w in zip(row, (9, 12, 13, 9)))
-                + f"   rebuilt error as is {errors[0]:.1e}, padded {errors[1]:.1e}"
+                + f"   rebuilt error f32 {errors[0]:.1e}, f64 {errors[1]:.1e}"
             )
 
 
@@ -108,8 +109,8 @@ def resnet_refresh(device: str, rounds: int, steps: int) -> None:
     from resnets import ResNet18
 
     ce = torch.nn.CrossEntropyLoss()
-    default = linalg.SYEVD_PAD_FROM
-    settings = {"SYEVD_PAD_FROM=None": None, f"SYEVD_PAD_FROM={default}": default}
+    default = linalg.FLOAT64_EIGH_SIZES
+    settings = {"FLOAT64_EIGH_SIZES=None": None, f"FLOAT64_EIGH_SIZES={default}": default}
     runs = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # BatchNorm, one-sided blocks
@@ -128,12 +129,12 @@ def resnet_refresh(device: str, rounds: int, steps: int) -> None:
                 opt.step()
 
         for r in range(rounds + 1):
-            for name, pad_from in settings.items():
-                linalg.SYEVD_PAD_FROM = pad_from
+            for name, sizes in settings.items():
+                linalg.FLOAT64_EIGH_SIZES = sizes
                 t = timed(lambda run=runs[name]: period(*run), device, 1) / steps
                 if r:  # (round 0: warm-up)
                     times[name].append(t)
-        linalg.SYEVD_PAD_FROM = default
+        linalg.FLOAT64_EIGH_SIZES = default
     for name, ts in times.items():
         print(
             f"KFAC refresh every step, ResNet-18 width 64, batch 128, {name}: "
@@ -155,7 +156,7 @@ def main(argv=None) -> None:
     if device not in linalg.PAD_EIGH_DEVICES:
         linalg.PAD_EIGH_DEVICES = (*linalg.PAD_EIGH_DEVICES, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"{name}, torch {torch.__version__}, SYEVD_PAD_FROM default {linalg.SYEVD_PAD_FROM}")
+    print(f"{name}, torch {torch.__version__}, FLOAT64_EIGH_SIZES {linalg.FLOAT64_EIGH_SIZES}")
     sizes = [int(x) for x in args.sizes.split(",")]
     solver_table(sizes, [int(x) for x in args.batches.split(",")], args.device, args.reps)
     if args.resnet:

@@ -70,11 +70,11 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also=(), canonical=()) -
     # the inputs' finiteness, judged on the device now and read below with the results
     inputs = [_finite_sum(M).isfinite() for M in mats]
     for key, idx in _groups(mats).items():  # one batched call per group
-        first.update(_first_eighs([mats[i] for i in idx], idx, key[0], sanitize=True))
+        first.update(_first_eighs([mats[i] for i in idx], idx, key, sanitize=True))
     tried = [i for i in range(len(mats)) if first[i][2] is not None]
     results = [_finite_sum(t).isfinite() for i in tried for t in first[i][2]]
     nulls = [i for i in tried if i < len(canonical) and canonical[i]]
-    counts = [null_count(first[i][2][0]).reshape(-1) for i in nulls]
+    counts = [null_count(first[i][2][0].to(first[i][1])).reshape(-1) for i in nulls]
     read = host_values(inputs + results + counts + list(also))
     n_in, n_res = len(inputs), len(inputs) + len(results)
     ok_in, flags, null_of = read[:n_in], read[n_in:n_res], dict(zip(nulls, read[n_res:]))
@@ -150,33 +150,35 @@ PAD_EIGH_COST = 0.1
 #: little besides the synchronization of their call).
 PAD_EIGH_FREE = 64**3
 
-#: On :data:`PAD_EIGH_DEVICES`, float32 calls of a size from ``SYEVD_PAD_FROM`` to 512
-#: are padded to 513: ``torch.linalg.eigh`` hands float32 sizes 32-512 to cuSOLVER's
-#: Jacobi solver (``syevj``, one matrix after another), 513 and up to its
-#: divide-and-conquer solver (``syevd``); ``None``: never. See docs/benchmarks.md (GPU).
-SYEVD_PAD_FROM: Optional[int] = 257
+#: On :data:`PAD_EIGH_DEVICES`, float32 calls of a size in this range are solved in
+#: float64 (results rounded back): ``torch.linalg.eigh`` gives float32 sizes 32-512 to
+#: cuSOLVER's Jacobi solver (``syevj``), float64 to divide and conquer (``syevd``),
+#: faster from 64 on and 100x more accurate (docs/benchmarks.md, GPU). ``None``: never.
+FLOAT64_EIGH_SIZES: Optional[Tuple[int, int]] = (64, 512)
 
 
 def _groups(mats: Sequence[Tensor]) -> Dict[Tuple[Any, ...], List[int]]:
     """The batched calls (key: the decomposition size first) and their matrices: equal
     shapes together (every device), and on :data:`PAD_EIGH_DEVICES` sizes of one dtype
-    joined within :data:`PAD_EIGH_COST`, then raised past :data:`SYEVD_PAD_FROM`'s range.
+    joined within :data:`PAD_EIGH_COST`; then the dtype it is solved in (at least float32,
+    float64 in :data:`FLOAT64_EIGH_SIZES` there).
     """
     counts: Dict[Tuple[Any, ...], Dict[int, int]] = {}
     for M in (M for M in mats if M.device.type in PAD_EIGH_DEVICES):
         sizes, n = counts.setdefault((M.dtype, M.device), {}), M.shape[-1]
         sizes[n] = sizes.get(n, 0) + math.prod(M.shape[:-2])
     into: Dict[Tuple[Any, ...], int] = {}  # (dtype, device, n) -> the size it joins
-    jacobi = SYEVD_PAD_FROM or 513
     for (dtype, device), sizes in counts.items():
         for n, m in padded_sizes(sizes).items():
-            syevj = _eigh_dtype(dtype) == torch.float32 and jacobi <= m <= 512
-            into[(dtype, device, n)] = 513 if syevj else m
+            into[(dtype, device, n)] = m
+    low, high = FLOAT64_EIGH_SIZES or (1, 0)
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     for i, M in enumerate(mats):
-        n, padded = M.shape[-1], M.device.type in PAD_EIGH_DEVICES
+        n, padded, solve = M.shape[-1], M.device.type in PAD_EIGH_DEVICES, _eigh_dtype(M.dtype)
         key = (into[(M.dtype, M.device, n)], "sizes") if padded else (n, M.shape)
-        groups.setdefault((*key, M.dtype, M.device), []).append(i)
+        if padded and solve == torch.float32 and low <= key[0] <= high:
+            solve = torch.float64
+        groups.setdefault((key[0], solve, key[1], M.dtype, M.device), []).append(i)
     return groups
 
 
@@ -211,19 +213,19 @@ def padded_sizes(
 
 
 def _first_eighs(
-    mats: Sequence[Tensor], idx: Sequence[int], size: int, sanitize: bool = False
+    mats: Sequence[Tensor], idx: Sequence[int], key: Tuple[Any, ...], sanitize: bool = False
 ) -> Dict[int, Any]:
     """:func:`_first_eigh` of several matrices in one batched call (on a GPU,
     ``torch.linalg.eigh`` reads its error codes on the host once per call); one by one
     where the batched call raises. Leading axes are flattened into the batch; a matrix
-    smaller than ``size`` is padded to it (:data:`PAD_EIGH_DEVICES`).
+    smaller than the group's size is padded to it (:data:`PAD_EIGH_DEVICES`), all solved
+    in the group's dtype (``key``: :func:`_groups`').
     """
-    m = max(size, *(M.shape[-1] for M in mats))
+    m, dtype, result = max(key[0], *(M.shape[-1] for M in mats)), key[1], _eigh_dtype(key[3])
     if len(mats) == 1 and mats[0].shape[-1] == m:
-        return {idx[0]: _first_eigh(mats[0], sanitize=sanitize)}
+        return {idx[0]: _first_eigh(mats[0], sanitize=sanitize, solve=dtype)}
     # symmetrized straight into the batch (no stacked copy of the matrices besides it:
-    # the memory of decomposing them one by one)
-    dtype = _eigh_dtype(mats[0].dtype)
+    # the memory of decomposing them one by one), in the dtype it is solved in
     counts = [math.prod(M.shape[:-2]) for M in mats]
     S = mats[0].new_empty((sum(counts), m, m), dtype=dtype)
     starts = []
@@ -241,7 +243,7 @@ def _first_eighs(
             block[:, n:, n:].diagonal(dim1=-2, dim2=-1).copy_(sentinel[:, None])
         starts.append(at)
         at += k
-    S, dtype, res = _first_eigh(S.mul_(0.5), symmetric=True, sanitize=sanitize)
+    S, _, res = _first_eigh(S.mul_(0.5), symmetric=True, sanitize=sanitize)
     # with padded members, every result is a copy of its own: a view would keep the whole
     # batch's storage alive, the padded members' share of it too (their results are copies)
     padded = any(M.shape[-1] < m for M in mats)
@@ -250,14 +252,14 @@ def _first_eighs(
         n = M.shape[-1]
         Si = S[at : at + k, :n, :n].reshape(M.shape)
         if res is None:
-            out[i] = _first_eigh(Si, symmetric=True, sanitize=sanitize)
+            out[i] = _first_eigh(Si, symmetric=True, sanitize=sanitize, result=result)
             continue
         evals, evecs = res[0][at : at + k], res[1][at : at + k]
         if n < m:  # the sentinel pairs first: dropped
             evals, evecs = evals[:, m - n :].contiguous(), evecs[:, :n, m - n :].contiguous()
         elif padded:
             evals, evecs = evals.clone(), evecs.clone()
-        out[i] = (Si, dtype, (evals.reshape(M.shape[:-1]), evecs.reshape(M.shape)))
+        out[i] = (Si, result, (evals.reshape(M.shape[:-1]), evecs.reshape(M.shape)))
     return out
 
 
@@ -267,16 +269,15 @@ def _eigh_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _first_eigh(
-    M: Tensor, symmetric: bool = False, sanitize: bool = False
+    M: Tensor, symmetric: bool = False, sanitize: bool = False, solve=None, result=None
 ) -> Tuple[Tensor, torch.dtype, Optional[Tuple[Tensor, Tensor]]]:
-    """``(S, dtype, (evals, evecs) or None)``: the first attempt of :func:`eigh`, unchecked.
-
-    ``S`` is the symmetrized ``M`` in ``dtype`` (``M``'s, at least float32; ``M`` itself
-    where ``symmetric``: already symmetrized in that dtype; its non-finite entries zeroed
-    where ``sanitize``); ``None`` when ``torch.linalg.eigh`` raised (e.g. no convergence).
+    """``(S, dtype, (evals, evecs) or None)``: the first attempt of :func:`eigh`, unchecked:
+    ``dtype`` the results' (``result``, default ``M``'s, at least float32), ``S`` and the
+    pairs ``M`` symmetrized in ``solve`` (default ``dtype``; ``M`` itself where
+    ``symmetric``; non-finite entries zeroed where ``sanitize``); ``None`` if eigh raised.
     """
-    dtype = _eigh_dtype(M.dtype)
-    S = M if symmetric else symmetrize(M.to(dtype))
+    dtype = result or _eigh_dtype(M.dtype)
+    S = M if symmetric else symmetrize(M.to(solve or dtype))
     if sanitize:  # (eighs: a bad matrix is decomposed too, its result dropped with its error)
         S.nan_to_num_(0.0, 0.0, 0.0)
     try:
@@ -587,10 +588,10 @@ def eighs_unchecked(mats: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:
     """
     out: List[Any] = [None] * len(mats)
     for key, idx in _groups(mats).items():
-        for i, (S, dtype, res) in _first_eighs([mats[i] for i in idx], idx, key[0]).items():
+        for i, (S, dtype, res) in _first_eighs([mats[i] for i in idx], idx, key).items():
             if res is None:  # no convergence (rare for a PSD factor): once more in float64
-                res = tuple(t.to(dtype) for t in torch.linalg.eigh(S.double()))
-            out[i] = (res[0].clamp_min(0), res[1])
+                res = torch.linalg.eigh(S.double())
+            out[i] = (res[0].clamp_min(0).to(dtype), res[1].to(dtype))
     return out
 
 

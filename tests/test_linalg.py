@@ -213,29 +213,37 @@ def test_eighs_pads_smaller_sizes_into_larger_calls_within_the_cost(monkeypatch)
         torch.testing.assert_close(rebuilt, M, rtol=1e-10, atol=1e-10 * scale)
 
 
-def test_float32_calls_in_cusolvers_jacobi_range_are_padded_past_it(monkeypatch):
-    """On ``PAD_EIGH_DEVICES``, float32 calls of a size from ``SYEVD_PAD_FROM`` to 512 (which
-    ``torch.linalg.eigh`` gives cuSOLVER's Jacobi solver on CUDA) are padded to 513, its
-    divide-and-conquer solver's range; smaller float32 sizes, float64 and a CPU's own
-    calls keep their size. The results are those of each matrix alone."""
+def test_float32_calls_in_cusolvers_jacobi_range_are_solved_in_float64(monkeypatch):
+    """On ``PAD_EIGH_DEVICES``, float32 calls of a size in ``FLOAT64_EIGH_SIZES`` (which
+    ``torch.linalg.eigh`` gives cuSOLVER's Jacobi solver on CUDA) are solved in float64,
+    their results rounded back to float32; other sizes, float64 matrices and a CPU's own
+    calls keep their dtype. The results are those of each matrix alone, in float32, and
+    a rank-deficient factor's null space is counted at float32's precision (the
+    canonical basis of EKFAC is that of the float32 decomposition)."""
     import curvature.linalg as linalg
 
     monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",))
-    monkeypatch.setattr(linalg, "SYEVD_PAD_FROM", 8)
+    monkeypatch.setattr(linalg, "FLOAT64_EIGH_SIZES", (8, 12))
     monkeypatch.setattr(linalg, "PAD_EIGH_COST", 0.0)  # (no joins of their own)
     monkeypatch.setattr(linalg, "PAD_EIGH_FREE", 0)
     mats = [_psd(D=9).float(), _psd(2, D=12, rank=5).float(), _psd(D=6).float(), _psd(D=10)]
-    shapes = []
+    mats += [_psd(D=14).float()]
+    calls = []
     inner = torch.linalg.eigh
-    monkeypatch.setattr(torch.linalg, "eigh", lambda M: shapes.append(tuple(M.shape)) or inner(M))
-    got = eighs(mats, ["a", "b", "c", "d"])
-    monkeypatch.setattr(linalg, "SYEVD_PAD_FROM", None)
-    eighs(mats, ["a", "b", "c", "d"])
+    monkeypatch.setattr(
+        torch.linalg, "eigh", lambda M: calls.append((tuple(M.shape), M.dtype)) or inner(M)
+    )
+    got = eighs(mats, ["a", "b", "c", "d", "e"], canonical=[True] * 5)
+    unchecked = linalg.eighs_unchecked(mats)
+    monkeypatch.setattr(linalg, "FLOAT64_EIGH_SIZES", None)
+    plain = eighs(mats, ["a", "b", "c", "d", "e"], canonical=[True] * 5)
     monkeypatch.undo()
-    # the 9 and the two 12s in one 513 call; the 6 (below the range) and the float64 10 alone
-    assert sorted(shapes[:3]) == [(3, 513, 513), (6, 6), (10, 10)], shapes
-    assert sorted(shapes[3:]) == [(2, 12, 12), (6, 6), (9, 9), (10, 10)], shapes  # None: never
-    for (evals, evecs), M in zip(got, mats):
+    f32, f64 = torch.float32, torch.float64
+    expected = [((9, 9), f64), ((2, 12, 12), f64), ((6, 6), f32), ((10, 10), f64), ((14, 14), f32)]
+    assert sorted(calls[:5], key=str) == sorted(expected, key=str), calls
+    assert all(dtype == torch.float32 for _, dtype in calls[10:] if _ != (10, 10))  # None
+    for (evals, evecs), (e2, v2), M in zip(got, unchecked, mats):
+        assert evals.dtype == evecs.dtype == e2.dtype == v2.dtype == M.dtype
         ref = torch.linalg.eigvalsh(M.double())
         scale = float(M.abs().max())
         torch.testing.assert_close(evals.double(), ref.clamp_min(0), rtol=0, atol=1e-5 * scale)
@@ -243,6 +251,10 @@ def test_float32_calls_in_cusolvers_jacobi_range_are_padded_past_it(monkeypatch)
         torch.testing.assert_close(rebuilt, M, rtol=0, atol=1e-5 * scale)
         eye = torch.eye(M.shape[-1], dtype=M.dtype).expand_as(M)
         torch.testing.assert_close(evecs.mT @ evecs, eye, rtol=0, atol=1e-5)
+    # the 12s (rank 5): the same null space, and its canonical basis, either way
+    Q, P = got[1][1][..., :7], plain[1][1][..., :7]
+    torch.testing.assert_close(Q @ Q.mT, P @ P.mT, rtol=0, atol=1e-4)
+    torch.testing.assert_close(Q, P, rtol=0, atol=1e-3)
 
 
 def test_a_non_finite_matrix_in_a_padded_call_fails_alone(monkeypatch):

@@ -48,9 +48,12 @@ def ema(
         return new
     if weight is not None:  # (in the running value's dtype, as mul_/add_ would)
         lerps = getattr(_PENDING, "lerps", None)
+        dtype = old.dtype  # (no `to` call where the dtype fits: a dispatch each, per block)
+        new = new if new.dtype == dtype else new.to(dtype)
+        weight = weight if weight.dtype == dtype else weight.to(dtype)
         if lerps is None:
-            return old.lerp_(new.to(old.dtype), weight.to(old.dtype))
-        for pending, x in zip(lerps, (old, new.to(old.dtype), weight.to(old.dtype))):
+            return old.lerp_(new, weight)
+        for pending, x in zip(lerps, (old, new, weight)):
             pending.append(x)
         return old
     return old.mul_(decay).add_(new, alpha=1 - decay)

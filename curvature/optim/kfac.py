@@ -408,11 +408,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         for suffix, (A_sum, G_sum, count) in res.items():
             dt = stat_dtype(A_sum)
             lam = lambdas.get(block_name(name, suffix))
-            values = [
-                A_sum.to(dt),
-                None if G_sum is None else G_sum.to(dt),
-                None if lam is None else lam.to(dt),
-            ]
+            values = [v if v is None or v.dtype == dt else v.to(dt) for v in (A_sum, G_sum, lam)]
             emit((name, suffix), values, KINDS, count, owned)
 
     def _update_curvature(self, stats) -> None:

@@ -181,7 +181,9 @@ def apply_update(
             decay = decay.unbind(0)
             torch._foreach_mul_(bufs, [decay[i] for i in idx])
             torch._foreach_add_(bufs, upd)
-            upd = torch._foreach_mul(bufs, [okf[i].to(b.dtype) for i, b in zip(idx, bufs)])
+            oks = [okf[i] for i in idx]
+            oks = [f if f.dtype == b.dtype else f.to(b.dtype) for f, b in zip(oks, bufs)]
+            upd = torch._foreach_mul(bufs, oks)
         torch._foreach_add_(params, upd, alpha=-g["lr"])
     return nu, ok
 
@@ -203,7 +205,8 @@ def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: i
 
 def _shaped(v: Tensor, p: Tensor) -> Tensor:
     """``v`` viewed as ``p`` (no call where the shape already fits), in ``p``'s dtype."""
-    return (v if v.shape == p.shape else v.view_as(p)).to(p.dtype)
+    v = v if v.shape == p.shape else v.view_as(p)
+    return v if v.dtype == p.dtype else v.to(p.dtype)
 
 
 def line_search(

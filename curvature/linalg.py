@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .rng import probe_matrix
+from . import rng
 
 
 def symmetrize(M: Tensor) -> Tensor:
@@ -53,12 +53,11 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also=(), canonical=()) -
     matrix whose first attempt fails pays for its retries (float64, then with jitter)
     one by one. On a GPU ``torch.linalg.eigh`` also reads its error codes once per
     call: equal shapes share one call, and on :data:`PAD_EIGH_DEVICES` smaller sizes
-    join a larger size's call within :data:`PAD_EIGH_COST`.
-
-    The values of the tensors ``also`` are appended to the returned list
-    (:func:`host_values`). Where ``canonical[i]``, matrix ``i``'s eigenvectors of its
-    numerical null space (:func:`null_count`, read with the rest) are replaced by
-    :func:`canonical_null_basis` (not after a retry).
+    join a larger size's call within :data:`PAD_EIGH_COST` (float32 sizes in
+    :data:`FLOAT64_EIGH_SIZES` solved in float64). The values of the tensors ``also`` are
+    appended to the returned list (:func:`host_values`). Where ``canonical[i]``, matrix
+    ``i``'s eigenvectors of its numerical null space (:func:`null_count`, read with the
+    rest) are replaced by :func:`canonical_null_basis` (not after a retry).
 
     Returns:
         Per matrix ``(evals, evecs)`` as from :func:`eigh`, or the ``RuntimeError`` that
@@ -111,15 +110,17 @@ def canonical_null_basis(evecs: Tensor, ks: Sequence[int]) -> Tensor:
     """``evecs [..., n, n]`` (ascending eigenvalues) with the first ``k`` columns of each
     matrix (``ks``: one per matrix), a basis ``Q_k`` of its null space, replaced by the
     orthonormal basis of ``P R`` (``P = Q_k Q_k^T`` the projector onto that space, ``R [n,
-    k]`` a fixed seeded Gaussian), computed as ``Q_k U`` with ``U`` the QR factor of ``Q_k^T
-    R``: a function of the space alone, which a rounding change of the matrix moves by as
-    little (EKFAC's eigenbasis; ``eigh`` picks any basis there). In place (``n x k`` new).
+    k]`` the fixed :func:`~curvature.rng.probe_matrix`), ``Q_k U`` with ``U`` the QR factor
+    of ``Q_k^T R``: a function of the space alone, which a rounding change of the matrix
+    moves by as little (EKFAC's eigenbasis; ``eigh`` picks any basis there). In place, a
+    slice of rows at a time (``k x k`` new: a null space can be nearly all of ``n``).
     """
     n = evecs.shape[-1]
     for Q, k in zip(evecs.view(-1, n, n), ks):
-        if k > 1:
-            R = Q[:, :k].mT @ probe_matrix(n, k, Q.device, Q.dtype)  # (made on Q's device)
-            Q[:, :k] = Q[:, :k] @ orthonormal_basis(R)  # (Q_k U: P R's)
+        if k > 1:  # (Q_k U a slice of rows at a time)
+            U = orthonormal_basis(rng.probe_product(Q[:, :k]), overwrite=True)
+            for a in range(0, n, rng.PROBE_SLICE // k + 1):
+                Q[a : a + rng.PROBE_SLICE // k + 1, :k] @= U
     return evecs
 
 
@@ -132,17 +133,15 @@ def _finite_sum(t: Tensor) -> Tensor:
 #: one batched call, the smaller ones padded: ``torch.linalg.eigh`` reads its error codes
 #: on the host once per call there (a synchronization each). ``[[S, 0], [0, s I]]`` has
 #: the eigenpairs of ``S`` (zero in the padded coordinates) and ``(s, e_k)``; ``s`` below
-#: the spectrum of ``S`` (``-2 (1 + |M|_F)``) makes them the first in ascending order, and
-#: they are dropped (the tridiagonal reduction never mixes the zero rows in: the other
+#: ``S``'s spectrum (``-2 (1 + |M|_F)``) puts them first, and they are dropped (the other
 #: pairs are ``S``'s up to rounding). A CPU keeps every size's own call (bit for bit).
 PAD_EIGH_DEVICES = ("cuda",)
 
 #: How much more work padding may cost on :data:`PAD_EIGH_DEVICES`: sizes join the next
 #: larger size's call (cheapest join first) while ``sum count * m^3`` over the padded
-#: sizes ``m`` stays within ``(1 + PAD_EIGH_COST)`` times that of the sizes themselves.
-#: A Linear layer's ``G`` (``n``) and the next layer's ``A = [x | 1]`` (``n + 1``) join
-#: almost for free; an MLP 784-2048-2048-10's ``10 x 10`` joins the ``785 x 785`` (1.4%
-#: more), the ``785`` does not join the ``2049`` (23% more).
+#: sizes ``m`` stays within ``(1 + PAD_EIGH_COST)`` times that of the sizes themselves: a
+#: Linear layer's ``G`` (``n``) joins the next layer's ``A = [x | 1]`` almost for free, an
+#: MLP 784-2048-2048-10's ``10`` the ``785`` (1.4%), the ``785`` not the ``2049`` (23%).
 PAD_EIGH_COST = 0.1
 
 #: Added work (``count * m^3`` units) that padding may always cost, whatever
@@ -263,8 +262,7 @@ def _first_eighs(
     return out
 
 
-def _eigh_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype :func:`eigh` decomposes a matrix of ``dtype`` in: at least float32."""
+def _eigh_dtype(dtype: torch.dtype) -> torch.dtype:  # (at least float32)
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
@@ -538,11 +536,10 @@ def top_eigenvalues(M: Tensor, k: int) -> list:
 
 
 def generalized_eigh(B: Tensor, A: Tensor, *, name: str = "matrix") -> Tuple[Tensor, Tensor]:
-    """``(mu, P)`` with ``P^T A P = I`` and ``P^T B P = diag(mu)`` (``A`` positive definite).
-
-    Simultaneous diagonalization of two symmetric matrices (batched), used to invert a sum
-    of two Kronecker products exactly: with ``A = Q diag(l) Q^T``,
-    ``A^{-1/2} B A^{-1/2} = U diag(mu) U^T`` and ``P = A^{-1/2} U``.
+    """``(mu, P)`` with ``P^T A P = I`` and ``P^T B P = diag(mu)`` (``A`` positive definite):
+    the simultaneous diagonalization of two symmetric matrices (batched) that inverts a sum
+    of two Kronecker products exactly. With ``A = Q diag(l) Q^T``, ``A^{-1/2} B A^{-1/2} =
+    U diag(mu) U^T`` and ``P = A^{-1/2} U``.
     """
     lA, QA = eigh(A, name=name)
     inv_sqrt = QA @ torch.diag_embed(lA.clamp_min(torch.finfo(lA.dtype).tiny).rsqrt()) @ QA.mT
@@ -550,18 +547,21 @@ def generalized_eigh(B: Tensor, A: Tensor, *, name: str = "matrix") -> Tuple[Ten
     return mu, inv_sqrt @ U
 
 
-def orthonormal_basis(M: Tensor) -> Tensor:
+def orthonormal_basis(M: Tensor, overwrite: bool = False) -> Tensor:
     """An orthonormal basis ``Q [..., P, min(P, k)]`` of ``M [..., P, k]``'s columns: the
     reduced QR's Q with ``R``'s diagonal made non-negative (``geqrf``, ``householder_product``,
     no host read), also for a rank-deficient ``M`` (arbitrary directions beyond its range:
-    Hutch++ stays unbiased); half precision promoted to float32 and back.
+    Hutch++ stays unbiased); half precision promoted to float32 and back. ``overwrite``:
+    QR and Q in ``M``'s memory (float32/64, ``k <= P``; its values are lost).
     """
     dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
     if M.requires_grad:  # (geqrf has no derivative)
         return torch.linalg.qr(M.to(dtype), mode="reduced").Q.to(M.dtype)
-    QR, tau = torch.geqrf(M.to(dtype))
+    inplace = overwrite and M.dtype == dtype and M.shape[-1] <= M.shape[-2]
+    tau = M.new_empty((*M.shape[:-2], M.shape[-1])) if inplace else None
+    QR, tau = torch.geqrf(M, out=(M, tau)) if inplace else torch.geqrf(M.to(dtype))
     signs = torch.where(QR.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(dtype).unsqueeze(-2)
-    Q = torch.linalg.householder_product(QR[..., : tau.shape[-1]], tau)
+    Q = torch.linalg.householder_product(QR[..., : tau.shape[-1]], tau, out=QR if inplace else None)
     return Q.mul_(signs).to(M.dtype)
 
 

@@ -11,7 +11,7 @@ on any device without a generator.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -68,9 +68,20 @@ class SamplingGenerators:
 #: The modulus of :func:`probe_matrix`'s integer hash (the Mersenne prime ``2^31 - 1``).
 _PROBE_MODULUS = 2**31 - 1
 
+#: Entries of :func:`probe_matrix` made at a time by :func:`probe_product` (its integer
+#: temporaries: 2 MiB each at int64).
+PROBE_SLICE = 2**18
 
-def probe_matrix(n: int, k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """``[n, k]`` a fixed generic matrix, entries in ``(-1, 1)``, made on ``device``.
+
+def probe_matrix(
+    n: int,
+    k: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: Optional[Tuple[int, int]] = None,
+) -> Tensor:
+    """``[n, k]`` a fixed generic matrix, entries in ``(-1, 1)``, made on ``device``
+    (``rows``: ``(start, stop)``, only those rows of it).
 
     Entry ``(i, j)`` is an integer hash of ``i k + j`` (xor-shifts and multiplications
     modulo ``2^31 - 1``, every product below ``2^47``): exact integer arithmetic, so the
@@ -80,7 +91,26 @@ def probe_matrix(n: int, k: int, device: torch.device, dtype: torch.dtype) -> Te
     off a set of measure zero.
     """
     m = _PROBE_MODULUS
-    x = torch.arange(1, n * k + 1, device=device, dtype=torch.int64).view(n, k)
+    start, stop = rows or (0, n)
+    x = torch.arange(start * k + 1, stop * k + 1, device=device, dtype=torch.int64)
+    x = x.view(stop - start, k)
     for shift in (13, 7, 17):
         x = torch.bitwise_xor(x, x >> shift).mul_(48271).remainder_(m)
     return (x.to(torch.float64) * (2.0 / m) - 1.0).to(dtype)
+
+
+def probe_product(Q: Tensor) -> Tensor:
+    """``Q^T R`` of ``Q [n, k]`` and ``R = probe_matrix(n, k)`` (``[k, k]``, ``Q``'s dtype),
+    ``R`` made a slice of rows at a time (:data:`PROBE_SLICE` entries): neither all of
+    ``R`` nor its integer temporaries are ever in memory (a factor's null space can be
+    nearly all of it: ``2049 x 1984`` int64 entries are 32 MB, a few copies of them).
+    """
+    n, k = Q.shape
+    step = max(1, PROBE_SLICE // k)
+    out: Optional[Tensor] = None
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        P = probe_matrix(n, k, Q.device, Q.dtype, rows=(a, b))
+        out = Q[a:b].mT @ P if out is None else out.addmm_(Q[a:b].mT, P)
+    assert out is not None
+    return out

@@ -168,3 +168,38 @@ def test_the_canonical_basis_makes_nothing_off_the_device_of_its_input():
             pass  # (no meta kernel for the QR: what ran before it is what is checked)
     assert any(func.startswith("aten.mm") for _, func in mode.seen)  # it got to R's product
     assert {device for device, _ in mode.seen} == {"meta"}, sorted(mode.seen)
+
+
+def test_the_probe_product_is_made_a_slice_of_rows_at_a_time(monkeypatch):
+    """``probe_product(Q) = Q^T R`` with ``R`` made in slices of rows (the slices of one
+    matrix: ``rows=(a, b)`` is ``R[a:b]``), whatever the slice size; the canonical basis
+    is the same to rounding with one-row slices."""
+    import curvature.rng as rng
+
+    cpu = torch.device("cpu")
+    R = rng.probe_matrix(30, 7, cpu, torch.float64)
+    assert torch.equal(rng.probe_matrix(30, 7, cpu, torch.float64, rows=(4, 11)), R[4:11])
+    Q = torch.linalg.qr(torch.randn(30, 7, dtype=torch.float64))[0]
+    whole = rng.probe_product(Q)
+    monkeypatch.setattr(rng, "PROBE_SLICE", 7)  # one row of R at a time
+    torch.testing.assert_close(rng.probe_product(Q), Q.T @ R, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whole, Q.T @ R, rtol=1e-12, atol=1e-12)
+    A = rank_deficient()
+    _, evecs = torch.linalg.eigh(A)
+    default = canonical_null_basis(evecs.clone(), [7])
+    monkeypatch.setattr(rng, "PROBE_SLICE", 1)  # (and one row of the basis at a time)
+    torch.testing.assert_close(
+        canonical_null_basis(evecs.clone(), [7]), default, atol=1e-12, rtol=0
+    )
+
+
+def test_an_overwritten_qr_gives_the_same_basis_in_the_inputs_memory():
+    from curvature.linalg import orthonormal_basis
+
+    M = torch.randn(2, 12, 5, dtype=torch.float64)
+    ref = orthonormal_basis(M.clone())
+    work = M.clone()
+    got = orthonormal_basis(work, overwrite=True)
+    assert torch.equal(got, ref) and got.data_ptr() == work.data_ptr()
+    wide = torch.randn(4, 9)  # k > P: no room in M for Q, a new tensor as without
+    assert torch.equal(orthonormal_basis(wide.clone(), overwrite=True), orthonormal_basis(wide))

@@ -345,6 +345,28 @@ def test_batched_eigendecompositions_hold_no_stacked_copy():
     assert len(got) == k and all(v.shape == (n, n) for _, v in got)
 
 
+def test_the_canonical_null_basis_allocates_its_k_by_k_and_slices(monkeypatch):
+    """EKFAC's canonical basis of a factor's null space (``k`` of ``n`` eigenvectors, nearly
+    all of them for a wide layer and a small batch) allocates the ``k x k`` product and
+    slices of rows, never an ``n x k`` matrix: the probe matrix's integer hash and its
+    temporaries of all ``n k`` entries raised the first refresh of step_memory.py's CNN to
+    175 MB (2049 x 1984: 32 MB per int64 copy), against 104 MB in slices (16 there; here
+    ``PROBE_SLICE`` made as small relative to ``n k``)."""
+    import curvature.rng as rng
+    from curvature.linalg import canonical_null_basis
+
+    n, k = 400, 380
+    monkeypatch.setattr(rng, "PROBE_SLICE", n * k // 16)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n - k, n, generator=g)
+    _, evecs = torch.linalg.eigh(a.T @ a)
+    with LiveBytes() as live:
+        canonical_null_basis(evecs, [k])
+    square = k * k * 4
+    assert live.peak < 2 * square, (live.peak, square, n * k * 8)  # (n k int64: 1.2 MB)
+    torch.testing.assert_close(evecs.T @ evecs, torch.eye(n), rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["KFAC", "EKFAC", "DiagonalNaturalGradient"])
 def test_a_step_keeps_at_most_four_flat_vectors(name):
     """Float vectors of the parameters' count ``P`` alive between steps: the gathered

@@ -5,14 +5,16 @@
 
 Issue 19's ResNet-18 (benchmarks/resnets.py, 1 input channel, Fashion-MNIST's 28 x 28,
 random data: nothing to download) with BatchNorm in train mode. For AdamW, SGD (momentum
-0.9) and KFAC (defaults; ``inverse_every=10`` over 20 steps, and every step a refresh)
-it prints per training step (zero_grad, forward, loss, backward, step):
+0.9) and KFAC (defaults; ``inverse_every=10`` over 20 steps; every step a refresh; and
+the statistics every 10th step, ``factor_every=10, inverse_every=100, kfac_approx=
+"reduce"``) it prints per training step (zero_grad, forward, loss, backward, step):
 
 * ``wall``: the step's time with the device synchronized after it (the median of 5
   periods of ``--steps`` steps);
 * ``host``: the time until ``step()`` returns, without waiting for the device (on a GPU,
   a host-bound step has ``host`` close to ``wall``);
-* ``aten``: aten calls per step (each a kernel launch or more on a GPU).
+* ``aten``: aten calls of one step, the fourth (each a kernel launch or more on a GPU;
+  for ``factor_every=10`` a step without statistics).
 
 Then ``torch.profiler`` tables of KFAC's steps (sorted by device time where there is a
 device, and by host (CPU) time; ``--out``: written to ``profile.txt``). On a CPU at a small width
@@ -48,6 +50,10 @@ def optimizers() -> Dict[str, Callable[[nn.Module], torch.optim.Optimizer]]:
         "SGD": lambda m: torch.optim.SGD(m.parameters(), lr=0.03, momentum=0.9),
         "KFAC": lambda m: curvature.KFAC(m),
         "KFAC, refresh every step": lambda m: curvature.KFAC(m, inverse_every=1),
+        # the statistics every 10th step (training.py's hand-tuned ResNet row's frequencies)
+        "KFAC, factor_every=10": lambda m: curvature.KFAC(
+            m, factor_every=10, inverse_every=100, kfac_approx="reduce"
+        ),
     }
 
 

@@ -26,14 +26,14 @@ run stopped early keeps what it measured):
 * ``bound``: per workload and optimizer, a lower bound of the step, each term timed alone
   on the same device: the AdamW step, plus the statistics GEMMs (``A = a^T a`` and ``G =
   g^T g`` for every Kronecker block, ``[R, D]`` operands with ``R`` rows: samples times
-  positions), plus the preconditioning GEMMs (2 per block for KFAC, 4 for EKFAC), plus
-  the decompositions over 10 (Cholesky inverse for KFAC, the basis update of
-  ``curvature.blocks.power`` for EKFAC, ``eigh`` for its ``eigenbasis_update="eigh"``
-  row), plus for
-  mc the extra backward (forward+backward minus forward of the plain model), plus for
-  EKFAC the eigenbasis statistics (2 rotations and the squares GEMM) and for DiagonalNG
-  the squares GEMM. Layers over ``max_factor_size`` keep only their full side. Layers
-  without a Kronecker rule (embeddings, norms) add nothing: the bound stays a bound.
+  positions), plus the preconditioning GEMMs (2 per block for KFAC, 4 for EKFAC), plus the
+  decompositions over 10 (Cholesky inverse for KFAC, the basis update of
+  ``curvature.blocks.power`` for EKFAC, ``eigh`` by the library's solver route for its
+  ``eigenbasis_update="eigh"`` row), plus for mc the extra backward (forward+backward
+  minus forward of the plain model), plus for EKFAC the eigenbasis statistics (2 rotations
+  and the squares GEMM) and for DiagonalNG the squares GEMM. Layers over
+  ``max_factor_size`` keep only their full side. Layers without a Kronecker rule
+  (embeddings, norms) add nothing: the bound stays a bound.
 * ``functions``: ``curvature.kfac`` (empirical, mc-1), ``ekfac`` (mc-1),
   ``diag_ggn`` (type-2 and empirical) and per-sample gradient norms, against ASDL
   (Kronecker factors, diagonal empirical Fisher), curvlinops (``KFACLinearOperator``) and
@@ -537,8 +537,17 @@ class GemmClock:
         )
 
     def eigh(self, n: int) -> float:
+        """The library's route: float32 sizes in ``curvature.linalg.FLOAT64_EIGH_SIZES``
+        solved in float64 on ``PAD_EIGH_DEVICES`` (cuSOLVER's Jacobi solver otherwise)."""
         if n == 0:
             return 0.0
+        low, high = curvature.linalg.FLOAT64_EIGH_SIZES or (1, 0)
+        if torch.device(self.device).type in curvature.linalg.PAD_EIGH_DEVICES and low <= n <= high:
+            return self._time(
+                ("eigh64", n),
+                lambda: self._spd(n),
+                lambda s: [t.float() for t in torch.linalg.eigh(s.double())],
+            )
         return self._time(("eigh", n), lambda: self._spd(n), torch.linalg.eigh)
 
     def power_step(self, n: int) -> float:

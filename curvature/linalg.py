@@ -76,7 +76,8 @@ def eighs(mats: Sequence[Tensor], names: Sequence[str], also=(), canonical=()) -
     counts = [null_count(first[i][2][0].to(first[i][1])).reshape(-1) for i in nulls]
     read = host_values(inputs + results + counts + list(also))
     n_in, n_res = len(inputs), len(inputs) + len(results)
-    ok_in, flags, null_of = read[:n_in], read[n_in:n_res], dict(zip(nulls, read[n_res:]))
+    ok_in, flags = read[:n_in], read[n_in:n_res]  # (counts as ints: `also` may hold floats)
+    null_of = {i: [int(c) for c in v] for i, v in zip(nulls, read[n_res:])}
     extra = read[n_res + len(counts) :]
     for i, name in enumerate(names):
         if not ok_in[i]:
@@ -287,7 +288,7 @@ def _first_eigh(
 def _eigh_retries(S: Tensor, dtype: torch.dtype, name: str) -> Any:
     """The retries after a failed first attempt: float64, then with a jitter (or the error)."""
     last: Exception = RuntimeError("the first attempt failed")
-    for jitter in (0.0, 1e-10):
+    for jitter in (0.0, 1e-10)[S.dtype == torch.float64 :]:  # (a float64 first: jitter)
         A = S.to(torch.float64)
         if jitter:
             scale = A.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(1.0)
@@ -555,8 +556,9 @@ def orthonormal_basis(M: Tensor, overwrite: bool = False) -> Tensor:
     QR and Q in ``M``'s memory (float32/64, ``k <= P``; its values are lost).
     """
     dtype = M.dtype if M.dtype in (torch.float32, torch.float64) else torch.float32
-    if M.requires_grad:  # (geqrf has no derivative)
-        return torch.linalg.qr(M.to(dtype), mode="reduced").Q.to(M.dtype)
+    if M.requires_grad:  # (geqrf has no derivative; the same signs)
+        Q, R = torch.linalg.qr(M.to(dtype), mode="reduced")
+        return torch.where((R.diagonal(dim1=-2, dim2=-1) < 0)[..., None, :], -Q, Q).to(M.dtype)
     inplace = overwrite and M.dtype == dtype and M.shape[-1] <= M.shape[-2]
     tau = M.new_empty((*M.shape[:-2], M.shape[-1])) if inplace else None
     QR, tau = torch.geqrf(M, out=(M, tau)) if inplace else torch.geqrf(M.to(dtype))
@@ -580,17 +582,15 @@ def eigh_unchecked(M: Tensor) -> Tuple[Tensor, Tensor]:
 def eighs_unchecked(mats: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:
     """:func:`eigh_unchecked` of several matrices, without a host read: grouped as in
     :func:`eighs` (one synchronization per batched call on a GPU). A group whose call does
-    not converge is decomposed one by one (float64 where that fails too).
-
-    Returns:
-        Per matrix ``(evals >= 0, evecs)`` in its dtype (at least float32).
-
+    not converge is decomposed one by one (then as :func:`eigh` retries, or its error).
+    Per matrix ``(evals >= 0, evecs)`` in its dtype (at least float32).
     """
     out: List[Any] = [None] * len(mats)
     for key, idx in _groups(mats).items():
         for i, (S, dtype, res) in _first_eighs([mats[i] for i in idx], idx, key).items():
-            if res is None:  # no convergence (rare for a PSD factor): once more in float64
-                res = torch.linalg.eigh(S.double())
+            res = res if res is not None else _eigh_retries(S, dtype, "factor")  # (rare)
+            if isinstance(res, Exception):
+                raise res
             out[i] = (res[0].clamp_min(0).to(dtype), res[1].to(dtype))
     return out
 

@@ -203,3 +203,25 @@ def test_an_overwritten_qr_gives_the_same_basis_in_the_inputs_memory():
     assert torch.equal(got, ref) and got.data_ptr() == work.data_ptr()
     wide = torch.randn(4, 9)  # k > P: no room in M for Q, a new tensor as without
     assert torch.equal(orthonormal_basis(wide.clone(), overwrite=True), orthonormal_basis(wide))
+
+
+def test_a_basis_of_a_tensor_that_requires_grad_has_the_same_signs():
+    """``orthonormal_basis`` of a tensor that requires grad (``torch.linalg.qr``, which has a
+    derivative) makes ``R``'s diagonal non-negative too: the same basis as without grad."""
+    from curvature.linalg import orthonormal_basis
+
+    M = torch.randn(7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with_grad = orthonormal_basis(M.clone().requires_grad_())
+    torch.testing.assert_close(with_grad.detach(), orthonormal_basis(M), rtol=0, atol=1e-12)
+    with_grad.sum().backward()  # differentiable
+
+
+def test_float_values_read_with_the_null_counts_keep_them_integers():
+    """``eighs(..., also=[a float tensor], canonical=[True])``: the host read promotes every
+    value to floats; the null counts are used as integers all the same."""
+    A = rank_deficient()
+    (evals, evecs), extra = eighs(
+        [A], ["a"], also=[torch.tensor(1.5, dtype=torch.float64)], canonical=[True]
+    )
+    assert extra == 1.5
+    torch.testing.assert_close(evecs @ torch.diag_embed(evals) @ evecs.T, A, atol=1e-10, rtol=0)

@@ -257,6 +257,34 @@ def test_float32_calls_in_cusolvers_jacobi_range_are_solved_in_float64(monkeypat
     torch.testing.assert_close(Q, P, rtol=0, atol=1e-3)
 
 
+def test_a_failed_float64_first_attempt_retries_with_jitter_not_the_same_call(monkeypatch):
+    """A float32 factor solved in float64 (``FLOAT64_EIGH_SIZES``) whose first attempt
+    fails is retried with a jitter at once: not the same float64 call again (``eighs`` and
+    ``eighs_unchecked``)."""
+    import curvature.linalg as linalg
+
+    monkeypatch.setattr(linalg, "PAD_EIGH_DEVICES", ("cpu",))
+    monkeypatch.setattr(linalg, "FLOAT64_EIGH_SIZES", (8, 16))
+    M = _psd(D=12).float()
+    for decompose in (lambda: eighs([M], ["m"])[0], lambda: linalg.eighs_unchecked([M])[0]):
+        seen = []
+        inner = torch.linalg.eigh
+
+        def failing_once(S, seen=seen, inner=inner):
+            seen.append(S.clone())
+            if len(seen) == 1:
+                raise RuntimeError("no convergence")
+            return inner(S)
+
+        monkeypatch.setattr(torch.linalg, "eigh", failing_once)
+        evals, evecs = decompose()
+        monkeypatch.setattr(torch.linalg, "eigh", inner)
+        assert len(seen) == 2 and all(S.dtype == torch.float64 for S in seen)
+        assert not torch.equal(seen[0], seen[1])  # the jitter
+        assert evals.dtype == evecs.dtype == torch.float32
+        torch.testing.assert_close(evecs @ torch.diag_embed(evals) @ evecs.mT, M, atol=1e-4, rtol=0)
+
+
 def test_a_non_finite_matrix_in_a_padded_call_fails_alone(monkeypatch):
     """A matrix with NaN or inf entries joins the padded call (its entries zeroed for the
     decomposition) and gets its error; the others of the call are decomposed as alone."""

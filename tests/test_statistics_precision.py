@@ -150,3 +150,24 @@ def test_on_cuda_a_bf16_statistic_is_not_rounded_after_its_product():
     exact = rounded_gram(a, torch.bfloat16)
     err = ((got.double() - exact).abs().max() / exact.abs().max()).item()
     assert got.dtype == torch.float32 and err < 1e-5, err
+
+
+def test_the_fallback_survives_an_older_torch_and_a_tuple_of_devices(monkeypatch):
+    """A torch whose ``torch.mm`` takes no ``out_dtype`` (a TypeError), with the devices
+    given as a tuple: the rounded product, and the device left out from then on."""
+    import curvature.layers.precision as precision
+
+    inner = torch.mm
+
+    def old_mm(a, b, **kw):
+        if kw:
+            raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
+        return inner(a, b)
+
+    a = torch.randn(50, 7, generator=torch.Generator().manual_seed(1))
+    with statistics_precision(torch.bfloat16):
+        expected = gram(a)
+        monkeypatch.setattr(precision, "WIDE_OUTPUT_DEVICES", ("cpu", "cuda"))
+        monkeypatch.setattr(torch, "mm", old_mm)
+        got = gram(a)
+    assert torch.equal(got, expected) and list(precision.WIDE_OUTPUT_DEVICES) == ["cuda"]

@@ -59,19 +59,22 @@ def _narrower(x: Tensor, dtype: Optional[torch.dtype]) -> bool:
 #: operands are), and no widening copy follows. Where the call fails (an older torch),
 #: the device falls back to the rounded product for the rest of the process.
 WIDE_OUTPUT_DEVICES = ["cuda"]
+#: (``torch.OutOfMemoryError`` from torch 2.5 on; ``torch.cuda``'s before)
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 def _wide_gram(y: Tensor) -> Optional[Tensor]:
     """``y^T y`` of half-precision ``y`` (2-d or 3-d) as float32, or ``None``."""
+    global WIDE_OUTPUT_DEVICES
     if y.device.type not in WIDE_OUTPUT_DEVICES or y.dim() not in (2, 3):
         return None
     try:
         mm = torch.bmm if y.dim() == 3 else torch.mm
         return mm(y.mT, y, out_dtype=torch.float32)
-    except torch.OutOfMemoryError:
+    except _OUT_OF_MEMORY:
         raise
-    except (RuntimeError, TypeError, NotImplementedError):
-        WIDE_OUTPUT_DEVICES.remove(y.device.type)
+    except (RuntimeError, TypeError, NotImplementedError):  # (a new list: threads, tuples)
+        WIDE_OUTPUT_DEVICES = [d for d in WIDE_OUTPUT_DEVICES if d != y.device.type]
         return None
 
 

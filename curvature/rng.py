@@ -96,7 +96,8 @@ def probe_matrix(
     x = x.view(stop - start, k)
     for shift in (13, 7, 17):
         x = torch.bitwise_xor(x, x >> shift).mul_(48271).remainder_(m)
-    return (x.to(torch.float64) * (2.0 / m) - 1.0).to(dtype)
+    calc = dtype if dtype in (torch.float32, torch.float64) else torch.float32  # (MPS: no f64)
+    return (x.to(calc) * (2.0 / m) - 1.0).to(dtype)
 
 
 def probe_product(Q: Tensor) -> Tensor:

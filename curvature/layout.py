@@ -413,10 +413,9 @@ class ParamSharing:
             canonical.setdefault(id(p), n)
         self.names: Dict[str, Dict[str, str]] = {}
         users: Dict[str, List[str]] = {}
-        for name, module, local_names in layers:
-            params = dict(module.named_parameters())
+        for name, module, local_names in layers:  # (a lookup each, not a walk per layer)
             prefix = f"{name}." if name else ""
-            local = {n: canonical.get(id(params[n]), prefix + n) for n in local_names}
+            local = {n: canonical.get(id(module.get_parameter(n)), prefix + n) for n in local_names}
             self.names[name] = local
             for c in local.values():
                 users.setdefault(c, []).append(name)

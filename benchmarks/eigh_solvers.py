@@ -29,7 +29,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import warnings
 from typing import Callable, List
 
@@ -37,26 +36,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu import timed as gpu_timed  # noqa: E402
+
 import curvature  # noqa: E402
 import curvature.linalg as linalg  # noqa: E402
 
 
 def timed(fn: Callable[[], object], device: str, reps: int) -> float:
-    """Median ms per call of ``fn`` after one warm-up call."""
-
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
+    """Median ms per call of ``fn`` over ``reps`` calls after one warm-up call."""
     fn()
-    sync()
-    times: List[float] = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return gpu_timed(fn, torch.device(device), reps) * 1e3
 
 
 def factors(n: int, batch: int, device: str) -> List[torch.Tensor]:

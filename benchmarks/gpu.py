@@ -537,12 +537,13 @@ class GemmClock:
         )
 
     def eigh(self, n: int) -> float:
-        """The library's route: float32 sizes in ``curvature.linalg.FLOAT64_EIGH_SIZES``
-        solved in float64 on ``PAD_EIGH_DEVICES`` (cuSOLVER's Jacobi solver otherwise)."""
+        """By the library's route (``curvature.linalg.solve_dtype``: float64 for float32
+        sizes in ``FLOAT64_EIGH_SIZES`` on ``PAD_EIGH_DEVICES``, cuSOLVER's Jacobi there
+        otherwise)."""
         if n == 0:
             return 0.0
-        low, high = curvature.linalg.FLOAT64_EIGH_SIZES or (1, 0)
-        if torch.device(self.device).type in curvature.linalg.PAD_EIGH_DEVICES and low <= n <= high:
+        solve = curvature.linalg.solve_dtype(torch.float32, n, torch.device(self.device))
+        if solve == torch.float64:
             return self._time(
                 ("eigh64", n),
                 lambda: self._spd(n),

@@ -120,8 +120,8 @@ def canonical_null_basis(evecs: Tensor, ks: Sequence[int]) -> Tensor:
     for Q, k in zip(evecs.view(-1, n, n), ks):
         if k > 1:  # (Q_k U a slice of rows at a time)
             U = orthonormal_basis(rng.probe_product(Q[:, :k]), overwrite=True)
-            for a in range(0, n, rng.PROBE_SLICE // k + 1):
-                Q[a : a + rng.PROBE_SLICE // k + 1, :k] @= U
+            for rows in rng.row_slices(n, k):
+                Q[rows, :k] @= U
     return evecs
 
 
@@ -158,28 +158,28 @@ FLOAT64_EIGH_SIZES: Optional[Tuple[int, int]] = (64, 512)
 
 
 def _groups(mats: Sequence[Tensor]) -> Dict[Tuple[Any, ...], List[int]]:
-    """The batched calls (key: the decomposition size first) and their matrices: equal
-    shapes together (every device), and on :data:`PAD_EIGH_DEVICES` sizes of one dtype
-    joined within :data:`PAD_EIGH_COST`; then the dtype it is solved in (at least float32,
-    float64 in :data:`FLOAT64_EIGH_SIZES` there).
+    """The batched calls (key: size, :func:`solve_dtype`, ...) and their matrices: equal
+    shapes together, on :data:`PAD_EIGH_DEVICES` sizes joined within :data:`PAD_EIGH_COST`.
     """
     counts: Dict[Tuple[Any, ...], Dict[int, int]] = {}
     for M in (M for M in mats if M.device.type in PAD_EIGH_DEVICES):
         sizes, n = counts.setdefault((M.dtype, M.device), {}), M.shape[-1]
         sizes[n] = sizes.get(n, 0) + math.prod(M.shape[:-2])
-    into: Dict[Tuple[Any, ...], int] = {}  # (dtype, device, n) -> the size it joins
-    for (dtype, device), sizes in counts.items():
-        for n, m in padded_sizes(sizes).items():
-            into[(dtype, device, n)] = m
-    low, high = FLOAT64_EIGH_SIZES or (1, 0)
+    into = {(*k, n): m for k, sizes in counts.items() for n, m in padded_sizes(sizes).items()}
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     for i, M in enumerate(mats):
-        n, padded, solve = M.shape[-1], M.device.type in PAD_EIGH_DEVICES, _eigh_dtype(M.dtype)
+        n, padded = M.shape[-1], M.device.type in PAD_EIGH_DEVICES
         key = (into[(M.dtype, M.device, n)], "sizes") if padded else (n, M.shape)
-        if padded and solve == torch.float32 and low <= key[0] <= high:
-            solve = torch.float64
+        solve = solve_dtype(M.dtype, key[0], M.device)
         groups.setdefault((key[0], solve, key[1], M.dtype, M.device), []).append(i)
     return groups
+
+
+def solve_dtype(dtype: torch.dtype, n: int, device: torch.device) -> torch.dtype:
+    """The dtype :func:`eighs` solves an ``n x n`` call of ``dtype`` in on ``device``."""
+    low, high = FLOAT64_EIGH_SIZES or (1, 0)  # (float32 in the range on PAD_EIGH_DEVICES)
+    jacobi = _eigh_dtype(dtype) == torch.float32 and low <= n <= high
+    return torch.float64 if jacobi and device.type in PAD_EIGH_DEVICES else _eigh_dtype(dtype)
 
 
 def padded_sizes(

@@ -11,7 +11,7 @@ on any device without a generator.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -107,11 +107,15 @@ def probe_product(Q: Tensor) -> Tensor:
     nearly all of it: ``2049 x 1984`` int64 entries are 32 MB, a few copies of them).
     """
     n, k = Q.shape
-    step = max(1, PROBE_SLICE // k)
     out: Optional[Tensor] = None
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        P = probe_matrix(n, k, Q.device, Q.dtype, rows=(a, b))
-        out = Q[a:b].mT @ P if out is None else out.addmm_(Q[a:b].mT, P)
+    for rows in row_slices(n, k):
+        P = probe_matrix(n, k, Q.device, Q.dtype, rows=(rows.start, rows.stop))
+        out = Q[rows].mT @ P if out is None else out.addmm_(Q[rows].mT, P)
     assert out is not None
     return out
+
+
+def row_slices(n: int, k: int) -> List[slice]:
+    """Slices of ``n`` rows of ``k`` entries: :data:`PROBE_SLICE` entries each (>= 1 row)."""
+    step = max(1, PROBE_SLICE // k)
+    return [slice(a, min(n, a + step)) for a in range(0, n, step)]

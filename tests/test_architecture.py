@@ -49,6 +49,10 @@ TORCH_PRIVATE = frozenset(
         "_current_graph_task_id",  # torch._C._current_graph_task_id()
         # GradScaler's scale tensor (get_scale() reads it on the host: a synchronization)
         "_get_scale_async",  # torch.amp.GradScaler._get_scale_async()
+        # a module's own parameter and child dicts, compared by identity at every step
+        # (curvature.optim.watch; named_parameters() walks the tree with generators, 5x
+        # the time, and has no "unchanged since" test)
+        "_parameters",  # nn.Module._parameters (its "_modules" is listed below)
         # module hook dictionaries (registered hooks have no public listing)
         "_forward_hooks",  # nn.Module._forward_hooks
         "_forward_pre_hooks",  # nn.Module._forward_pre_hooks

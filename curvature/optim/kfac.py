@@ -454,8 +454,8 @@ class KFAC(KroneckerState, CurvatureOptimizer):
     def _needs_refresh(self) -> bool:
         return any(k not in self._decomposed for k in self._blocks)
 
-    def _block_damping(self, key: Key) -> float:
-        return self._group_damping(self._block_param[key])
+    def _block_damping(self, key: Key, index=None) -> float:
+        return self._group_damping(self._block_param[key], index)
 
     # -- refresh -------------------------------------------------------------------------------
     def _by_cholesky(self, block) -> bool:
@@ -542,16 +542,17 @@ class KFAC(KroneckerState, CurvatureOptimizer):
     def _precondition(self, grads: Tensor, out: Optional[Tensor] = None) -> Tensor:
         self._warn_missing([k for k in self._index if self._record(k) is None and self._uses(k)])
         mode = self.config.damping_mode.value
+        groups = self._groups.of(self.layout, self.param_groups)  # (once per step)
         indices, jobs = [], []  # every block's entries gathered and scattered at once
         for key, index in self._index.items():
             if self._record(key) is None or not self._uses(key):
                 continue
             indices.append(self._ix(index, grads.device))
-            damping = self._block_damping(key)
+            damping = self._block_damping(key, groups)
             jobs.append(partial(inverse_into, self._blocks[key], damping=damping, mode=mode))
         for key, block in self._diag.items():  # blocks on the diagonal fallback
             indices.append(self._ix(block.index, grads.device))
-            damping = self._group_damping(self._layer_param(key[0]))
+            damping = self._group_damping(self._layer_param(key[0]), groups)
             jobs.append(partial(inverse_into, block, damping=damping, mode=mode))
         out = self._gather.apply(grads, indices, jobs, out=out)
         if self.precondition == "owner" and self._comm is not None:

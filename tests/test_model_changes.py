@@ -43,24 +43,23 @@ def test_a_nested_submodule_replaced_mid_run_is_refused(cls):
         step(opt, model, X, y)
 
 
-def test_a_parameter_registered_mid_run_rebuilds_the_optimizer():
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m[1].register_parameter("extra", nn.Parameter(torch.zeros(3))),
+        lambda m: m[0].add_module("late", nn.Linear(5, 5)),
+    ],
+    ids=["parameter-registered", "module-added"],
+)
+def test_a_parameter_or_module_added_mid_run_rebuilds_the_optimizer(change):
     model, X, y = model_and_batch()
     opt = curvature.KFAC(model, lr=0.1, damping=1e-2)
     step(opt, model, X, y)
-    model[1].register_parameter("extra", nn.Parameter(torch.zeros(3)))
+    change(model)
     with pytest.warns(UserWarning, match="trainable parameters changed"):
         step(opt, model, X, y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # seen once: no rebuild at every step after it
-        step(opt, model, X, y)
-
-
-def test_a_module_added_mid_run_rebuilds_the_optimizer():
-    model, X, y = model_and_batch()
-    opt = curvature.KFAC(model, lr=0.1, damping=1e-2)
-    step(opt, model, X, y)
-    model[0].add_module("late", nn.Linear(5, 5))
-    with pytest.warns(UserWarning, match="trainable parameters changed"):
         step(opt, model, X, y)
 
 

@@ -78,11 +78,59 @@ def _wide_gram(y: Tensor) -> Optional[Tensor]:
         return None
 
 
+#: Devices whose large Gram matrices are taken a block row at a time, the lower block
+#: triangle only (:func:`triangle_gram`): a CPU's GEMM does not know that ``x^T x`` is
+#: symmetric. One thread / two threads, ms (``python benchmarks/gram_blocks.py``):
+#: ``[256, 785]`` 2.04 -> 1.71 / 1.55 -> 1.42, ``[2048, 288]`` 2.26 -> 1.50 / 1.59 ->
+#: 1.25, ``[1024, 2049]`` 66.2 -> 41.5 / 30.0 -> 21.6; below about
+#: :data:`TRIANGLE_GRAM_WORK` multiply-adds it loses on two threads (``[128, 785]`` 0.77
+#: -> 0.86).
+TRIANGLE_GRAM_DEVICES = ("cpu",)
+#: The least ``M D^2`` (and ``D >= 128``) of a Gram matrix taken by :func:`triangle_gram`.
+TRIANGLE_GRAM_WORK = 10**8
+#: Block rows of :func:`triangle_gram` (3: 2/3 of the full product's multiply-adds).
+TRIANGLE_GRAM_BLOCKS = 3
+
+
+def triangle_gram(x: Tensor, blocks: int = TRIANGLE_GRAM_BLOCKS) -> Tensor:
+    """``x^T x`` of a 2-d ``x [M, D]`` from its lower block triangle, mirrored.
+
+    The columns split into ``blocks`` ranges ``b_0 < ... < b_k``; block row ``i`` is one
+    GEMM, ``x[:, b_i:b_{i+1}]^T x[:, :b_{i+1}]``, written in place into the result (a
+    strided view, read by the BLAS with its leading dimension), and each block above the
+    diagonal is the transpose of its mirror: ``(k + 1) / (2 k)`` of the multiply-adds,
+    and a result that is exactly symmetric.
+    """
+    D = x.shape[1]
+    out = x.new_empty(D, D)
+    b = [(i * D) // blocks for i in range(blocks + 1)]
+    for i in range(blocks):
+        torch.mm(x[:, b[i] : b[i + 1]].T, x[:, : b[i + 1]], out=out[b[i] : b[i + 1], : b[i + 1]])
+    for i in range(blocks):
+        for j in range(i + 1, blocks):
+            out[b[i] : b[i + 1], b[j] : b[j + 1]].copy_(out[b[j] : b[j + 1], b[i] : b[i + 1]].T)
+    return out
+
+
+def _by_triangle(y: Tensor) -> bool:
+    """Whether :func:`gram` takes ``y``'s Gram matrix by :func:`triangle_gram`."""
+    M, D = y.shape[-2:]
+    return (
+        y.device.type in TRIANGLE_GRAM_DEVICES
+        and (y.dim() == 2 or (y.dim() == 3 and y.shape[0] == 1))
+        and y.dtype in (torch.float32, torch.float64)
+        and D >= 128
+        and M * D * D >= TRIANGLE_GRAM_WORK
+        and not (y.requires_grad and torch.is_grad_enabled())  # (out= takes no graph)
+    )
+
+
 def gram(x: Tensor, spec: Optional[str] = None) -> Tensor:
-    """``x^T x``: ``[..., M, D] -> [..., D, D]`` (``torch.bmm`` for 3-d, a GEMM for 2-d),
-    or ``torch.einsum(spec, x, x)``; in the dtype of :func:`statistics_precision` when it
-    is narrower than ``x``'s (the result widened back to ``x.dtype``; a float32 result
-    straight from half-precision operands on :data:`WIDE_OUTPUT_DEVICES`).
+    """``x^T x``: ``[..., M, D] -> [..., D, D]`` (``torch.bmm`` for 3-d, a GEMM for 2-d;
+    large ones on a CPU by :func:`triangle_gram`), or ``torch.einsum(spec, x, x)``; in the
+    dtype of :func:`statistics_precision` when it is narrower than ``x``'s (the result
+    widened back to ``x.dtype``; a float32 result straight from half-precision operands
+    on :data:`WIDE_OUTPUT_DEVICES`).
     """
     dtype = _DTYPE.get()
     low = _narrower(x, dtype)
@@ -93,6 +141,9 @@ def gram(x: Tensor, spec: Optional[str] = None) -> Tensor:
             return out
     if spec is not None:
         out = torch.einsum(spec, y, y)
+    elif _by_triangle(y):
+        out = triangle_gram(y[0] if y.dim() == 3 else y)
+        out = out.unsqueeze(0) if y.dim() == 3 else out
     elif y.dim() == 3:
         out = torch.bmm(y.mT, y)
     else:
@@ -100,4 +151,4 @@ def gram(x: Tensor, spec: Optional[str] = None) -> Tensor:
     return out.to(x.dtype) if low else out
 
 
-__all__ = ["STATISTICS_DTYPES", "gram", "statistics_precision"]
+__all__ = ["STATISTICS_DTYPES", "gram", "statistics_precision", "triangle_gram"]

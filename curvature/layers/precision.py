@@ -1,4 +1,5 @@
-"""Lower-precision Kronecker statistics (opt-in): the GEMMs ``sum a a^T`` and ``sum g g^T``.
+"""The Kronecker statistics' GEMMs ``sum a a^T`` and ``sum g g^T`` (:func:`gram`): large ones
+on a CPU from their lower block triangle (:func:`triangle_gram`); lower precision (opt-in).
 
 The layer rules' Kronecker factors are Gram matrices of their inputs and output
 gradients (:func:`gram`). Inside :func:`statistics_precision` (``KFAC(...,
@@ -80,11 +81,11 @@ def _wide_gram(y: Tensor) -> Optional[Tensor]:
 
 #: Devices whose large Gram matrices are taken a block row at a time, the lower block
 #: triangle only (:func:`triangle_gram`): a CPU's GEMM does not know that ``x^T x`` is
-#: symmetric. One thread / two threads, ms (``python benchmarks/gram_blocks.py``):
-#: ``[256, 785]`` 2.04 -> 1.71 / 1.55 -> 1.42, ``[2048, 288]`` 2.26 -> 1.50 / 1.59 ->
-#: 1.25, ``[1024, 2049]`` 66.2 -> 41.5 / 30.0 -> 21.6; below about
-#: :data:`TRIANGLE_GRAM_WORK` multiply-adds it loses on two threads (``[128, 785]`` 0.77
-#: -> 0.86).
+#: symmetric. One thread / two threads, one GEMM -> ``gram()``, ms (``python
+#: benchmarks/gram_blocks.py``, 2026-11-27): ``[256, 785]`` 1.98 -> 1.69 / 1.09 -> 1.01,
+#: ``[2048, 288]`` 2.23 -> 1.50 / 1.14 -> 0.93, ``[1024, 2049]`` 55.3 -> 40.7 / 26.0 ->
+#: 22.4; below about :data:`TRIANGLE_GRAM_WORK` multiply-adds three blocks lose on two
+#: threads (``[128, 785]`` 0.55 -> 0.60).
 TRIANGLE_GRAM_DEVICES = ("cpu",)
 #: The least ``M D^2`` (and ``D >= 128``) of a Gram matrix taken by :func:`triangle_gram`.
 TRIANGLE_GRAM_WORK = 10**8

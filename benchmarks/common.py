@@ -181,6 +181,21 @@ _NO_GATE: Callable[[], None] = lambda: None  # noqa: E731
 
 
 # -- timing --------------------------------------------------------------------------------
+def quantile_ms(fn: Callable[[], Any], repeats: int = 5, q: float = 0.5, warmup: int = 1) -> float:
+    """The ``q``-quantile (lower) of ``repeats`` timed calls of ``fn``, in ms, after
+    ``warmup`` untimed calls (a quick figure for one operation; :func:`compare` for ratios).
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[int(q * (repeats - 1))] * 1e3
+
+
 def _time(fn: Callable[[], Any], inner: int) -> float:
     """Seconds per call of ``inner`` back-to-back calls (results dropped at once).
 

@@ -10,30 +10,23 @@ inverse from it (what pi damping did before), and ``cholesky`` + ``cholesky_inve
 
 from __future__ import annotations
 
-import statistics
+import os
 import sys
-import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-def _median_ms(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+from common import quantile_ms  # noqa: E402
 
 
 def timings(A: torch.Tensor, damping: float = 1e-3) -> tuple:
     """``(eigh, inverse from eigh, Cholesky inverse)`` in milliseconds for one factor."""
     evals, evecs = torch.linalg.eigh(A)
     return (
-        _median_ms(lambda: torch.linalg.eigh(A)),
-        _median_ms(lambda: (evecs / (evals + damping)) @ evecs.T),
-        _median_ms(lambda: torch.cholesky_inverse(torch.linalg.cholesky(A))),
+        quantile_ms(lambda: torch.linalg.eigh(A)),
+        quantile_ms(lambda: (evecs / (evals + damping)) @ evecs.T),
+        quantile_ms(lambda: torch.cholesky_inverse(torch.linalg.cholesky(A))),
     )
 
 

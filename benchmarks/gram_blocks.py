@@ -16,11 +16,16 @@ choice (the triangle above ``TRIANGLE_GRAM_WORK``, the plain GEMM below).
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
 import torch
 
-from curvature.layers.precision import gram, triangle_gram
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import quantile_ms  # noqa: E402
+
+from curvature.layers.precision import gram, triangle_gram  # noqa: E402
 
 SHAPES = [
     (256, 785),
@@ -36,16 +41,8 @@ SHAPES = [
 ]
 
 
-def quartile_ms(fn, repeats: int = 25) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 4] * 1e3
+def quartile(fn) -> float:
+    return quantile_ms(fn, repeats=25, q=0.25, warmup=3)
 
 
 def main(argv=None) -> None:
@@ -64,9 +61,9 @@ def main(argv=None) -> None:
             for b in blocks:  # the same matrix up to rounding, exactly symmetric
                 tri = triangle_gram(x, b)
                 assert torch.allclose(tri, full, rtol=1e-4, atol=1e-3) and torch.equal(tri, tri.T)
-            row = [quartile_ms(lambda x=x: torch.bmm(x.T[None], x[None]))]
-            row += [quartile_ms(lambda x=x, b=b: triangle_gram(x, b)) for b in blocks]
-            row.append(quartile_ms(lambda x=x: gram(x[None])))
+            row = [quartile(lambda x=x: torch.bmm(x.T[None], x[None]))]
+            row += [quartile(lambda x=x, b=b: triangle_gram(x, b)) for b in blocks]
+            row.append(quartile(lambda x=x: gram(x[None])))
             print(f"  {M} {D} | " + " | ".join(f"{v:.3f}" for v in row))
 
 

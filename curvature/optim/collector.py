@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import Capture
+from ..cpu_heap import raise_mmap_threshold
 from ..early_fold import FoldPlan, early_pays
 from ..layers import ReplayRandomnessError
 from ..losses import (
@@ -121,6 +122,8 @@ class StatisticsCollector(EmpiricalSide, ScalerSide):
         self.losses, self.projections = [], None  # plain-loop quadratic rule (list: on)
         self.closed = False
         self.stats = StepStatistics()
+        if any(p.device.type == "cpu" for p in model.parameters()):
+            raise_mmap_threshold()  # the step's statistics on fresh pages: see cpu_heap
         self.registered = False
         self.term = 0
         self.pending: Optional[PendingReduction] = None

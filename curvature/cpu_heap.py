@@ -6,9 +6,10 @@ faults every page in again (about 0.25 us per 4 KiB page, plus zeroing by the ke
 The threshold starts at 128 KiB and rises to the size of an mmapped block when one is
 freed, but a request of the same size as the freed block is mmapped again. A KFAC step
 allocates its statistics anew every step (a 785 x 785 input factor's Gram matrix is 2.5
-MB): on the Fashion-MNIST MLP of ``benchmarks/training.py`` (one thread) 644 page faults
-per step against Adam's 13, and the step took 12.3-14.1 ms against 10.7-11.6 ms with the
-faults gone (untracked ``scratch`` timing, separate processes, 2026-11-27).
+MB): a KFAC step of a 784-256-10 MLP at batch 256 in a loop of its own (one thread)
+faulted 1,026-1,369 pages in per step against Adam's 13, and took 12.8-13.9 ms at the
+minimum against 10.8-11.7 ms with this module (separate processes, 2026-11-27;
+docs/stack.md, "On a CPU"; tests/test_cpu_heap.py counts the faults).
 
 :func:`raise_mmap_threshold` allocates and frees one block just below glibc's largest
 dynamic threshold (32 MiB on 64-bit), once per process, when a curvature optimizer is

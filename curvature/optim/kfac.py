@@ -68,6 +68,7 @@ from .large import (
     new_block,
 )
 from .statistics import stat_dtype
+from .watch import GroupIndex
 
 Key = Tuple[str, str]
 KINDS = ("A", "G", "g")  # statistics values of a block: A, G, EKFAC's corrections
@@ -454,7 +455,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
     def _needs_refresh(self) -> bool:
         return any(k not in self._decomposed for k in self._blocks)
 
-    def _block_damping(self, key: Key, index=None) -> float:
+    def _block_damping(self, key: Key, index: Optional[GroupIndex] = None) -> float:
         return self._group_damping(self._block_param[key], index)
 
     # -- refresh -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ The threshold starts at 128 KiB and rises to the size of an mmapped block when o
 freed, but a request of the same size as the freed block is mmapped again. A KFAC step
 allocates its statistics anew every step (a 785 x 785 input factor's Gram matrix is 2.5
 MB): a KFAC step of a 784-256-10 MLP at batch 256 in a loop of its own (one thread)
-faulted 1,026-1,369 pages in per step against Adam's 13, and took 12.8-13.9 ms at the
+faulted 440-1,369 pages in per step against Adam's 13, and took 12.8-13.9 ms at the
 minimum against 10.8-11.7 ms with this module (separate processes, 2026-11-27;
 docs/stack.md, "On a CPU"; tests/test_cpu_heap.py counts the faults).
 

@@ -67,3 +67,11 @@ def test_kfac_input_factor_of_a_large_layer_is_its_definition():
     torch.testing.assert_close(A.reshape(D + 1, D + 1), a.T @ a / N, rtol=1e-12, atol=1e-13)
     assert torch.equal(A, A.mT)
     opt.close()
+
+
+def test_under_vmap_gram_takes_one_gemm(monkeypatch):
+    """``out=`` does not take vmap'ed tensors: inside ``torch.func.vmap`` the plain product."""
+    monkeypatch.setattr(precision, "TRIANGLE_GRAM_WORK", 1)
+    x = torch.randn(3, 20, 130, dtype=torch.float64)
+    out = torch.func.vmap(gram)(x)
+    torch.testing.assert_close(out, x.mT @ x)

@@ -122,7 +122,10 @@ def _by_triangle(y: Tensor) -> bool:
         and y.dtype in (torch.float32, torch.float64)
         and D >= 128
         and M * D * D >= TRIANGLE_GRAM_WORK
-        and not (y.requires_grad and torch.is_grad_enabled())  # (out= takes no graph)
+        # out= takes no autograd graph, no vmap'ed and no traced tensors: one GEMM there
+        and not (y.requires_grad and torch.is_grad_enabled())
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.compiler.is_compiling()
     )
 
 

@@ -27,6 +27,14 @@ from torch import Tensor
 INF = float("inf")
 
 
+def in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` itself where its dtype is ``dtype``, else ``t.to(dtype)``: ``Tensor.to``
+    returns ``t`` then too, but through a dispatcher call (host time on every per-block
+    call of a step).
+    """
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def finite_norms(tensors: Sequence[Tensor]) -> Tensor:
     """``[n]`` the root sum of squares of each tensor (NaN or ``inf`` where one is not
     finite, or its sum of squares overflows: see the module docstring), on the device.

@@ -75,3 +75,10 @@ def test_under_vmap_gram_takes_one_gemm(monkeypatch):
     x = torch.randn(3, 20, 130, dtype=torch.float64)
     out = torch.func.vmap(gram)(x)
     torch.testing.assert_close(out, x.mT @ x)
+
+
+@pytest.mark.parametrize("bad", [{"blocks": 0}, {"blocks": 2.5}, {"x": torch.zeros(2, 3, 4)}])
+def test_bad_input_is_refused(bad):
+    args = {"x": torch.zeros(3, 4), "blocks": 2, **bad}
+    with pytest.raises(ValueError, match="triangle_gram"):
+        triangle_gram(args["x"], args["blocks"])

@@ -15,6 +15,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..foreach import in_dtype
+
 _PENDING = threading.local()  # the lerps deferred by ``batched_ema`` (per thread)
 
 
@@ -49,8 +51,7 @@ def ema(
     if weight is not None:  # (in the running value's dtype, as mul_/add_ would)
         lerps = getattr(_PENDING, "lerps", None)
         dtype = old.dtype  # (no `to` call where the dtype fits: a dispatch each, per block)
-        new = new if new.dtype == dtype else new.to(dtype)
-        weight = weight if weight.dtype == dtype else weight.to(dtype)
+        new, weight = in_dtype(new, dtype), in_dtype(weight, dtype)
         if lerps is None:
             return old.lerp_(new, weight)
         for pending, x in zip(lerps, (old, new, weight)):

@@ -102,6 +102,11 @@ def triangle_gram(x: Tensor, blocks: int = TRIANGLE_GRAM_BLOCKS) -> Tensor:
     diagonal is the transpose of its mirror: ``(k + 1) / (2 k)`` of the multiply-adds,
     and a result that is exactly symmetric.
     """
+    if x.dim() != 2 or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(
+            f"triangle_gram: expected a 2-d x and blocks >= 1, got x of shape "
+            f"{tuple(x.shape)} and blocks={blocks!r}."
+        )
     D = x.shape[1]
     out = x.new_empty(D, D)
     b = [(i * D) // blocks for i in range(blocks + 1)]

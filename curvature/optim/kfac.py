@@ -41,6 +41,7 @@ from ..blocks import (
     refresh_blocks,
     snapshots,
 )
+from ..foreach import in_dtype
 from ..layer_diagonal import chunked_corrections, chunked_kfac_factors
 from ..layer_stats import (
     MAX_EXACT_BLOCK,
@@ -409,7 +410,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         for suffix, (A_sum, G_sum, count) in res.items():
             dt = stat_dtype(A_sum)
             lam = lambdas.get(block_name(name, suffix))
-            values = [v if v is None or v.dtype == dt else v.to(dt) for v in (A_sum, G_sum, lam)]
+            values = [None if v is None else in_dtype(v, dt) for v in (A_sum, G_sum, lam)]
             emit((name, suffix), values, KINDS, count, owned)
 
     def _update_curvature(self, stats) -> None:

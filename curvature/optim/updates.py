@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..foreach import INF, FlatBuffer, finite_norms, scalar
+from ..foreach import INF, FlatBuffer, finite_norms, in_dtype, scalar
 from ..warn import warn
 from .stale_clip import StaleClip
 
@@ -181,9 +181,7 @@ def apply_update(
             decay = decay.unbind(0)
             torch._foreach_mul_(bufs, [decay[i] for i in idx])
             torch._foreach_add_(bufs, upd)
-            oks = [okf[i] for i in idx]
-            oks = [f if f.dtype == b.dtype else f.to(b.dtype) for f, b in zip(oks, bufs)]
-            upd = torch._foreach_mul(bufs, oks)
+            upd = torch._foreach_mul(bufs, [in_dtype(okf[i], b.dtype) for i, b in zip(idx, bufs)])
         torch._foreach_add_(params, upd, alpha=-g["lr"])
     return nu, ok
 
@@ -205,8 +203,7 @@ def skipped_message(who: str, names: Sequence[str], of: int, steps: int, last: i
 
 def _shaped(v: Tensor, p: Tensor) -> Tensor:
     """``v`` viewed as ``p`` (no call where the shape already fits), in ``p``'s dtype."""
-    v = v if v.shape == p.shape else v.view_as(p)
-    return v if v.dtype == p.dtype else v.to(p.dtype)
+    return in_dtype(v if v.shape == p.shape else v.view_as(p), p.dtype)
 
 
 def line_search(

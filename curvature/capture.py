@@ -138,7 +138,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         start: Optional[Callable[..., Any]] = None,
         end: Optional[Callable[..., Any]] = None,
     ) -> None:
-        """Call ``start(module, args)`` / ``end(module, args, output)`` around each forward.
+        """Call ``start(module, args, kwargs)`` / ``end(module, args, output)`` around each forward.
 
         Root-module hooks owned by this capture (removed by :meth:`remove_hooks`), held
         weakly: ``start`` and ``end`` are bound methods of an owner (an optimizer) that
@@ -151,7 +151,7 @@ class Capture(PerSampleQuantities, TracedCalls):
         }
         pre = WeakHook(self, "_root_start", self.model)
         post = WeakHook(self, "_root_end", self.model)
-        self._handles.append(self.model.register_forward_pre_hook(pre))
+        self._handles.append(self.model.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(post))
         self._hook_wrapper()
 
@@ -161,8 +161,8 @@ class Capture(PerSampleQuantities, TracedCalls):
         owner = _EXCLUSIVE.get()
         return owner is not None and owner != id(self)
 
-    def _root_start(self, module: nn.Module, args: Any, outside: bool = False) -> None:
-        self._root_call("start", outside, module, args)
+    def _root_start(self, module: nn.Module, args: Any, kwargs: Any, outside: bool = False) -> None:
+        self._root_call("start", outside, module, args, kwargs)
 
     def _root_end(self, module: nn.Module, args: Any, output: Any, outside: bool = False) -> None:
         self._root_call("end", outside, module, args, output)

@@ -58,13 +58,13 @@ class TracedCalls:
         pre = WeakHook(self, "_wrapper_start", wrapper)
         post = WeakHook(self, "_wrapper_end", wrapper)
         done = WeakHook(self, "_wrapper_done", wrapper)
-        self._handles.append(wrapper.register_forward_pre_hook(pre))
+        self._handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(wrapper.register_forward_hook(post))
         self._handles.append(wrapper.register_forward_hook(done, always_call=True))
 
-    def _wrapper_start(self, module: nn.Module, args: Any) -> None:
+    def _wrapper_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._in_wrapper = True
-        self._root_start(module, args, outside=True)
+        self._root_start(module, args, kwargs, outside=True)
 
     def _wrapper_end(self, module: nn.Module, args: Any, output: Any) -> None:
         self._root_end(module, args, output, outside=True)

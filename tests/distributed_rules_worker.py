@@ -74,6 +74,11 @@ RULES["kfac-quadratic-closure-noddp"] = (
     True,
     False,
 )
+# the ranks measure the plain loop's steps on the next batch (a same-batch replay would be
+# one more collective forward); the one-process reference does the same
+for _name, (_c, _kw, _closure, _ddp) in list(RULES.items()):
+    if "quadratic-plain" in _name:
+        RULES[_name] = (_c, {**_kw, "reduction_ratio": "next_batch"}, _closure, _ddp)
 # the quadratic rule (whose curvature and losses come from loss_func) in the other setups
 _QUADRATIC = [n for n in RULES if "quadratic" in n and "noddp" not in n]
 for _setup in ("unequal", "sum"):

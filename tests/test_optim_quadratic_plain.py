@@ -1,9 +1,10 @@
 """``update_rule="quadratic"`` in a plain training loop (no closure).
 
 The 2x2 quadratic model uses the Kronecker-factored curvature (the optimizer's own ``C``);
-the loss of the next forward measures each step (reduction ratio, rejection). Checked
-against brute force: a linear least-squares model, where the Kronecker factors are the
-exact Gauss-Newton matrix, and the 2x2 system solved by hand with the dense matrix.
+the loss of the step's own batch (replayed: test_optim_quadratic_replay.py) and of the
+next forward measure each step (reduction ratio, rejection). Checked against brute force:
+a linear least-squares model, where the Kronecker factors are the exact Gauss-Newton
+matrix, and the 2x2 system solved by hand with the dense matrix.
 """
 
 from __future__ import annotations
@@ -189,9 +190,10 @@ def test_a_layer_without_linear_structure_falls_back_to_the_kronecker_curvature(
     opt.close()
 
 
-def test_the_reduction_ratio_is_the_next_forwards_loss_change_over_the_model():
-    """Same batch every step: ``rho`` over an interval is the sum of the actual loss
-    changes (each from the next forward's loss) over the sum of the predicted ones."""
+def test_the_next_batch_reduction_ratio_is_the_next_forwards_loss_change_over_the_model():
+    """``reduction_ratio="next_batch"``, the same batch every step: ``rho`` over an
+    interval is the sum of the actual loss changes (each from the next forward's loss)
+    over the sum of the predicted ones (the same-batch default: test_optim_quadratic_replay.py)."""
     model, X, y = linear_problem()
     opt = curvature.KFAC(
         model,
@@ -200,6 +202,7 @@ def test_the_reduction_ratio_is_the_next_forwards_loss_change_over_the_model():
         loss_func=MSE,
         update_rule="quadratic",
         damping_adaptation_interval=3,
+        reduction_ratio="next_batch",
     )
     losses, models = [], []
     for _ in range(4):  # steps 0..3; step 3 adapts over the changes of steps 0, 1, 2
@@ -310,7 +313,7 @@ def test_a_plain_loop_needs_the_loss_of_its_forward():
     opt = curvature.KFAC(model, fisher="mc", loss_func=CE, update_rule="quadratic")
     opt.zero_grad()
     nn.functional.cross_entropy(model(X), y).backward()  # not the registered module
-    with pytest.raises(ValueError, match="loss of the next forward.*loss_func"):
+    with pytest.raises(ValueError, match="loss of its forward.*loss_func"):
         opt.step()
     opt.close()
 

@@ -52,6 +52,7 @@ from .distributed import (
 from .empirical import EmpiricalSide
 from .grad_resets import GradientResets
 from .pending import PendingPulls, PendingStatistics, absorb, count_loss
+from .replay import ForwardReplay
 from .statistics import BatchContext, StepStatistics, normalize, promote
 
 Accumulate = Callable[..., None]
@@ -120,6 +121,7 @@ class StatisticsCollector(EmpiricalSide, ScalerSide):
         self.evaluating = False
         self.sink: Optional[Dict[str, list]] = None  # outputs of an update-rule evaluation
         self.losses, self.projections = [], None  # plain-loop quadratic rule (list: on)
+        self.replay = ForwardReplay(who)  # its same-batch loss (recorded while it is on)
         self.closed = False
         self.stats = StepStatistics()
         if any(p.device.type == "cpu" for p in model.parameters()):
@@ -179,9 +181,10 @@ class StatisticsCollector(EmpiricalSide, ScalerSide):
     def resume_recording(self) -> None:
         """Record the next forward iff this step is due and the collector is open."""
         self.capture.recording = self.due and not self.closed
+        self.replay.clear()  # (called at the end of each step)
 
     # -- forward callbacks -------------------------------------------------------------
-    def _forward_start(self, module: nn.Module, args: Any) -> None:
+    def _forward_start(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         self.root_seen = True
         if self.closed:
             return
@@ -201,6 +204,8 @@ class StatisticsCollector(EmpiricalSide, ScalerSide):
         if self.fisher == FisherType.EMPIRICAL:
             self.consume_pushed()
         self.capture.recording = self.due and self.model.training
+        if self.projections is not None and self.model.training and torch.is_grad_enabled():
+            self.replay.started(module, args, kwargs, self.capture.wrapper is None)
 
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_transform():
@@ -208,6 +213,7 @@ class StatisticsCollector(EmpiricalSide, ScalerSide):
             return
         if self.closed or self.evaluating:
             return
+        self.replay.ended(module, output)
         if not (self.due and self.model.training and torch.is_grad_enabled()):
             return
         if self.fisher == FisherType.EMPIRICAL:  # its calls: their forward and N (the
@@ -261,7 +267,8 @@ class StatisticsCollector(EmpiricalSide, ScalerSide):
             self.sink["called"].append((values[0], module, values[1]))
         elif self.projections is not None and self.model.training and not self.evaluating:
             if isinstance(output, Tensor) and output.numel() == 1 and output.requires_grad:
-                count_loss(self, output, values[0], self.loss_scale)  # once a backward comes
+                record = count_loss(self, output, values[0], self.loss_scale)  # at backward
+                self.replay.loss_called(module, args, kwargs, record)
 
     def settle(self) -> None:
         """Finish the curvature backward of a forward whose ``loss_func`` call never came.

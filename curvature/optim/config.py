@@ -155,6 +155,7 @@ class CurvatureConfig:
     damping_adaptation_decay: float = 0.95
     line_search_grid: Optional[Tuple[float, ...]] = None
     update_rule: str = "fixed"
+    reduction_ratio: str = "same_batch"
     factor_damping: str = "tied"
     distributed: Optional[bool] = None
     process_group: Any = None
@@ -300,6 +301,14 @@ class CurvatureConfig:
                 f"{who}(update_rule='quadratic') needs loss_func=... (its Gauss-Newton matrix) "
                 "and no line_search_grid (both choose the step size)."
             )
+        check(
+            who,
+            "reduction_ratio",
+            self.reduction_ratio,
+            self.reduction_ratio in ("same_batch", "next_batch"),
+            "must be 'same_batch' (the plain loop's step measured on its own batch by one "
+            "more forward) or 'next_batch' (by the next forward's loss)",
+        )
         check(
             who,
             "factor_damping",

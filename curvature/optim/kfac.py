@@ -62,12 +62,7 @@ from .deferred import has_statistics, read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
 from .exact_layers import check_exact_layer_size, exact_layer_names
 from .kfac_state import KroneckerState
-from .large import (
-    accumulate_large,
-    check_mode,
-    large_message,
-    new_block,
-)
+from .large import accumulate_large, check_mode, large_message, new_block
 from .statistics import stat_dtype
 from .watch import GroupIndex
 
@@ -107,11 +102,9 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         inverse_every (int): Refresh the factor inverses (pi damping: Cholesky) or
             eigendecompositions (``"exact"``, EKFAC) every this many steps (default 10).
         inverse_warmup (int): The first this many steps refresh every step, whatever
-            ``inverse_every`` (default 0: off). While the running factors are young and
-            the parameters move fast, a preconditioner even one step old can blow the
-            step up: the small CNN of benchmarks/training.py diverges within 10 steps
-            with ``stale_clip=None``, and trains with ``inverse_warmup=10`` (or the
-            default ``stale_clip``; docs/optimizers.md, "Defaults and a safe start").
+            ``inverse_every`` (default 0: off): young factors and fast-moving parameters
+            can make even a one-step-old preconditioner blow the step up (the small CNN
+            of benchmarks/training.py with ``stale_clip=None``; docs/optimizers.md).
         kl_clip (float | None): KL clipping (Ba, Grosse & Martens, 2017): the update
             ``-lr d`` is scaled by ``nu = min(1, sqrt(kl_clip / sum_p lr_p^2 d_p^T g_p))``
             (default None: off; ``kl_clip=1e-3`` is a safe start, see docs/optimizers.md).
@@ -167,6 +160,10 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         update_rule (str): ``"fixed"`` (default: ``lr``, ``momentum``) or ``"quadratic"``
             (both from the local quadratic model, in a plain loop or with a closure:
             :mod:`curvature.optim.quadratic`).
+        reduction_ratio (str): How the plain loop's quadratic rule measures a step for
+            Levenberg-Marquardt: ``"same_batch"`` (default: the step's forward and loss
+            run once more, without gradients, at each adaptation; :mod:`.replay`) or
+            ``"next_batch"`` (the next forward's loss). With a closure: the closure.
         factor_damping (str): ``"tied"`` (default: ``damping`` damps the Kronecker factors
             and the quadratic model) or ``"greedy"`` (``update_rule="quadratic"`` with a
             closure: the factors' own damping, chosen by the quadratic model every few
@@ -237,6 +234,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         damping_adaptation_decay: float = 0.95,
         line_search_grid: Optional[Sequence[float]] = None,
         update_rule: str = "fixed",
+        reduction_ratio: str = "same_batch",
         factor_damping: str = "tied",
         distributed: Optional[bool] = None,
         process_group: Any = None,

@@ -82,12 +82,12 @@ class LossRecord:
 
 def count_loss(
     owner: Any, output: Tensor, into: Tensor, scale: Optional[Callable[[], Optional[Tensor]]] = None
-) -> None:
+) -> LossRecord:
     """Append a :class:`LossRecord` of the scalar loss ``output`` to ``owner.losses`` once
     a backward reaches it (the plain-loop quadratic rule's loss; not a validation loss
     with grad on), with the gradient that backward gives it (over ``scale()``, the AMP
     loss scale of that backward, a 0-d tensor or ``None``) as its weight; later
-    backwards through it add theirs.
+    backwards through it add theirs. Returns the record (not yet appended).
     """
     record = LossRecord(output.detach().reshape(()), into)
     ref = weakref.ref(owner)
@@ -105,6 +105,7 @@ def count_loss(
             target.losses.append(record)
 
     output.register_hook(hook)
+    return record
 
 
 def absorb(stats: StepStatistics, records: Optional[List[Any]], pending: PendingStatistics) -> None:

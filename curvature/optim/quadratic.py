@@ -40,10 +40,12 @@ each pulled layer's expanded inputs ``a [N, S, C, D]`` and source gradients
 ``g [L, N, S, C, D_out]`` until ``step()``, and ``(J v)^T s_l = sum g^T V a`` per sample and
 source gives ``v^T F w`` for the batch's Fisher / GGN ``F`` (``_batch_gram``); without
 them (``"empirical"``, a step off ``factor_every``, a layer without that structure) the
-Kronecker-factored curvature. The loss of the step is read from the next forward's
-``loss_func`` calls, the reduction ratio summed over the adaptation interval; a blow-up
-is rolled back at the next ``step()``. Everything stays on the device except one read per
-damping adaptation.
+Kronecker-factored curvature. The loss of the step's batch is read from its forward's
+``loss_func`` calls; at each adaptation the step is measured on that batch by one more
+forward without gradients (:mod:`.replay`, ``reduction_ratio="same_batch"``) and on the
+next batches by their forwards' losses, summed over the interval, and ``lambda`` moves
+only where both agree (:func:`checked_factor`); a blow-up is rolled back at the next
+``step()``. Everything stays on the device except one read per damping adaptation.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from ..options import FisherType
 from ..warn import warn
 from .batch_gram import DirectionBuffers, Projection, batch_gram, projection_of
 from .factor_damping import GreedyFactorDamping, lowest_model
+from .quadratic_solve import plain_dtype, solve_coefficients, solve_on_device
 from .updates import damping_factor
 
 Output = Tuple[Tensor, nn.Module, Optional[Tensor]]
@@ -104,30 +107,6 @@ def ggn_gram(outputs: Sequence[Output], params: Sequence[Tensor], vectors: Seque
                 [torch.stack([(a * b).sum().double() for b in hjvps]) for a in jvps]
             ).cpu()
     return (gram + gram.T) / 2
-
-
-def solve_coefficients(gram: Tensor, damped: Tensor, linear: Tensor) -> Tuple[Tensor, float]:
-    """``(c, M)``: ``c = -S^{-1} linear``, ``M = 1/2 c^T S c + linear^T c``, ``S = gram + damped``.
-
-    Closed form (elementwise float64 arithmetic, the same bits on every rank: LAPACK's
-    solvers may differ in the last bit between processes with the same input, which let
-    the ranks of a distributed run drift apart); a singular ``S`` (``delta0`` parallel to
-    ``Delta``: rank one, ``S = t u u^T``) takes the least-squares solution of least norm,
-    ``S^+ = S / t^2`` with ``t = tr S``.
-    """
-    system = (gram + damped).to(torch.float64)
-    rhs = -linear.to(torch.float64)
-    if system.shape[0] == 1:
-        c = rhs / system[0, 0]
-    else:
-        a, b, d = system[0, 0], (system[0, 1] + system[1, 0]) / 2, system[1, 1]
-        det = a * d - b * b
-        if det > 1e-14 * a * d:
-            c = torch.stack([d * rhs[0] - b * rhs[1], a * rhs[1] - b * rhs[0]]) / det
-        else:
-            c = system @ rhs / (a + d) ** 2
-    model = 0.5 * float(c @ system @ c) - float(rhs @ c)
-    return c, model
 
 
 def takes_backward(closure: Any) -> bool:
@@ -364,10 +343,11 @@ class QuadraticRule(GreedyFactorDamping):
         seen = self._collector.losses  # (a rebuilt collector keeps the old one's list)
         kept = [r for r in seen if reaches(r.into.grad_fn, mine)]
         seen.clear()
+        self._collector.replay.confirm(kept)
         if not kept:
             raise ValueError(
                 f"{type(self).__name__}(update_rule='quadratic').step() without a closure "
-                "measures each step with the loss of the next forward: call the loss_func "
+                "measures each step with the loss of its forward: call the loss_func "
                 "passed to the optimizer in the training loop (a scalar loss, model in train "
                 "mode, gradients enabled), or pass a closure with a backward keyword."
             )
@@ -399,7 +379,7 @@ class QuadraticRule(GreedyFactorDamping):
         V, out = buffers.directions(self.layout, directions, moving)
         # the loss and the batch Gram matrix are averaged over the ranks in one all-reduce
         h, batch = self._batch_gram(V, *self._observed_loss(grads))
-        zero = h.new_zeros(())
+        seen, zero = h, h.new_zeros(())
         ref = group.get("quadratic_loss")
         # after a rebuild (parameters (un)frozen) the curvature restarts: measure, no move
         same = self.__dict__.get("_plain_layout", self.layout) is self.layout
@@ -455,7 +435,11 @@ class QuadraticRule(GreedyFactorDamping):
         self._coefficients, self._model_change, self._taken = c, model, ok
         interval = self.config.damping_adaptation_interval
         if self.steps > 0 and self.steps % interval == 0:
-            self._plain_adapt_damping(group)
+            # this step judged on its own batch (one more forward), where it can be replayed
+            replays = self._comm is None and self.config.reduction_ratio == "same_batch"
+            after = self._collector.replay.loss() if replays else None
+            own = None if after is None else [after.to(h) - seen, model]
+            self._plain_adapt_damping(group, own and [torch.where(ok, x, zero) for x in own])
 
     def _batch_gram(self, V: Tensor, h: Tensor, n: int) -> Tuple[Tensor, Optional[Tensor]]:
         """``(h, [K, K])``: the loss ``h`` of ``n`` samples and ``v_i^T F v_j`` with ``F`` the
@@ -536,13 +520,14 @@ class QuadraticRule(GreedyFactorDamping):
             }
         return cache[(name, device)]
 
-    def _plain_adapt_damping(self, group) -> None:
-        """Levenberg-Marquardt on the interval's summed actual and predicted changes (one
-        host read); rejections in the interval raise ``lambda`` instead.
+    def _plain_adapt_damping(self, group, same: Optional[List[Tensor]] = None) -> None:
+        """Levenberg-Marquardt on the actual and predicted changes (one host read): of
+        this step on its own batch where it was replayed (``same``), else summed over the
+        interval (the next batches' losses); rejections in the interval raise ``lambda``.
         """
-        actual, predicted, bad = torch.stack(
-            [group["quadratic_actual"], group["quadratic_predicted"], group["quadratic_bad"]]
-        ).tolist()
+        keys = ("quadratic_actual", "quadratic_predicted", "quadratic_bad")
+        read = torch.stack([group[k] for k in keys] + (same or [])).tolist()
+        actual, predicted, bad = read[:3] if same is None else read[3:] + read[2:3]
         zero = group["quadratic_actual"].new_zeros(())
         for key in ("quadratic_actual", "quadratic_predicted", "quadratic_bad"):
             group[key] = zero
@@ -556,9 +541,31 @@ class QuadraticRule(GreedyFactorDamping):
             group["quadratic_rejections"] = 0
             rho = actual / predicted if predicted < 0 else None
             self.last_reduction_ratio = rho
-            factor = 1.0 if rho is None else damping_factor(rho, decay)
+            if same is not None:
+                factor = checked_factor(rho, read[0], read[1], decay)
+            else:
+                factor = 1.0 if rho is None else damping_factor(rho, decay)
         for g in self.param_groups:
             g["damping"] = g["damping"] * factor
+
+
+def checked_factor(rho: Optional[float], actual: float, predicted: float, decay: float) -> float:
+    """Levenberg-Marquardt on the same-batch ratio ``rho``, checked by the next batches:
+    ``actual`` and ``predicted`` are the interval's summed loss changes measured by the
+    next forwards and the model's predictions for them.
+
+    ``1 / decay`` where the model missed its own batch (``rho < 1/4``) or the next
+    batches' loss rose where a fall was predicted; ``decay`` where ``rho > 3/4`` and the
+    next batches confirm at least a quarter of the predicted fall; else ``1``. On its own
+    batch a step fits that batch's gradient noise too, so ``rho`` alone stays near 1 and
+    shrinks ``lambda`` without bound on small batches (the next batches alone see only
+    the shared part of the gradient and grow it without bound; docs/optimizers.md).
+    """
+    fell = predicted < 0 and actual < predicted / 4
+    rose = predicted < 0 and actual > 0
+    if rose or (rho is not None and not rho >= 0.25):
+        return 1 / decay
+    return decay if rho is not None and rho > 0.75 and fell else 1.0
 
 
 def reaches(node: Any, params: Set[int]) -> bool:
@@ -575,25 +582,3 @@ def reaches(node: Any, params: Set[int]) -> bool:
         seen.add(node)
         stack.extend(f for f, _ in node.next_functions)
     return False
-
-
-def plain_dtype(like: Tensor) -> torch.dtype:
-    """The loss bookkeeping's dtype: float64 where the device has it."""
-    return torch.float32 if like.device.type == "mps" else torch.float64
-
-
-def solve_on_device(system: Tensor, linear: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(c [2], M)``: the 2x2 (or 1x1) solve of :func:`solve_coefficients` without a
-    host read (Cramer's rule; a nearly singular 2x2 system falls back to ``mu = 0``).
-    """
-    a, l0 = system[0, 0], linear[0]
-    alone = torch.stack([-l0 / a, torch.zeros_like(a)])
-    if system.shape[0] == 1:
-        c = alone
-    else:
-        b, d, l1 = system[0, 1], system[1, 1], linear[1]
-        det = a * d - b * b
-        pair = torch.stack([(b * l1 - d * l0) / det, (b * l0 - a * l1) / det])
-        c = torch.where(det > 1e-10 * a * d, pair, alone)
-    model = 0.5 * (linear * c[: linear.shape[0]]).sum()
-    return c, model

@@ -11,6 +11,7 @@ output, ``reduction_ratio="next_batch"``, a forward that needs gradients).
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -54,9 +55,9 @@ class Counted(nn.Module):
 
 
 def kfac(model, **kw):
+    kw.setdefault("fisher", "type-2")
     return curvature.KFAC(
         model,
-        fisher="type-2",
         loss_func=CE,
         update_rule="quadratic",
         damping_adaptation_interval=1,  # every step after the first adapts (and replays)
@@ -151,6 +152,24 @@ def test_a_validation_gradient_and_a_stray_forward_are_not_replayed():
             rho = hand_ratio(model, X, y, loss.item(), opt.last_model_change)
             assert opt.last_reduction_ratio == pytest.approx(rho, rel=1e-9)
     assert model.calls == 4 * 3 + 3
+    opt.close()
+
+
+def test_a_forward_no_backward_reaches_is_freed_as_before():
+    """The replay keeps the inputs of the step's forwards, not their outputs: an accuracy
+    computed with gradients on frees its graph (activations) when the user drops it (with
+    ``"empirical"``; ``"mc"`` / ``"type-2"`` keep the last output for their curvature
+    backward until a loss comes)."""
+    model = Counted()
+    opt = kfac(model, fisher="empirical")
+    X, y = batches(1)[0]
+    out = model(X)
+    alive = weakref.ref(out)
+    (out.argmax(1) == y).float().mean()
+    del out
+    assert alive() is None
+    CE(model(X), y).backward()
+    opt.step()
     opt.close()
 
 

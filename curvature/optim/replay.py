@@ -35,6 +35,7 @@ differentiates inside ``forward``) turns the replay off for good, with one warni
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple
 
@@ -60,27 +61,23 @@ def _cuda_devices() -> List[int]:
     return list(range(torch.cuda.device_count()))
 
 
-def _position(output: Any, tensor: Tensor) -> Optional[Tuple[Any, ...]]:
-    """Where ``tensor`` sits in ``output``: ``()`` for the output itself, ``(k,)`` for an
-    element of a tuple / list / mapping; ``None`` if it is none of these.
+def _places(output: Any) -> List[Tuple[Tuple[Any, ...], Any]]:
+    """Where the output's tensors sit (``()`` for the output itself, ``(k,)`` for an
+    element of a tuple / list / mapping), each with a weak reference: a forward that no
+    backward reaches keeps its graph alive no longer than before.
     """
-    if output is tensor:
-        return ()
-    if isinstance(output, (tuple, list)):
-        for k, o in enumerate(output):
-            if o is tensor:
-                return (k,)
-    elif isinstance(output, Mapping):
-        for k, o in output.items():
-            if o is tensor:
-                return (k,)
-    return None
+    if isinstance(output, Tensor):
+        return [((), weakref.ref(output))]
+    items = output.items() if isinstance(output, Mapping) else None
+    if items is None and isinstance(output, (tuple, list)):
+        items = enumerate(output)
+    return [((k,), weakref.ref(o)) for k, o in items or () if isinstance(o, Tensor)]
 
 
 class _Forward:
     """One recorded training forward: its call, RNG states, output and loss calls."""
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "devices", "cuda_rngs", "output")
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "devices", "cuda_rngs", "places")
     __slots__ += ("calls",)
 
     def __init__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -88,7 +85,7 @@ class _Forward:
         self.devices = _cuda_devices()
         self.cuda_rngs = [torch.cuda.get_rng_state(d) for d in self.devices]
         self.cpu_rng = torch.get_rng_state()
-        self.output: Any = None
+        self.places: Optional[list] = None  # where its output's tensors sit
         # its loss_func calls: (module, args, kwargs, where, position) and the LossRecord
         self.calls: List[Tuple[tuple, Any]] = []
 
@@ -156,8 +153,8 @@ class ForwardReplay:
     def ended(self, module: nn.Module, output: Any) -> None:
         """Its output (a ``loss_func`` call must take it, or one element of it)."""
         if self.forwards and self.forwards[-1].module is module:
-            if self.forwards[-1].output is None:
-                self.forwards[-1].output = output
+            if self.forwards[-1].places is None:
+                self.forwards[-1].places = _places(output)
 
     def loss_called(self, module: nn.Module, args: Any, kwargs: Any, record: Any) -> None:
         """A counted ``loss_func`` call with its :class:`~.pending.LossRecord`: kept with
@@ -168,7 +165,7 @@ class ForwardReplay:
         if not isinstance(first, Tensor):
             return
         for forward in reversed(self.forwards):
-            position = _position(forward.output, first)
+            position = next((k for k, ref in forward.places or () if ref() is first), None)
             if position is not None:
                 call = (module, tuple(args), dict(kwargs), where, position)
                 forward.calls.append((call, record))

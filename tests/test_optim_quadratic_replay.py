@@ -54,9 +54,9 @@ class Counted(nn.Module):
         return {"logits": out} if self.as_dict else out
 
 
-def kfac(model, **kw):
+def kfac(model, cls=curvature.KFAC, **kw):
     kw.setdefault("fisher", "type-2")
-    return curvature.KFAC(
+    return cls(
         model,
         loss_func=CE,
         update_rule="quadratic",
@@ -65,47 +65,70 @@ def kfac(model, **kw):
     )
 
 
+def rng_states(device):
+    """The CPU generator's state and, on CUDA, the device's."""
+    cuda = torch.cuda.get_rng_state() if device == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_states(states):
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
+
+
 def hand_ratio(model, X, y, loss_before, model_change, rng=None, pick=lambda o: o):
     """``(L(theta_new) - L(theta_old)) / M`` on the step's own batch, in train mode with the
-    forward's random state, the buffers restored."""
+    forward's random states, the buffers and generators restored."""
     saved = [b.clone() for b in model.buffers()]
-    state = torch.get_rng_state()
+    state = rng_states(X.device.type)
     with torch.no_grad():
         if rng is not None:
-            torch.set_rng_state(rng)
-        after = float(CE(pick(model(X)), y))
+            set_rng_states(rng)
+        after = CE(pick(model(X)), y).item()
     model.calls -= 1  # (not one of the optimizer's)
-    torch.set_rng_state(state)
+    set_rng_states(state)
     for b, s in zip(model.buffers(), saved):
         b.copy_(s)
     return (after - loss_before) / model_change
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["plain", "dropout", "batchnorm", "kwargs", "dict"])
-def test_the_ratio_is_the_steps_own_batch_loss_change_over_the_model(case):
+def test_the_ratio_is_the_steps_own_batch_loss_change_over_the_model(case, device):
     """Every adaptation's ``rho`` equals the hand-computed same-batch ratio (a different
     batch at every step, so the next batch would give another number)."""
     model = Counted(
         dropout=0.3 if case == "dropout" else 0.0,
         norm=case == "batchnorm",
         as_dict=case == "dict",
-    )
+    ).to(device)
     opt = kfac(model)
     pick = (lambda o: o["logits"]) if case == "dict" else (lambda o: o)
     for i, (X, y) in enumerate(batches()):
+        X, y = X.to(device), y.to(device)
         opt.zero_grad()
-        rng = torch.get_rng_state()
+        rng = rng_states(device)
         out = model(x=X) if case == "kwargs" else model(X)
         loss = CE(pick(out), y)
         loss.backward()
-        torch.rand(3)  # the user's own draws between the forward and the step
+        torch.rand(3, device=device)  # the user's own draws between the forward and the step
         stats = [b.clone() for b in model.buffers()]
-        rng_before_step = torch.get_rng_state()
+        rng_before_step = rng_states(device)
         opt.step()
-        # the replay leaves the buffers (BatchNorm's running statistics) and the RNG as
-        # the forward left them
+        # the replay leaves the buffers (BatchNorm's running statistics) and the
+        # generators as the user left them
         assert all(torch.equal(b, s) for b, s in zip(model.buffers(), stats))
-        assert torch.equal(torch.get_rng_state(), rng_before_step)
+        after_step = rng_states(device)
+        assert all(a is None or torch.equal(a, b) for a, b in zip(after_step, rng_before_step))
         if i == 0:
             continue
         rho = hand_ratio(model, X, y, loss.item(), opt.last_model_change, rng, pick)
@@ -114,11 +137,12 @@ def test_the_ratio_is_the_steps_own_batch_loss_change_over_the_model(case):
     opt.close()
 
 
-def test_micro_batches_are_replayed_each_with_its_weight():
+@pytest.mark.parametrize("cls", [curvature.KFAC, curvature.EKFAC])
+def test_micro_batches_are_replayed_each_with_its_weight(cls):
     """Gradient accumulation, ``(loss / k).backward()`` per micro-batch: the replayed loss
     is the mean of the micro-batches' losses at the new parameters, as measured."""
     model = Counted()
-    opt = kfac(model)
+    opt = kfac(model, cls)
     for i, (X, y) in enumerate(batches()):
         opt.zero_grad()
         measured = 0.0

@@ -56,9 +56,9 @@ class Counted(nn.Module):
 
 def kfac(model, cls=curvature.KFAC, **kw):
     kw.setdefault("fisher", "type-2")
+    kw.setdefault("loss_func", CE)
     return cls(
         model,
-        loss_func=CE,
         update_rule="quadratic",
         damping_adaptation_interval=1,  # every step after the first adapts (and replays)
         **kw,
@@ -245,18 +245,11 @@ def test_lambda_shrinks_when_the_step_fits_and_the_next_batches_confirm_it():
     term (``rho`` near 1 on the batch and on the next forward, the same batch), so every
     adaptation multiplies ``lambda`` by the decay."""
     g = torch.Generator().manual_seed(0)
-    X, y = torch.randn(32, 3, generator=g, dtype=torch.float64), None
+    X = torch.randn(32, 3, generator=g, dtype=torch.float64)
     y = X @ torch.randn(3, 2, generator=g, dtype=torch.float64)
     model = nn.Linear(3, 2).double()
     mse = nn.MSELoss()
-    opt = curvature.KFAC(
-        model,
-        damping=1e-1,
-        fisher="type-2",
-        loss_func=mse,
-        update_rule="quadratic",
-        damping_adaptation_interval=1,
-    )
+    opt = kfac(model, loss_func=mse, damping=1e-1)
     for i in range(4):
         opt.zero_grad()
         mse(model(X), y).backward()

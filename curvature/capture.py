@@ -7,8 +7,7 @@ gradients ``g`` w.r.t. those outputs with :func:`torch.autograd.grad` on the rec
 edges: no second forward, ``.grad`` untouched, and ``K`` vectors injected at the output
 at once with ``is_grads_batched``. Because an edge names the producing node, in-place
 ops applied to a layer output later (``ReLU(inplace=True)``) do not change what is
-received, and nothing can fire twice. A module called several times in one forward gets
-one record per call, paired call by call.
+received, and nothing fires twice. A module called several times gets one record per call.
 """
 
 from __future__ import annotations
@@ -32,6 +31,8 @@ from .layers.norm import uses_batch_statistics
 from .layers.select import compiled_wrapper, select_layers, unwrap_model
 from .options import Unsupported, renamed
 from .subnormals import flushing
+
+FIRST_WITH_KWARGS = {"with_kwargs": True, "prepend": True}  # the root pre-hook: as passed
 
 #: Pulls of any capture in progress, process-wide: no capture's push hooks take their ``g``.
 _PULLS = [0]
@@ -142,16 +143,15 @@ class Capture(PerSampleQuantities, TracedCalls):
 
         Root-module hooks owned by this capture (removed by :meth:`remove_hooks`), held
         weakly: ``start`` and ``end`` are bound methods of an owner (an optimizer) that
-        may be garbage-collected while the model lives. ``end`` runs after every layer
-        hook of the forward has recorded its call.
+        may be garbage-collected while the model lives. ``start`` runs before the user's
+        pre-hooks (the arguments as passed), ``end`` after every layer hook has recorded.
         """
         self._root = {
             "start": None if start is None else weakref.WeakMethod(start),
             "end": None if end is None else weakref.WeakMethod(end),
         }
-        pre = WeakHook(self, "_root_start", self.model)
-        post = WeakHook(self, "_root_end", self.model)
-        self._handles.append(self.model.register_forward_pre_hook(pre, with_kwargs=True))
+        pre, post = (WeakHook(self, f"_root_{w}", self.model) for w in ("start", "end"))
+        self._handles.append(self.model.register_forward_pre_hook(pre, **FIRST_WITH_KWARGS))
         self._handles.append(self.model.register_forward_hook(post))
         self._hook_wrapper()
 

@@ -292,3 +292,177 @@ def test_lambda_follows_the_same_batch_ratio_held_where_the_next_batch_disagrees
         assert opt.param_groups[0]["damping"] == pytest.approx(damping, rel=1e-12)
     assert held >= 1 and raised >= 1, (held, raised)
     opt.close()
+
+
+class Twisted(Counted):
+    """``Counted`` with the ways a forward can make itself unreplayable."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.register_buffer("state", torch.zeros(3, dtype=torch.float64))
+
+    def forward(self, x, h=None):
+        if self.how == "input_in_place":
+            x.mul_(0.5)
+        out = super().forward(x if h is None else x + h[:, :1])
+        if self.how == "stateful":  # the output depends on a buffer the forward changes
+            out = out + self.state
+            self.state.add_(0.1)
+        return out
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["input_in_place", "input_reused", "output_in_place", "input_from_parameters", "eval"],
+)
+def test_a_forward_that_would_not_be_the_same_again_is_not_replayed(how):
+    """Its inputs changed in place (inside the forward, or a buffer the loop reuses for
+    the next batch), its output changed in place before the loss, an input computed from
+    the parameters (an unrolled cell's state), the model in eval mode at ``step()``: a
+    replay would measure another function, so the step is measured on the next batch
+    (no extra forward)."""
+    model = Twisted(how)
+    opt = kfac(model)
+    for X, y in batches():
+        X = X.clone()
+        opt.zero_grad()
+        out = model(X)
+        if how == "input_from_parameters":  # a cell unrolled twice, the loss on the last
+            out = model(X, out)
+        if how == "output_in_place":
+            out = out.mul_(2.0)
+        loss = CE(out, y)
+        loss.backward()
+        if how == "input_reused":
+            X.copy_(torch.randn_like(X))  # the next batch loaded into the same buffer
+        if how == "eval":
+            model.eval()
+        opt.step()
+        model.train()
+    assert model.calls == (8 if how == "input_from_parameters" else 4)
+    opt.close()
+
+
+def test_a_forward_whose_output_reads_a_state_it_changes_is_not_replayed():
+    """A buffer the forward updates and reads (a running state): the replay would start
+    from the updated value, so the step is measured on the next batch; the buffer is as
+    the forward left it."""
+    model = Twisted("stateful")
+    opt = kfac(model)
+    for X, y in batches():
+        opt.zero_grad()
+        CE(model(X), y).backward()
+        state = model.state.clone()
+        opt.step()
+        assert torch.equal(model.state, state)
+    assert model.calls == 4
+    opt.close()
+
+
+def test_the_users_pre_hook_and_python_random_are_replayed_as_in_the_forward():
+    """A forward pre-hook registered before the optimizer runs once per replay, on the
+    arguments as passed (not on its own result); a LayerDrop drawn from Python's
+    ``random`` draws the same layers, and the user's ``random`` stream is left as it was."""
+    import random
+
+    class LayerDrop(Counted):
+        def forward(self, x):
+            self.calls += 1
+            hidden = self.net[2](self.net[0](x))
+            if random.random() < 0.5:  # the layer dropped or not
+                hidden = hidden * 0.0 + hidden.detach() * 0.0 + hidden
+            return self.net[4](hidden if random.random() < 0.5 else 0.5 * hidden)
+
+    model = LayerDrop()
+    model.register_forward_pre_hook(lambda m, args: (args[0] * 2.0,))
+    opt = kfac(model)
+    random.seed(7)
+    for i, (X, y) in enumerate(batches()):
+        opt.zero_grad()
+        state = random.getstate()
+        loss = CE(model(X), y)
+        loss.backward()
+        random.random()  # the user's own draw between the forward and the step
+        before = random.getstate()
+        opt.step()
+        assert random.getstate() == before
+        if i:
+            after_state = random.getstate()
+            random.setstate(state)
+            with torch.no_grad():
+                after = CE(model(X), y).item()
+            model.calls -= 1
+            random.setstate(after_state)
+            rho = (after - loss.item()) / opt.last_model_change
+            assert opt.last_reduction_ratio == pytest.approx(rho, rel=1e-9)
+    assert model.calls == 4 + 3
+    opt.close()
+
+
+def test_an_embedding_with_max_norm_is_not_replayed():
+    """``nn.Embedding(max_norm=...)`` renormalizes its weight in place in every forward,
+    also without gradients: a replay would change the parameters inside ``step()``."""
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 6, max_norm=1.0).double()
+            self.out = nn.Linear(6, 3).double()
+            self.calls = 0
+
+        def forward(self, t):
+            self.calls += 1
+            return self.out(self.emb(t).mean(1))
+
+    model = Bag()
+    opt = kfac(model, fisher="empirical")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        t, y = torch.randint(0, 20, (16, 5), generator=g), torch.randint(0, 3, (16,), generator=g)
+        opt.zero_grad()
+        CE(model(t), y).backward()
+        opt.step()
+    assert model.calls == 4
+    opt.close()
+
+
+def test_the_loss_modules_buffers_are_restored():
+    class CountingCE(nn.CrossEntropyLoss):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+        def forward(self, input, target):
+            self.seen += 1
+            return super().forward(input, target)
+
+    loss_func = CountingCE()
+    model = Counted()
+    opt = kfac(model, loss_func=loss_func)
+    for X, y in batches():
+        opt.zero_grad()
+        loss_func(model(X), y).backward()
+        opt.step()
+    assert int(loss_func.seen) == 4 and model.calls == 4 + 3
+    opt.close()
+
+
+@pytest.mark.parametrize("ratio", ["same_batch", "next_batch"])
+def test_losses_never_backpropagated_free_their_graphs(ratio):
+    """Losses computed with gradients on and never backpropagated (a monitoring loss)
+    free their outputs' graphs as before: the replay keeps weak references to the
+    outputs and loss records, and records nothing for the next-batch ratio."""
+    model = Counted()
+    opt = kfac(model, reduction_ratio=ratio)
+    X, y = batches(1)[0]
+    alive = []
+    for _ in range(5):
+        out = model(X)
+        CE(out, y)
+        alive.append(weakref.ref(out))
+        del out
+    assert all(r() is None for r in alive)
+    CE(model(X), y).backward()
+    opt.step()
+    opt.close()

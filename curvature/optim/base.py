@@ -230,7 +230,7 @@ class CurvatureOptimizer(ParamGroups, QuadraticRule, Optimizer):
             finish=self._tied.finish,
             wrapper=self._compiled,
         )
-        self._collector.projections = [] if self.config.update_rule == "quadratic" else None
+        self._plain_records()  # the quadratic rule's projections, losses, replay
         self._collector.per_sample = self._per_sample_statistics
         if old is not None:  # its skipped count; the losses that measure the last step
             self._skipped_before += old.stats.skipped

@@ -73,7 +73,7 @@ class LossRecord:
 
     """
 
-    __slots__ = ("value", "into", "weight")
+    __slots__ = ("value", "into", "weight", "__weakref__")
 
     def __init__(self, value: Tensor, into: Tensor) -> None:
         self.value, self.into = value, into

@@ -335,6 +335,20 @@ class QuadraticRule(GreedyFactorDamping):
         return shared[:-1].view(K, K) / (shared[-1] if mean else 1.0)
 
     # -- plain loop: no closure ----------------------------------------------------------------
+    def _plain_records(self) -> None:
+        """The plain-loop rule's records on the collector: pulled projections and losses;
+        the same-batch replay in one process with ``reduction_ratio="same_batch"``.
+        """
+        on = self.config.update_rule == "quadratic"
+        self._collector.projections = [] if on else None
+        same = self.config.reduction_ratio == "same_batch"
+        self._collector.replay.enabled = on and same and self._comm is None
+
+    def _loss_modules(self) -> List[nn.Module]:
+        """The loss modules whose buffers a replay restores."""
+        loss = self.config.loss_func
+        return [loss] if isinstance(loss, nn.Module) else []
+
     def _observed_loss(self, like: Tensor) -> Tuple[Tensor, int]:
         """``(h, N)``: ``sum_i w_i L_i`` of this rank's ``loss_func`` values since the last
         step, ``w_i`` from their backward (:class:`~.pending.LossRecord`), and their samples.
@@ -437,7 +451,7 @@ class QuadraticRule(GreedyFactorDamping):
         if self.steps > 0 and self.steps % interval == 0:
             # this step judged on its own batch (one more forward), where it can be replayed
             replays = self._comm is None and self.config.reduction_ratio == "same_batch"
-            after = self._collector.replay.loss() if replays else None
+            after = self._collector.replay.loss(self._loss_modules()) if replays else None
             own = None if after is None else [after.to(h) - seen, model]
             self._plain_adapt_damping(group, own and [torch.where(ok, x, zero) for x in own])
 

@@ -12,29 +12,37 @@ gradient noise dominates, and Levenberg-Marquardt then raises ``lambda`` without
     rho = (h(theta + delta) - h(theta)) / M(delta).
 
 :class:`ForwardReplay` keeps what each training forward of the model since the last step
-needs to run again: the root module, its positional and keyword arguments (references,
-no copies), the random number generators' states at its start (dropout draws the same
-masks), and the ``loss_func`` calls on its output (the module, the other arguments,
-where the output went). :meth:`ForwardReplay.loss` runs those whose losses the step's
-backward reached once more, under ``torch.no_grad`` with every hook of the library muted,
-and restores the model's buffers afterwards (a train-mode BatchNorm updates its running
-statistics in the forward; the replay normalizes with the batch's statistics, as the
-recorded forward did). The cost is one forward per damping adaptation (every
-``damping_adaptation_interval`` steps), no backward.
+needs to run again: the root module, its positional and keyword arguments as passed
+(references, no copies; the versions of their tensors), the states of the CPU, CUDA and
+Python ``random`` generators at its start (dropout and a LayerDrop draw the same), the
+versions of the model's buffers, weak references to its output's tensors, and the
+``loss_func`` calls that take one of them unchanged. :meth:`ForwardReplay.loss` runs those
+whose losses the step's backward reached once more, under ``torch.no_grad`` with every
+hook of the library muted, and restores the buffers of the model and of ``loss_func``
+(by name: one re-assigned in the forward too) and Python's random state afterwards. The
+cost is one forward per damping adaptation (every ``damping_adaptation_interval`` steps),
+no backward.
 
 The replayed loss is the measured one, ``sum_i w_i L_i`` over the ``loss_func`` calls a
-backward reached (micro-batches of gradient accumulation included), when each of those
-calls took a recorded forward's output as it is (a tensor, or one element of a tuple,
-list or mapping such as Hugging Face's ``out.logits``). Otherwise (a loss of a
-transformed output, a forward under autocast or ``torch.compile``, whose no-grad call
-would compile once more), and under ``torch.distributed`` (a replay would be one more
-collective forward), the step is measured on the next batch, as with
-``reduction_ratio="next_batch"``. A forward that fails without gradients (one that
-differentiates inside ``forward``) turns the replay off for good, with one warning.
+backward reached (micro-batches of gradient accumulation included). The step is measured
+on the next batch instead (as with ``reduction_ratio="next_batch"``) where a replay would
+run another function or cannot run: a loss of a transformed output (a view, a slice, an
+output changed in place), inputs changed in place since the forward (also a buffer the
+loop reuses for the next batch) or computed from parameters (an unrolled cell's state),
+a buffer the forward changed other than a train-mode BatchNorm's running statistics (a
+running state), the model in another train/eval mode at ``step()``, an embedding with
+``max_norm`` (it renormalizes its weight in every forward), a forward under autocast or
+``torch.compile`` (a no-grad call would compile once more), an output on a device other
+than a CPU or CUDA (its generator is not replayed), ``torch.distributed`` (a replay would
+be one more collective forward). Not detected: random numbers from a generator of the
+model's own (a ``torch.Generator`` it holds, NumPy) and state kept in plain attributes. A
+forward that fails without gradients (one that differentiates inside ``forward``) or that
+changes parameters in place turns the replay off for good, with one warning.
 """
 
 from __future__ import annotations
 
+import random
 import weakref
 from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple
@@ -61,33 +69,82 @@ def _cuda_devices() -> List[int]:
     return list(range(torch.cuda.device_count()))
 
 
-def _places(output: Any) -> List[Tuple[Tuple[Any, ...], Any]]:
+def _tensors(obj: Any) -> List[Tensor]:
+    """The tensors of ``obj``: itself, or the elements of a tuple / list / mapping."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    return [t for t in obj if isinstance(t, Tensor)] if isinstance(obj, (tuple, list)) else []
+
+
+def _places(output: Any) -> List[Tuple[Tuple[Any, ...], Any, int]]:
     """Where the output's tensors sit (``()`` for the output itself, ``(k,)`` for an
-    element of a tuple / list / mapping), each with a weak reference: a forward that no
-    backward reaches keeps its graph alive no longer than before.
+    element of a tuple / list / mapping), each with a weak reference (a forward that no
+    backward reaches keeps its graph alive no longer than before) and its version (a
+    loss of an output changed in place is not replayable).
     """
     if isinstance(output, Tensor):
-        return [((), weakref.ref(output))]
+        return [((), weakref.ref(output), output._version)]
     items = output.items() if isinstance(output, Mapping) else None
     if items is None and isinstance(output, (tuple, list)):
         items = enumerate(output)
-    return [((k,), weakref.ref(o)) for k, o in items or () if isinstance(o, Tensor)]
+    return [((k,), weakref.ref(o), o._version) for k, o in items or () if isinstance(o, Tensor)]
+
+
+def _buffers(modules: List[nn.Module]) -> List[Tuple[nn.Module, str, Tensor]]:
+    """Every buffer of ``modules`` with its owner and name (to restore by name)."""
+    return [
+        (m, name, b)
+        for module in modules
+        for m in module.modules()
+        for name, b in m.named_buffers(recurse=False)
+    ]
+
+
+def _stateless(owner: nn.Module) -> bool:
+    """Whether a buffer of ``owner`` that a forward changed leaves that forward's output
+    as it was: a train-mode BatchNorm's running statistics (it normalizes with the batch).
+    """
+    return isinstance(owner, nn.modules.batchnorm._NormBase) and owner.training
 
 
 class _Forward:
-    """One recorded training forward: its call, RNG states, output and loss calls."""
+    """One recorded training forward: its call, the states that decide its output, where
+    its output went (``loss_func`` calls).
+    """
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "devices", "cuda_rngs", "places")
-    __slots__ += ("calls",)
+    __slots__ = ("module", "args", "kwargs", "inputs", "training", "buffers", "rng")
+    __slots__ += ("devices", "places", "calls", "ok")
 
     def __init__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self.module, self.args, self.kwargs = module, args, dict(kwargs or {})
+        inputs = _tensors(args) + _tensors(self.kwargs)
+        # an input computed from parameters (an unrolled cell's state) is stale after the
+        # step: not replayable; inputs changed in place later neither (versions)
+        self.ok = all(t.grad_fn is None for t in inputs)
+        self.inputs = [(t, t._version) for t in inputs]
+        self.training = module.training
+        self.buffers = [(m, n, b, b._version) for m, n, b in _buffers([module])]
         self.devices = _cuda_devices()
-        self.cuda_rngs = [torch.cuda.get_rng_state(d) for d in self.devices]
-        self.cpu_rng = torch.get_rng_state()
+        cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.rng = (torch.get_rng_state(), cuda, random.getstate())
         self.places: Optional[list] = None  # where its output's tensors sit
-        # its loss_func calls: (module, args, kwargs, where, position) and the LossRecord
+        # its loss_func calls: (module, other args, other kwargs, where, position) and a
+        # weak reference to the LossRecord (a loss no backward reaches is freed as before)
         self.calls: List[Tuple[tuple, Any]] = []
+
+    def replayable(self) -> bool:
+        """Whether its output would be the same now at the old parameters: its inputs and
+        the buffers it reads unchanged since (a train-mode BatchNorm's running statistics
+        aside), the model in the same mode.
+        """
+        unchanged = all(t._version == v for t, v in self.inputs)
+        buffers = all(
+            _stateless(m) or (getattr(m, n, None) is b and b._version == v)
+            for m, n, b, v in self.buffers
+        )
+        return self.ok and unchanged and buffers and self.module.training == self.training
 
     def losses(self, kept: List[Any]) -> Tensor:
         """``sum weight_i loss_i`` of its ``loss_func`` calls whose records are in ``kept``
@@ -95,12 +152,14 @@ class _Forward:
         library's hooks muted).
         """
         with torch.random.fork_rng(devices=self.devices), replaying(), torch.no_grad():
-            torch.set_rng_state(self.cpu_rng)
-            for d, state in zip(self.devices, self.cuda_rngs):
+            torch.set_rng_state(self.rng[0])
+            for d, state in zip(self.devices, self.rng[1]):
                 torch.cuda.set_rng_state(state, d)
+            random.setstate(self.rng[2])
             output = self.module(*self.args, **self.kwargs)
             total = None
-            for (module, args, kwargs, where, position), record in self.calls:
+            for (module, args, kwargs, where, position), ref in self.calls:
+                record = ref()
                 if not any(record is k for k in kept):
                     continue
                 out = output
@@ -109,7 +168,7 @@ class _Forward:
                 if where == "input":
                     kwargs = {**kwargs, "input": out}
                 else:
-                    args = (out,) + args[1:]
+                    args = (out,) + args
                 value = module(*args, **kwargs)
                 if not isinstance(value, Tensor) or value.numel() != 1:
                     raise TypeError(f"loss_func returned {type(value).__name__}, not a scalar")
@@ -128,12 +187,15 @@ class ForwardReplay:
     (:meth:`confirm`), replays (:meth:`loss`) and forgets at the end of each step
     (:meth:`clear`). Forwards no backward reached (a training accuracy with grad on) and
     losses whose backward ran before ``zero_grad()`` are not among the confirmed ones and
-    are not replayed, as they are not measured.
+    are not replayed, as they are not measured. Nothing is recorded unless
+    :attr:`enabled` (the optimizer's plain-loop rule with ``reduction_ratio="same_batch"``
+    in one process).
     """
 
     def __init__(self, who: str) -> None:
         self.who = who
-        self.broken = False  # a replay raised: off for good
+        self.enabled = False
+        self.broken = False  # a replay raised or changed parameters: off for good
         self.clear()
 
     def clear(self) -> None:
@@ -147,47 +209,61 @@ class ForwardReplay:
         (``plain``: not ``torch.compile``'s wrapper, which is not replayed; nor is a
         forward under autocast).
         """
-        if not self.broken and plain and not autocast_on():
+        if self.enabled and not self.broken and plain and not autocast_on():
             self.forwards.append(_Forward(module, args, kwargs))
 
     def ended(self, module: nn.Module, output: Any) -> None:
-        """Its output (a ``loss_func`` call must take it, or one element of it)."""
+        """Its output (a ``loss_func`` call must take it, or one element of it); on a
+        device other than a CPU or CUDA (whose generators are not replayed) the forward
+        is not replayable.
+        """
         if self.forwards and self.forwards[-1].module is module:
-            if self.forwards[-1].places is None:
-                self.forwards[-1].places = _places(output)
+            last = self.forwards[-1]
+            if last.places is None:
+                last.places = _places(output)
+                last.ok &= all(t.device.type in ("cpu", "cuda") for t in _tensors(output))
 
     def loss_called(self, module: nn.Module, args: Any, kwargs: Any, record: Any) -> None:
         """A counted ``loss_func`` call with its :class:`~.pending.LossRecord`: kept with
-        the recorded forward whose output (or an element of it) it takes; one that takes
-        a transformed output (a view, a slice) is not replayable.
+        the recorded forward whose output (or an element of it) it takes unchanged; one
+        that takes a transformed output (a view, a slice, an in-place change) is not
+        replayable.
         """
         where, first = (0, args[0]) if args else ("input", kwargs.get("input"))
         if not isinstance(first, Tensor):
             return
         for forward in reversed(self.forwards):
-            position = next((k for k, ref in forward.places or () if ref() is first), None)
-            if position is not None:
-                call = (module, tuple(args), dict(kwargs), where, position)
-                forward.calls.append((call, record))
-                return
+            for position, ref, version in forward.places or ():
+                if ref() is first and first._version == version:
+                    rest = {k: v for k, v in kwargs.items() if k != "input"}
+                    call = (module, tuple(args[1:]), rest, where, position)
+                    forward.calls.append((call, weakref.ref(record)))
+                    return
 
     def confirm(self, kept: List[Any]) -> None:
         """The losses the step's backward reached: the replay applies iff each of them is
         a recorded forward's ``loss_func`` call.
         """
-        plan = [f for f in self.forwards if any(r is k for _, r in f.calls for k in kept)]
-        known = sum(1 for f in plan for _, r in f.calls if any(r is k for k in kept))
-        ok = bool(kept) and known == len(kept)
+        mine = [(f, ref()) for f in self.forwards for _, ref in f.calls]
+        hits = [(f, r) for f, r in mine if any(r is k for k in kept)]
+        plan = [f for f in self.forwards if any(f is g for g, _ in hits)]
+        ok = bool(kept) and len(hits) == len(kept)
         self.plan, self.kept = (plan, list(kept)) if ok else ([], [])
 
-    def loss(self) -> Optional[Tensor]:
+    def loss(self, loss_modules: List[nn.Module]) -> Optional[Tensor]:
         """``sum_i weight_i loss_i`` of the confirmed losses at the current parameters
         (0-d, on the device; each with its backward's weight, as the measured loss has),
-        or ``None`` when the step cannot be replayed. The model's buffers are restored.
+        or ``None`` when the step cannot be replayed now. The buffers of the model and of
+        ``loss_modules``, and Python's random state, are restored afterwards.
         """
-        if not self.plan or self.broken:
+        if not self.plan or self.broken or not all(f.replayable() for f in self.plan):
             return None
-        buffers = [(b, b.clone()) for b in self.plan[0].module.buffers()]
+        module = self.plan[0].module
+        if any(getattr(m, "max_norm", None) is not None for m in module.modules()):
+            return None  # an embedding with max_norm renormalizes its weight in the forward
+        saved = [(m, n, b, b.clone()) for m, n, b in _buffers([module] + loss_modules)]
+        versions = [(p, p._version) for p in module.parameters()]
+        state = random.getstate()
         try:
             values = [f.losses(self.kept) for f in self.plan]
         except Exception as err:  # noqa: BLE001 (any failure: the next-batch ratio)
@@ -199,6 +275,16 @@ class ForwardReplay:
             )
             return None
         finally:
-            for b, saved in buffers:
-                b.copy_(saved)
+            random.setstate(state)
+            for m, n, b, copy in saved:
+                if getattr(m, n, None) is not b:  # re-assigned in the forward
+                    setattr(m, n, b)
+                b.copy_(copy)
+        if any(p._version != v for p, v in versions):
+            self.broken = True
+            warn(
+                f"{self.who}(update_rule='quadratic'): the model's forward changed its "
+                "parameters in place when run again without gradients; the reduction ratio "
+                "is measured on the next batch from now on."
+            )
         return sum(values[1:], values[0])

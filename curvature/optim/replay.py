@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers.base import replaying
+from ..layers.norm import uses_batch_statistics
 from ..warn import warn
 
 
@@ -104,9 +105,9 @@ def _buffers(modules: List[nn.Module]) -> List[Tuple[nn.Module, str, Tensor]]:
 
 def _stateless(owner: nn.Module) -> bool:
     """Whether a buffer of ``owner`` that a forward changed leaves that forward's output
-    as it was: a train-mode BatchNorm's running statistics (it normalizes with the batch).
+    as it was: a BatchNorm's running statistics where it normalizes with the batch's.
     """
-    return isinstance(owner, nn.modules.batchnorm._NormBase) and owner.training
+    return uses_batch_statistics(owner)
 
 
 class _Forward:

@@ -227,6 +227,13 @@ def fmnist_mlp(budget: float) -> Workload:
         kfac_rows={
             "KFAC defaults (empirical)": {},
             "KFAC defaults, fisher=mc": {"fisher": "mc", "loss_func": ce},
+            # adaptive: learning rate, momentum and damping from the quadratic model in the
+            # plain loop; type-2 (ten classes: the batch GGN exact), nothing searched
+            "KFAC adaptive (update_rule=quadratic), fisher=type-2": {
+                "fisher": "type-2",
+                "loss_func": ce,
+                "update_rule": "quadratic",
+            },
             MLP_TUNED_NAME: dict(MLP_TUNED),
         },
         notes=[MLP_TUNED_NOTE],

@@ -204,7 +204,7 @@ class StatisticsCollector(EmpiricalSide, ScalerSide):
         if self.fisher == FisherType.EMPIRICAL:
             self.consume_pushed()
         self.capture.recording = self.due and self.model.training
-        if self.projections is not None and self.model.training and torch.is_grad_enabled():
+        if self.replay.enabled and self.model.training and torch.is_grad_enabled():
             self.replay.started(module, args, kwargs, self.capture.wrapper is None)
 
     def _forward_end(self, module: nn.Module, args: Any, output: Any) -> None:

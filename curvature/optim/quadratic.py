@@ -44,7 +44,7 @@ Kronecker-factored curvature. The loss of the step's batch is read from its forw
 ``loss_func`` calls; at each adaptation the step is measured on that batch by one more
 forward without gradients (:mod:`.replay`, ``reduction_ratio="same_batch"``) and on the
 next batches by their forwards' losses, summed over the interval, and ``lambda`` moves
-only where both agree (:func:`checked_factor`); a blow-up is rolled back at the next
+only where both agree (:func:`~.updates.checked_factor`); a blow-up is rolled back at the next
 ``step()``. Everything stays on the device except one read per damping adaptation.
 """
 
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -62,7 +63,7 @@ from ..warn import warn
 from .batch_gram import DirectionBuffers, Projection, batch_gram, projection_of
 from .factor_damping import GreedyFactorDamping, lowest_model
 from .quadratic_solve import plain_dtype, solve_coefficients, solve_on_device
-from .updates import damping_factor
+from .updates import checked_factor, damping_factor
 
 Output = Tuple[Tensor, nn.Module, Optional[Tensor]]
 
@@ -342,7 +343,13 @@ class QuadraticRule(GreedyFactorDamping):
         on = self.config.update_rule == "quadratic"
         self._collector.projections = [] if on else None
         same = self.config.reduction_ratio == "same_batch"
-        self._collector.replay.enabled = on and same and self._comm is None
+        replay = self._collector.replay
+        replay.enabled = on and same and self._comm is None
+        replay.wanted = weakref.WeakMethod(self._adaptation_step)  # (the others: not used)
+
+    def _adaptation_step(self) -> bool:
+        """Whether the step about to run (or running) adapts the damping."""
+        return self.steps > 0 and self.steps % self.config.damping_adaptation_interval == 0
 
     def _loss_modules(self) -> List[nn.Module]:
         """The loss modules whose buffers a replay restores."""
@@ -447,11 +454,9 @@ class QuadraticRule(GreedyFactorDamping):
         buffers.written(steps)
         group["quadratic_loss"], group["quadratic_model"] = h, model
         self._coefficients, self._model_change, self._taken = c, model, ok
-        interval = self.config.damping_adaptation_interval
-        if self.steps > 0 and self.steps % interval == 0:
-            # this step judged on its own batch (one more forward), where it can be replayed
-            replays = self._comm is None and self.config.reduction_ratio == "same_batch"
-            after = self._collector.replay.loss(self._loss_modules()) if replays else None
+        if self._adaptation_step():
+            # this step judged on its own batch (one more forward), where it was recorded
+            after = self._collector.replay.loss(self._loss_modules())
             own = None if after is None else [after.to(h) - seen, model]
             self._plain_adapt_damping(group, own and [torch.where(ok, x, zero) for x in own])
 
@@ -561,25 +566,6 @@ class QuadraticRule(GreedyFactorDamping):
                 factor = 1.0 if rho is None else damping_factor(rho, decay)
         for g in self.param_groups:
             g["damping"] = g["damping"] * factor
-
-
-def checked_factor(rho: Optional[float], actual: float, predicted: float, decay: float) -> float:
-    """Levenberg-Marquardt on the same-batch ratio ``rho``, checked by the next batches:
-    ``actual`` and ``predicted`` are the interval's summed loss changes measured by the
-    next forwards and the model's predictions for them.
-
-    ``1 / decay`` where the model missed its own batch (``rho < 1/4``) or the next
-    batches' loss rose where a fall was predicted; ``decay`` where ``rho > 3/4`` and the
-    next batches confirm at least a quarter of the predicted fall; else ``1``. On its own
-    batch a step fits that batch's gradient noise too, so ``rho`` alone stays near 1 and
-    shrinks ``lambda`` without bound on small batches (the next batches alone see only
-    the shared part of the gradient and grow it without bound; docs/optimizers.md).
-    """
-    fell = predicted < 0 and actual < predicted / 4
-    rose = predicted < 0 and actual > 0
-    if rose or (rho is not None and not rho >= 0.25):
-        return 1 / decay
-    return decay if rho is not None and rho > 0.75 and fell else 1.0
 
 
 def reaches(node: Any, params: Set[int]) -> bool:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import random
 import weakref
 from collections.abc import Mapping
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -70,27 +70,29 @@ def _cuda_devices() -> List[int]:
     return list(range(torch.cuda.device_count()))
 
 
+def _items(obj: Any) -> List[Tuple[Tuple[Any, ...], Tensor]]:
+    """The tensors of ``obj`` with where they sit: ``()`` for ``obj`` itself, ``(k,)`` for
+    an element of a tuple / list / mapping.
+    """
+    if isinstance(obj, Tensor):
+        return [((), obj)]
+    items = obj.items() if isinstance(obj, Mapping) else None
+    if items is None and isinstance(obj, (tuple, list)):
+        items = enumerate(obj)
+    return [((k,), t) for k, t in items or () if isinstance(t, Tensor)]
+
+
 def _tensors(obj: Any) -> List[Tensor]:
     """The tensors of ``obj``: itself, or the elements of a tuple / list / mapping."""
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    return [t for t in obj if isinstance(t, Tensor)] if isinstance(obj, (tuple, list)) else []
+    return [t for _, t in _items(obj)]
 
 
 def _places(output: Any) -> List[Tuple[Tuple[Any, ...], Any, int]]:
-    """Where the output's tensors sit (``()`` for the output itself, ``(k,)`` for an
-    element of a tuple / list / mapping), each with a weak reference (a forward that no
+    """:func:`_items` of the output, each with a weak reference (a forward that no
     backward reaches keeps its graph alive no longer than before) and its version (a
     loss of an output changed in place is not replayable).
     """
-    if isinstance(output, Tensor):
-        return [((), weakref.ref(output), output._version)]
-    items = output.items() if isinstance(output, Mapping) else None
-    if items is None and isinstance(output, (tuple, list)):
-        items = enumerate(output)
-    return [((k,), weakref.ref(o), o._version) for k, o in items or () if isinstance(o, Tensor)]
+    return [(k, weakref.ref(t), t._version) for k, t in _items(output)]
 
 
 def _buffers(modules: List[nn.Module]) -> List[Tuple[nn.Module, str, Tensor]]:
@@ -196,6 +198,9 @@ class ForwardReplay:
     def __init__(self, who: str) -> None:
         self.who = who
         self.enabled = False
+        # (a weak method of the optimizer) whether the coming step adapts: only then are
+        # its forwards recorded, the others' would never be replayed
+        self.wanted: Optional[Callable[[], Optional[Callable[[], bool]]]] = None
         self.broken = False  # a replay raised or changed parameters: off for good
         self.clear()
 
@@ -206,11 +211,13 @@ class ForwardReplay:
         self.kept: List[Any] = []
 
     def started(self, module: nn.Module, args: Any, kwargs: Any, plain: bool = True) -> None:
-        """A training forward of the model starts: keep its inputs and RNG states
+        """A training forward of the model starts (the collector calls it where
+        :attr:`enabled`): keep its inputs and RNG states if the coming step adapts
         (``plain``: not ``torch.compile``'s wrapper, which is not replayed; nor is a
         forward under autocast).
         """
-        if self.enabled and not self.broken and plain and not autocast_on():
+        due = self.wanted() if self.wanted is not None else None
+        if plain and not self.broken and (due is None or due()) and not autocast_on():
             self.forwards.append(_Forward(module, args, kwargs))
 
     def ended(self, module: nn.Module, output: Any) -> None:

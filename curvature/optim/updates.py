@@ -6,7 +6,8 @@ the trainable parameters, :class:`~curvature.layout.ParamLayout` order):
 - :func:`apply_update`: decoupled weight decay, heavy-ball momentum on ``d`` and KL
   clipping, then ``p -= lr * update`` per parameter group;
 - :func:`line_search`: the learning rate of a grid with the lowest loss;
-- :func:`damping_factor`: the Levenberg-Marquardt rule from the reduction ratio;
+- :func:`damping_factor`: the Levenberg-Marquardt rule from the reduction ratio
+  (:func:`checked_factor`: the plain loop's same-batch ratio checked by the next batches);
 - :func:`loss_only`: a closure evaluated for its loss value only.
 """
 
@@ -253,6 +254,24 @@ def damping_factor(rho: float, decay: float) -> float:
     return 1.0
 
 
+def checked_factor(rho: Optional[float], actual: float, predicted: float, decay: float) -> float:
+    """Levenberg-Marquardt on the same-batch ratio ``rho``, checked by the next batches:
+    ``actual`` and ``predicted`` are the interval's summed loss changes measured by the
+    next forwards and the model's predictions for them.
+
+    ``1 / decay`` where the next batches' loss rose where a fall was predicted, else
+    :func:`damping_factor` of ``rho``, whose shrinking holds (``1``) unless the next
+    batches confirm at least a quarter of the predicted fall. On its own batch a step
+    fits that batch's gradient noise too, so ``rho`` alone stays near 1 and shrinks
+    ``lambda`` without bound on small batches (the next batches alone see only the
+    shared part of the gradient and grow it without bound; docs/optimizers.md).
+    """
+    if predicted < 0 and actual > 0:
+        return 1 / decay
+    factor = 1.0 if rho is None else damping_factor(rho, decay)
+    return factor if factor >= 1 or (predicted < 0 and actual < predicted / 4) else 1.0
+
+
 def reduction_ratio(
     loss_before: float,
     loss_after: float,
@@ -292,6 +311,7 @@ def loss_only(closure: Callable[..., Tensor]) -> float:
 __all__: List[str] = [
     "ParamSlot",
     "apply_update",
+    "checked_factor",
     "damping_factor",
     "kl_scale",
     "line_search",

@@ -11,12 +11,13 @@ gradient noise dominates, and Levenberg-Marquardt then raises ``lambda`` without
 
     rho = (h(theta + delta) - h(theta)) / M(delta).
 
-:class:`ForwardReplay` keeps what each training forward of the model since the last step
-needs to run again: the root module, its positional and keyword arguments as passed
-(references, no copies; the versions of their tensors), the states of the CPU, CUDA and
-Python ``random`` generators at its start (dropout and a LayerDrop draw the same), the
-versions of the model's buffers, weak references to its output's tensors, and the
-``loss_func`` calls that take one of them unchanged. :meth:`ForwardReplay.loss` runs those
+:class:`ForwardReplay` keeps, for a step that adapts the damping (the others are never
+replayed), what each training forward of the model since the last step needs to run
+again: the root module, its positional and keyword arguments as passed (references, no
+copies; the versions of their tensors), the states of the CPU, CUDA and Python
+``random`` generators at its start (dropout and a LayerDrop draw the same), the versions
+of the model's buffers, weak references to its output's tensors, and the ``loss_func``
+calls that take one of them unchanged. :meth:`ForwardReplay.loss` runs those
 whose losses the step's backward reached once more, under ``torch.no_grad`` with every
 hook of the library muted, and restores the buffers of the model and of ``loss_func``
 (by name: one re-assigned in the forward too) and Python's random state afterwards. The

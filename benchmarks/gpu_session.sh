@@ -4,10 +4,10 @@
 #   bash benchmarks/gpu_session.sh checks OUTDIR   # ~4 min: CUDA tests, gpu.py, conv paths
 #   bash benchmarks/gpu_session.sh resnet OUTDIR   # ~5 min: ResNet-18 (width 64) to 90%
 #   bash benchmarks/gpu_session.sh profile OUTDIR  # ~1 min: where ResNet-18's KFAC step goes
-#   bash benchmarks/gpu_session.sh all OUTDIR      # <= 10 min (189 s + ~40 s in 2026-11-27's
-#                                                  # runs): gpu.py, the CUDA tests, the profile,
-#                                                  # conv patches and eigh solvers (8 files:
-#                                                  # the most the device tool brings back)
+#   bash benchmarks/gpu_session.sh all OUTDIR      # <= 8 min: gpu.py, the CUDA tests and the
+#                                                  # ResNet-18 profile (conv patch routes and
+#                                                  # eigh solvers: measured in runs 14 and 16;
+#                                                  # `checks` and eigh_solvers.py run them)
 #
 # Run from the repository root. The peers (ASDL, curvlinops, BackPACK) are installed from
 # wheels in .whl/ when that folder exists; without them gpu.py's peer rows are left out.
@@ -70,14 +70,11 @@ all)
         2>&1 | tee "$out/gpu.log" | cut -c1-110
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_matches_cpu.py \
         tests/test_optim_syncs.py tests/test_conv_patch_gemm.py tests/test_linalg.py \
-        tests/test_statistics_precision.py -k "cuda or patch or cpu_takes or kron or padded" \
+        tests/test_statistics_precision.py tests/test_optim_quadratic_replay.py \
+        tests/test_demo.py -k "cuda or patch or cpu_takes or kron or padded or device" \
         2>&1 | tee "$out/tests.log" | tail -3
     timeout 130 python3 benchmarks/resnet_step.py --device cuda --width 64 --batch 128 \
         --out "$out" 2>&1 | tee "$out/resnet_step.log" | head -6
-    # the kernels' own choices: conv patch routes, then cuSOLVER's eigh solvers (+ ResNet)
-    timeout 50 python3 benchmarks/conv_patches.py --device cuda --layers gpu 2>&1 \
-        | tee "$out/kernels.txt"
-    timeout 70 python3 benchmarks/eigh_solvers.py --resnet 2>&1 | tee -a "$out/kernels.txt"
     ;;
 *)
     echo "unknown mode $mode (checks, resnet, profile or all)" >&2

@@ -16,6 +16,11 @@ the statistics every 10th step, ``factor_every=10, inverse_every=100, kfac_appro
 * ``aten``: aten calls of one step, the fourth (each a kernel launch or more on a GPU;
   for ``factor_every=10`` a step without statistics).
 
+``--chunk-floors OLD,NEW``: instead, KFAC's row alone, alternated three times with the
+Kronecker statistics' chunk floor of the device at each value (on CUDA
+``curvature.layer_diagonal.KFAC_CHUNK_ELEMENTS_CUDA``, else ``KFAC_CHUNK_ELEMENTS``),
+with the peak memory of a period on CUDA (an A/B in one process).
+
 Then ``torch.profiler`` tables of KFAC's steps (sorted by device time where there is a
 device, and by host (CPU) time; ``--out``: written to ``profile.txt``). On a CPU at a small width
 (``--width 4 --batch 4``) the step is host-bound, a proxy of a GPU's host side.
@@ -107,6 +112,34 @@ def measure(make, device: str, width: int, batch: int, steps: int) -> Dict[str, 
     }
 
 
+def chunk_floors(device: str, width: int, batch: int, steps: int, floors) -> Dict[str, list]:
+    """KFAC's step with each Kronecker statistics chunk floor in ``floors``, alternated
+    three times in this process: ``{floor: [measure(...) with "peak_mib", ...]}``."""
+    from curvature import layer_diagonal
+
+    name = "KFAC_CHUNK_ELEMENTS_CUDA" if device.startswith("cuda") else "KFAC_CHUNK_ELEMENTS"
+    kept = getattr(layer_diagonal, name)
+    out: Dict[str, list] = {str(f): [] for f in floors}
+    try:
+        for _ in range(3):
+            for f in floors:
+                setattr(layer_diagonal, name, f)
+                if device.startswith("cuda"):
+                    torch.cuda.reset_peak_memory_stats()
+                r = measure(curvature.KFAC, device, width, batch, steps)
+                if device.startswith("cuda"):
+                    r["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+                out[str(f)].append(r)
+                print(
+                    f"  KFAC, chunk floor {f:>10d}  wall {r['wall_ms']:8.2f} ms  "
+                    f"host {r['host_ms']:8.2f} ms  aten {r['aten_calls']:5d}"
+                    + (f"  peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else "")
+                )
+    finally:
+        setattr(layer_diagonal, name, kept)
+    return out
+
+
 def profile(device: str, width: int, batch: int, steps: int, rows: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -140,12 +173,27 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=30, help="rows of the profile table")
     p.add_argument("--out", default=None, help="a folder for the JSON and the profile")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--chunk-floors",
+        default=None,
+        help="OLD,NEW: KFAC alone with each Kronecker statistics chunk floor (elements)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"ResNet-18 width {args.width}, batch {args.batch}, {args.device} ({where})")
     results = {}
+    if args.chunk_floors:
+        floors = [int(v) for v in args.chunk_floors.split(",")]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = chunk_floors(args.device, args.width, args.batch, args.steps, floors)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "chunk_floors.json"), "w") as f:
+                json.dump({"device": where, "torch": torch.__version__, "results": results}, f)
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # BatchNorm in train mode: plain gradient
         for name, make in optimizers().items():

@@ -1083,7 +1083,10 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
     grids = {k: v[1:3] for k, v in wl.grids.items()} if args.quick else wl.grids
     grids = split_grids(grids, only, lrs)
     if args.kfac_row is not None:
-        wl.kfac_rows = dict([kfac_row(args.kfac_row)])
+        row, options = kfac_row(args.kfac_row)
+        if options.get("loss_func") is True:  # the workload's own loss
+            options["loss_func"] = wl.loss_func
+        wl.kfac_rows = {row: options}
     if only is not None and "kfac" not in only:
         wl.kfac_rows = {}
     select_kfac_rows(wl, args)
@@ -1096,7 +1099,8 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
 def kfac_row(text: str) -> Tuple[str, Dict[str, Any]]:
     """``--kfac-row``: the row's name and options from a JSON dict of ``curvature.KFAC``
     keyword arguments (numbers, strings, booleans, ``null``; a ``*_dtype`` as a string,
-    e.g. ``{"statistics_dtype": "bfloat16"}``)."""
+    e.g. ``{"statistics_dtype": "bfloat16"}``; ``"loss_func": true``: the workload's
+    loss, e.g. ``{"fisher": "mc", "loss_func": true}``)."""
     import json
 
     try:

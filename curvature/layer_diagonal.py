@@ -37,6 +37,15 @@ DIAGONAL_CHUNK_SHARE = 0.5
 #: Cutting such a batch saves little memory and costs one full ``D x D`` GEMM output per
 #: chunk (a ResNet-18 layer with 1x1 maps: three ``1152 x 1152`` products instead of one).
 KFAC_CHUNK_ELEMENTS = 2**20
+#: The same floor on CUDA, ``2**22`` elements (16 MiB in float32): there each chunk is a
+#: round of a dozen host-bound calls (the unfold, the bias column, the GEMMs, the sums)
+#: whose kernels take microseconds, and a GPU's memory is not the bound. ResNet-18 at
+#: width 64 and batch 128 (benchmarks/resnet_step.py) cuts its 18 chunked layers into 41
+#: chunks per statistics step with the CPU's floor (``layer1``'s patches of 128 samples
+#: are 3.6M elements: 4 chunks of 37 samples), into 18 (one per layer) with this one; a
+#: layer whose inputs are large (gpu.py's VGG at batch 256) is bound by
+#: ``KFAC_CHUNK_SHARE`` as before.
+KFAC_CHUNK_ELEMENTS_CUDA = 2**22
 #: The share of the Kronecker statistics' bound (:func:`kfac_chunk`): their patches take
 #: at most ``KFAC_CHUNK_SHARE * (numel(x) + numel(g))`` elements. Half of the diagonal's
 #: share: a curvature backward of its own (MC, type-2) folds the layers while the
@@ -202,16 +211,23 @@ def kfac_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) -> Opt
     ``max(KFAC_CHUNK_ELEMENTS, KFAC_CHUNK_SHARE * (numel(x) + numel(g)))``: the
     statistics add at most half the memory of the layer's own inputs and output gradients,
     or take at most :data:`KFAC_CHUNK_ELEMENTS` elements (the patches of a small layer's
-    whole batch, one GEMM).
+    whole batch, one GEMM; on CUDA :data:`KFAC_CHUNK_ELEMENTS_CUDA`).
     """
     return samples_per_chunk(
         rule,
         module,
         calls,
         lambda S, C, D, D_out, K: S * C * D,
-        floor=KFAC_CHUNK_ELEMENTS,
+        floor=KFAC_CHUNK_ELEMENTS_CUDA if _on_cuda(calls) else KFAC_CHUNK_ELEMENTS,
         share=KFAC_CHUNK_SHARE,
     )
+
+
+def _on_cuda(calls: Sequence[Call]) -> bool:
+    """Whether the layer's calls ran on CUDA (the device of the first call's first output:
+    a layer may take its input by keyword).
+    """
+    return bool(calls) and bool(calls[0].out_meta) and calls[0].out_meta[0][2].type == "cuda"
 
 
 def chunked_kfac_factors(rule: LayerRule, module: nn.Module, calls, approx: str, with_g: bool):
@@ -257,14 +273,12 @@ def correction_chunk(rule: LayerRule, module: nn.Module, calls: Sequence[Call]) 
     ``D x D`` basis); the bound is ``max(CORRECTION_CHUNK_ELEMENTS, DIAGONAL_CHUNK_SHARE
     * (numel(x) + numel(g)))`` (on CUDA the floor :data:`CORRECTION_CHUNK_ELEMENTS_CUDA`).
     """
-    # (the device of the first output: a layer may take its input by keyword)
-    cuda = bool(calls) and bool(calls[0].out_meta) and calls[0].out_meta[0][2].type == "cuda"
     return samples_per_chunk(
         rule,
         module,
         calls,
         lambda S, C, D, D_out, K: (3 * S * C * D + K * S * C * D_out) + (S > 1) * K * C * D_out * D,
-        floor=CORRECTION_CHUNK_ELEMENTS_CUDA if cuda else CORRECTION_CHUNK_ELEMENTS,
+        floor=CORRECTION_CHUNK_ELEMENTS_CUDA if _on_cuda(calls) else CORRECTION_CHUNK_ELEMENTS,
     )
 
 

@@ -315,6 +315,58 @@ def test_kfac_statistics_of_a_small_layer_are_one_chunk_above_the_share_bound(mo
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
+def test_kfac_statistics_take_the_floor_of_their_device(monkeypatch, device):
+    """A padded 3x3 convolution on 16x16 maps, batch 64: its patches (64 x 256 x 72
+    elements, 1.18M) lie between the CPU's floor ``KFAC_CHUNK_ELEMENTS`` (2**20) and
+    CUDA's ``KFAC_CHUNK_ELEMENTS_CUDA`` (2**22), above the share bound: a CPU cuts the
+    batch in two (56 and 8 samples), CUDA takes it whole (one unfold, one GEMM per factor); each device's
+    floor is its own (the other one's changed: nothing changes), and the factors equal
+    the CPU's whole-batch ones."""
+    import curvature.layers.conv as conv
+
+    monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ())  # CUDA's route on a CPU too
+    seen = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
+    n, c = 64, 8
+
+    def factors(dev):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.Flatten(), nn.Linear(c * 256, 3))
+        opt = curvature.KFAC(model.to(dev), lr=0.1)
+        g = torch.Generator().manual_seed(2)
+        X, y = torch.randn(n, c, 16, 16, generator=g), torch.randint(0, 3, (n,), generator=g)
+        nn.CrossEntropyLoss()(model(X.to(dev)), y.to(dev)).backward()
+        opt.step()
+        return [f.cpu() for f in opt.factors()["0"]]
+
+    patches = n * 256 * 9 * c
+    assert layer_diagonal.KFAC_CHUNK_ELEMENTS < patches < layer_diagonal.KFAC_CHUNK_ELEMENTS_CUDA
+    assert patches > layer_diagonal.KFAC_CHUNK_SHARE * 2 * n * c * 256
+    other = "KFAC_CHUNK_ELEMENTS" if device == "cuda" else "KFAC_CHUNK_ELEMENTS_CUDA"
+    per_chunk = layer_diagonal.KFAC_CHUNK_ELEMENTS // (256 * 9 * c)  # 56 samples
+    want = [n] if device == "cuda" else [per_chunk, n - per_chunk]
+    got = factors(device)
+    assert seen == want
+    seen.clear()
+    monkeypatch.setattr(layer_diagonal, other, 1)  # the other device's floor: no effect
+    again = factors(device)
+    assert seen == want
+    monkeypatch.setattr(layer_diagonal, "KFAC_CHUNK_ELEMENTS", 2**40)
+    monkeypatch.setattr(layer_diagonal, "KFAC_CHUNK_ELEMENTS_CUDA", 2**40)
+    whole = factors("cpu")
+    for a, b, w in zip(got, again, whole):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, w)
+
+
 def test_ekfac_corrections_of_a_small_layer_take_many_samples_per_chunk(monkeypatch):
     """EKFAC's corrections of a padded 3x3 convolution on 1x1 maps, batch 128 (ResNet-18's
     last stage on 28x28 inputs): one position per sample, so no rotated per-sample

@@ -258,9 +258,10 @@ def test_kfac_statistics_in_chunks_equal_the_whole_batch(make, fisher, approx, m
 def test_kfac_statistics_unfold_a_chunk_of_samples_at_a_time(monkeypatch):
     import curvature.layers.conv as conv
 
-    # the patches come from unfold_patches, or on a CPU from kernel_major_sums (here small)
+    # the patches (with the bias column) come from biased_patches, or on a CPU from
+    # kernel_major_sums (here small)
     monkeypatch.setattr(conv, "KERNEL_MAJOR_MIN_ELEMENTS", 0)
-    channel_major = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
+    channel_major = samples_seen(monkeypatch, (conv,), "biased_patches", arg=1)
     kernel_major = samples_seen(monkeypatch, (conv,), "kernel_major_sums", arg=1)
 
     def step():
@@ -289,7 +290,7 @@ def test_kfac_statistics_of_a_small_layer_are_one_chunk_above_the_share_bound(mo
     diagonal's, the same batch is cut, and the factors agree."""
     import curvature.layers.conv as conv
 
-    seen = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
+    seen = samples_seen(monkeypatch, (conv,), "biased_patches", arg=1)
     n, c = 128, 64  # patches 128 x 576 = 73,728 elements; x + g = 16,384
 
     def factors():
@@ -334,7 +335,7 @@ def test_kfac_statistics_take_the_floor_of_their_device(monkeypatch, device):
     import curvature.layers.conv as conv
 
     monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ())  # CUDA's route on a CPU too
-    seen = samples_seen(monkeypatch, (conv,), "unfold_patches", arg=1)
+    seen = samples_seen(monkeypatch, (conv,), "biased_patches", arg=1)
     n, c = 64, 8
 
     def factors(dev):

@@ -31,6 +31,38 @@ def unfold_patches(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     return _patch_rows(_windows(module, x), module.groups)
 
 
+def biased_patches(module: nn.modules.conv._ConvNd, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`unfold_patches` with a column of ones last (the bias coordinate), ``[N, S,
+    G, C_in / G prod(k) + 1]`` in ``dtype``: the windows copied once, straight into the
+    result beside the column (one ``x^T x`` of it then gives the whole ``A`` sum, bias row
+    and column included, where separate sums and a ``[D + 1, D + 1]`` assembly took a pass
+    over the patches and four more copies).
+    """
+    w = _windows(module, x)  # [N, C_in, O_1..O_d, k_1..k_d], a view
+    N, C, G = w.shape[0], w.shape[1], module.groups
+    d = len(module.kernel_size)
+    outs, k = w.shape[2 : 2 + d], w.shape[2 + d :]
+    D = (C // G) * math.prod(k)
+    out = w.new_empty(N, math.prod(outs), G, D + 1, dtype=dtype)
+    rows = w.unflatten(1, (G, C // G)).permute(0, *range(3, 3 + d), 1, 2, *range(3 + d, 3 + 2 * d))
+    out[..., :D].unflatten(1, outs).unflatten(-1, (C // G, *k)).copy_(rows)  # [N, O.., G, C/G, k..]
+    out[..., D] = 1
+    return out
+
+
+def _with_bias(pp: Tensor, ps: Tensor, count: int) -> Tensor:
+    """``[[P^T P, P^T 1], [1^T P, count]]`` ``[C, D + 1, D + 1]`` from ``pp [C, D, D]`` and
+    ``ps [C, D]``.
+    """
+    C, D = ps.shape
+    A = pp.new_empty(C, D + 1, D + 1)
+    A[:, :D, :D] = pp
+    A[:, :D, D] = ps
+    A[:, D, :D] = ps
+    A[:, D, D] = count
+    return A
+
+
 def _patch_rows(w: Tensor, groups: int, fold: bool = False) -> Tensor:
     """Windows ``[N, C_in, O_1..O_d, k_1..k_d]`` as patch rows ``[N, S, G, C_in / G
     prod(k)]`` (``fold``: ``[N G, S, C_in / G prod(k)]``), one copy of the windows.
@@ -224,36 +256,23 @@ class ConvRule(LinearFamilyRule):
         kernel_major = [_kernel_major(module, c) for c in calls]
         if not (has_b or any(kernel_major)):
             return super().kfac_factors(module, calls, approx, with_g)
-        ww = wb = G_sum = None
+        A_sum = G_sum = None
         count = 0
         for call, km in zip(calls, kernel_major):
             g = self._grads(module, call) if with_g else None
+            x = call.args[0]  # (promoted with g: e.g. bf16 inputs under autocast)
+            dtype = x.dtype if g is None else torch.promote_types(x.dtype, g.dtype)
             if km:  # [1, D_in, D_in], [1, D_in]: no patch copy in the weight's order
-                x = call.args[0]
-                dtype = x.dtype if g is None else torch.promote_types(x.dtype, g.dtype)
                 pp, ps, n = kernel_major_sums(module, x.to(dtype), has_b)
+                a = _with_bias(pp, ps, n) if has_b else pp
                 gg = None if g is None else positions_gram(g[..., 0, :])
-            else:
-                p, _ = self.expand(module, call)  # [N, S, C, D_in]
-                if g is not None and p.dtype != g.dtype:  # e.g. bf16 inputs under autocast
-                    p = p.to(torch.promote_types(p.dtype, g.dtype))
-                # the patches' a^T a and g^T g, as for any Linear-family block (no bias column)
-                pp, gg, n = expanded_kfac(p, g, "expand")
-                ps = p.sum((0, 1)) if has_b else None  # [C, D_in]
-            ww = pp if ww is None else ww.add_(pp)
-            if has_b:
-                wb = ps if wb is None else wb.add_(ps)
+            else:  # the patches (with the bias column): a^T a and g^T g, one GEMM each
+                p = biased_patches(module, x, dtype) if has_b else self.expand(module, call)[0]
+                a, gg, n = expanded_kfac(p.to(dtype), g, "expand")
+            A_sum = a if A_sum is None else A_sum.add_(a)
             count += n
             if gg is not None:
                 G_sum = gg if G_sum is None else G_sum.add_(gg)
-        if not has_b:
-            return {"": (ww, G_sum, count)}
-        C, D_in = wb.shape
-        A_sum = ww.new_empty(C, D_in + 1, D_in + 1)
-        A_sum[:, :D_in, :D_in] = ww
-        A_sum[:, :D_in, D_in] = wb
-        A_sum[:, D_in, :D_in] = wb
-        A_sum[:, D_in, D_in] = count
         return {"": (A_sum, G_sum, count)}
 
     def permuted_blocks(self, module, calls):

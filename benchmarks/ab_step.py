@@ -19,7 +19,11 @@ Workloads: ``fm`` (the Fashion-MNIST MLP of benchmarks/training.py, 784-256-10 a
 CNN at batch 64), ``vgg`` (benchmarks/gpu.py's VGG at width 16, batch 32), ``resnet``
 (benchmarks/resnets.py's ResNet-18 with BatchNorm at width 16 on 1x28x28, batch 128),
 ``tiny`` (that ResNet-18 at width 4, batch 4: every kernel tiny, so the step is the
-host's work, the proxy of a host-bound GPU step); random inputs and labels. The image
+host's work, the proxy of a host-bound GPU step), ``gpu-vgg`` (gpu.py's VGG at its GPU
+size, batch 256) and ``gpu-resnet`` (that ResNet-18 at torchvision's width 64, batch 128);
+random inputs and labels. ``--device cuda``: on the GPU, each period ended by a
+synchronization (carry the old checkout's ``curvature/`` inside the repository, e.g.
+``.old/curvature``, to a device machine). The image
 workloads use ``lr=1e-3, damping=0.1`` (the defaults diverge on random labels, and
 skipped steps would time something else).
 """
@@ -41,6 +45,9 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+
+WORKLOADS = ["fm", "mlp", "cnn", "vgg", "resnet", "tiny", "gpu-vgg", "gpu-resnet"]
 
 
 def workload(name: str):
@@ -69,6 +76,16 @@ def workload(name: str):
 
         model = ResNet18(num_classes=10, in_channels=1, width=16)
         return model, torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,)), images
+    if name == "gpu-vgg":
+        import gpu
+
+        model = gpu.vgg()
+        return model, torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,)), images
+    if name == "gpu-resnet":
+        from resnets import ResNet18
+
+        model = ResNet18(num_classes=10, in_channels=1, width=64)
+        return model, torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,)), images
     if name == "tiny":  # the host's share: every kernel tiny (a GPU's host-bound case)
         from resnets import ResNet18
 
@@ -85,6 +102,7 @@ def make_step(
     inverse_every: Optional[int] = None,
     fisher: Optional[str] = None,
     extra: Optional[Dict[str, object]] = None,
+    device: str = "cpu",
 ) -> Callable[[], None]:
     """A training step of ``lib``'s ``optimizer`` on the workload, warmed up
     (``inverse_every``, ``fisher``: the optimizer's, else its defaults; ``extra``: further
@@ -94,6 +112,7 @@ def make_step(
     if not isinstance(cls, type):
         raise SystemExit(f"--optimizer {optimizer!r}: not an optimizer of curvature")
     model, X, y, options = workload(wl)
+    model, X, y = model.to(device), X.to(device), y.to(device)
     if inverse_every is not None:
         options = {**options, "inverse_every": inverse_every}
     loss_func = nn.CrossEntropyLoss()
@@ -145,9 +164,8 @@ def quantiles(values: List[float]) -> Dict[str, float]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old", required=True, help="a checkout of the code to compare against")
-    p.add_argument(
-        "--workload", default="fm", choices=["fm", "mlp", "cnn", "vgg", "resnet", "tiny"]
-    )
+    p.add_argument("--workload", default="fm", choices=WORKLOADS)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--optimizer", default="KFAC", help="KFAC, EKFAC, DiagonalNaturalGradient")
     p.add_argument("--periods", type=int, default=31)
     p.add_argument("--steps", type=int, default=20, help="steps per timed period")
@@ -170,6 +188,7 @@ def main(argv=None) -> None:
                 inverse_every=args.inverse_every,
                 fisher=args.fisher,
                 extra=args.options,
+                device=args.device,
             )
             for k, lib in (("old", old), ("new", curvature))
         }
@@ -179,12 +198,17 @@ def main(argv=None) -> None:
                 t = time.perf_counter()
                 for _ in range(args.steps):
                     steps[k]()
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
                 times[k].append((time.perf_counter() - t) / args.steps * 1e3)
     q = {k: quantiles(v) for k, v in times.items()}
     every = "" if args.inverse_every is None else f", inverse_every={args.inverse_every}"
     every += "" if args.fisher is None else f", fisher={args.fisher}"
     every += "".join(f", {k}={v}" for k, v in args.options.items())
-    print(f"{args.optimizer}{every} on {args.workload}, ms per step, {args.periods} periods:")
+    where = "" if args.device == "cpu" else f" ({args.device})"
+    print(
+        f"{args.optimizer}{every} on {args.workload}{where}, ms per step, {args.periods} periods:"
+    )
     for k in ("old", "new"):
         print(f"  {k}: " + ", ".join(f"{n} {x:.2f}" for n, x in q[k].items()))
     print("  new / old: " + ", ".join(f"{n} {q['new'][n] / q['old'][n]:.3f}" for n in q["new"]))

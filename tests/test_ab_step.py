@@ -84,3 +84,11 @@ def test_options_are_read_as_json():
 def test_options_must_be_a_json_object():
     with pytest.raises(SystemExit, match="expected a JSON object"):
         ab_step.main(["--old", str(ROOT), "--options", "[1, 2]"])
+
+
+def test_the_gpu_workloads_are_issue_17s_shapes():
+    model, X, y, options = ab_step.workload("gpu-vgg")
+    assert tuple(X.shape) == (256, 3, 32, 32) and model(X[:2]).shape == (2, 10)
+    model, X, y, _ = ab_step.workload("gpu-resnet")
+    assert tuple(X.shape) == (128, 1, 28, 28) and model.conv1.out_channels == 64
+    assert options == {"lr": 1e-3, "damping": 0.1}

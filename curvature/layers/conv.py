@@ -237,13 +237,15 @@ class ConvRule(LinearFamilyRule):
         return unfold_patches(module, call.args[0]), self._grads(module, call)
 
     def kfac_factors(self, module, calls, approx, with_g=True):
-        """KFAC statistics from the unfolded patches ``P`` without a bias column copied.
+        """KFAC statistics from the unfolded patches ``P``, copied once.
 
         ``"expand"`` with a trainable weight: ``A_sum = [[P^T P, P^T 1], [1^T P, N S]]``
         (the bias coordinate, where trainable, is 1 at every position), the same matrix as
-        :meth:`expand_calls`' ``a^T a`` without a second copy of the patches; on
+        :meth:`expand_calls`' ``a^T a`` without a second copy of the patches: one GEMM of
+        the patches copied beside a column of ones (:func:`biased_patches`); on
         :data:`KERNEL_MAJOR_DEVICES` the patches of one group are unfolded kernel-major
-        (:func:`kernel_major_sums`). ``"reduce"`` with one group: the patches' means
+        (:func:`kernel_major_sums`, ``P^T 1`` summed apart: its product is permuted into
+        the weight's order). ``"reduce"`` with one group: the patches' means
         without copying them where a sample has many positions (:func:`patch_sums`).
         The other cases (groups with ``"reduce"``, no trainable weight, calls inside
         :func:`shared_slots`) take the general path.

@@ -329,9 +329,9 @@ def test_kfac_statistics_take_the_floor_of_their_device(monkeypatch, device):
     """A padded 3x3 convolution on 16x16 maps, batch 64: its patches (64 x 256 x 72
     elements, 1.18M) lie between the CPU's floor ``KFAC_CHUNK_ELEMENTS`` (2**20) and
     CUDA's ``KFAC_CHUNK_ELEMENTS_CUDA`` (2**22), above the share bound: a CPU cuts the
-    batch in two (56 and 8 samples), CUDA takes it whole (one unfold, one GEMM per factor); each device's
-    floor is its own (the other one's changed: nothing changes), and the factors equal
-    the CPU's whole-batch ones."""
+    batch in two (56 and 8 samples), CUDA takes it whole (one copy of the patches, one
+    GEMM per factor); each device's floor is its own (the other one's changed: nothing
+    changes), and the factors equal the CPU's whole-batch ones."""
     import curvature.layers.conv as conv
 
     monkeypatch.setattr(conv, "KERNEL_MAJOR_DEVICES", ())  # CUDA's route on a CPU too

@@ -1083,10 +1083,7 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
     grids = {k: v[1:3] for k, v in wl.grids.items()} if args.quick else wl.grids
     grids = split_grids(grids, only, lrs)
     if args.kfac_row is not None:
-        row, options = kfac_row(args.kfac_row)
-        if options.get("loss_func") is True:  # the workload's own loss
-            options["loss_func"] = wl.loss_func
-        wl.kfac_rows = {row: options}
+        wl.kfac_rows = dict([kfac_row(args.kfac_row, wl.loss_func)])
     if only is not None and "kfac" not in only:
         wl.kfac_rows = {}
     select_kfac_rows(wl, args)
@@ -1096,7 +1093,7 @@ def run_new_workload(name: str, args: argparse.Namespace, seeds: Sequence[int]) 
     return res
 
 
-def kfac_row(text: str) -> Tuple[str, Dict[str, Any]]:
+def kfac_row(text: str, loss_func: Optional[nn.Module] = None) -> Tuple[str, Dict[str, Any]]:
     """``--kfac-row``: the row's name and options from a JSON dict of ``curvature.KFAC``
     keyword arguments (numbers, strings, booleans, ``null``; a ``*_dtype`` as a string,
     e.g. ``{"statistics_dtype": "bfloat16"}``; ``"loss_func": true``: the workload's
@@ -1110,6 +1107,10 @@ def kfac_row(text: str) -> Tuple[str, Dict[str, Any]]:
     if not isinstance(options, dict) or not options:
         raise SystemExit(f"--kfac-row: expected a non-empty JSON object, got {text!r}")
     named = ", ".join(f"{k}={v}" for k, v in options.items())
+    if options.get("loss_func") is True:  # the workload's own loss
+        if loss_func is None:
+            raise SystemExit('--kfac-row: "loss_func": true needs a workload with a loss')
+        options["loss_func"] = loss_func
     return f"KFAC {named} (tried by hand)", options
 
 

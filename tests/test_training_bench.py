@@ -509,6 +509,14 @@ def test_kfac_row_names_its_options_and_refuses_what_is_not_a_json_object():
             training.kfac_row(bad)
 
 
+def test_a_kfac_row_takes_the_workloads_loss_by_true():
+    ce = torch.nn.CrossEntropyLoss()
+    name, options = training.kfac_row('{"fisher": "mc", "loss_func": true}', ce)
+    assert options == {"fisher": "mc", "loss_func": ce} and "loss_func=True" in name
+    with pytest.raises(SystemExit, match="needs a workload"):
+        training.kfac_row('{"loss_func": true}')
+
+
 def test_a_kfac_row_names_its_statistics_dtype_as_a_string():
     """``{"statistics_dtype": "bfloat16"}`` (JSON has no dtypes) reaches KFAC as the dtype;
     the row's options stay JSON (the results are saved); a name that is no dtype fails."""

@@ -18,6 +18,8 @@
 # The resnet part needs Fashion-MNIST, which a bare GPU machine lacks: copy the Debian
 # package's files into .fmnist/ (add /.fmnist/ to .git/info/exclude and carry it; 30 MB):
 #   mkdir -p .fmnist && cp /usr/share/datasets/fashion-mnist/*.gz .fmnist/
+# (The logs are cut with `sed -n`, which reads to the end, not `head`: a closed pipe ends
+# the call with status 141 and can stop the program before it writes its files.)
 # Each part writes its log and JSON into OUTDIR and has its own time limit, so a stopped
 # part keeps what it wrote (gpu.py's syncs part also counts the refresh step of the CNN
 # and the LM: the predictions of `python benchmarks/step_counts.py --gpu-shapes`).
@@ -62,7 +64,7 @@ resnet)
 profile)
     # host against device time per step (AdamW, SGD, KFAC; random data) and a profile
     timeout 240 python3 benchmarks/resnet_step.py --device cuda --width 64 --batch 128 \
-        --out "$out" 2>&1 | tee "$out/resnet_step.log" | head -8
+        --out "$out" 2>&1 | tee "$out/resnet_step.log" | sed -n 1,8p
     ;;
 all)
     # issue 17's measurements first; each part bounded so the whole fits one 10-minute call
@@ -74,7 +76,7 @@ all)
         tests/test_demo.py -k "cuda or patch or cpu_takes or kron or padded or device" \
         2>&1 | tee "$out/tests.log" | tail -3
     timeout 130 python3 benchmarks/resnet_step.py --device cuda --width 64 --batch 128 \
-        --out "$out" 2>&1 | tee "$out/resnet_step.log" | head -6
+        --out "$out" 2>&1 | tee "$out/resnet_step.log" | sed -n 1,6p
     ;;
 *)
     echo "unknown mode $mode (checks, resnet, profile or all)" >&2

@@ -80,7 +80,9 @@ def expanded_diagonal(a: Tensor, g: Tensor) -> Tensor:
             if g.shape[0] > 1
             else g.reshape(-1, g.shape[-1]).pow(2)
         )
-        return (g2.mT @ a.reshape(-1, a.shape[-1]).pow(2)).unsqueeze(0)
+        # one batched GEMM: a [1, D_out, D] tensor of its own (an unsqueezed product would
+        # be a view, which the statistics' flush selects into a copy instead of zeroing)
+        return torch.bmm(g2.mT.unsqueeze(0), a.reshape(1, -1, a.shape[-1]).pow(2))
     if a.shape[1] == 1:
         return torch.einsum("knco,nci->coi", g[:, :, 0].pow(2), a[:, 0].pow(2))
     d = None

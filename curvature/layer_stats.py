@@ -265,7 +265,9 @@ def exact_factors(rule: LayerRule, module: nn.Module, calls) -> Dict[str, tuple]
     """
     U = per_vector_grads(rule, module, calls).flatten(0, 1)
     one = torch.ones(1, 1, 1, dtype=U.dtype, device=U.device)
-    return {"": (one, (U.T @ U)[None], 1)}
+    # one batched GEMM: G a tensor of its own (a view would be selected into a copy by
+    # the statistics' flush instead of zeroed in place)
+    return {"": (one, torch.bmm(U.T.unsqueeze(0), U.unsqueeze(0)), 1)}
 
 
 def fisher_diagonal(
@@ -377,7 +379,7 @@ def eigenvalue_corrections(
         rot = QG[0].mT @ U.view(*U.shape[:2], D, D_out).mT @ QA[0]
     else:
         rot = (U @ QG[0]).unsqueeze(-1)
-    out[name] = rot.pow(2).sum((0, 1)).reshape(D_out, D)[None]
+    out[name] = rot.flatten(0, 1).pow(2).sum(0, keepdim=True)  # [1, D_out, D], its own
     return out
 
 
@@ -388,7 +390,9 @@ def rotated_second_moments(a: Tensor, g: Tensor, QA: Tensor, QG: Tensor) -> Tens
         ar = a.reshape(-1, a.shape[-1]).to(QA.dtype) @ QA[0]
         gr = (g.reshape(-1, g.shape[-1]).to(QG.dtype) @ QG[0]).pow(2)
         gr = gr.view(g.shape[0], -1, gr.shape[-1]).sum(0) if g.shape[0] > 1 else gr
-        return (gr.mT @ ar.pow(2)).unsqueeze(0)
+        # one batched GEMM: a tensor of its own, not an unsqueezed view (which the
+        # statistics' flush selects into a copy instead of zeroing it in place)
+        return torch.bmm(gr.mT.unsqueeze(0), ar.pow(2).unsqueeze(0))
     ar = torch.einsum("nsci,cij->nscj", a.to(QA.dtype), QA)
     gr = torch.einsum("knsco,cop->knscp", g.to(QG.dtype), QG)
     if a.shape[1] == 1:  # no sharing: sum_{k,n} (gr^2)(ar^2)^T, one GEMM, no [N, D_out, D]

@@ -219,3 +219,54 @@ def test_large_gram_statistics_on_a_cpu_are_zeroed_in_place():
     _step(model, opt, X, y)
     for k, (A, G) in _factors(opt).items():
         assert torch.equal(A, before[k][0]) and torch.equal(G, before[k][1])
+
+
+class _Mixed(nn.Module):
+    """An embedding, a LayerNorm (an exact block), a Linear and a convolution on 1x1 maps
+    (its diagonal and EKFAC's corrections: one GEMM of squares)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.ln = nn.LayerNorm(6)
+        self.conv = nn.Conv2d(6, 5, 3, padding=1)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, tokens):
+        h = self.ln(self.emb(tokens)).mean(1)  # [N, 6]
+        h = torch.tanh(self.conv(h[:, :, None, None]))  # [N, 5, 1, 1]
+        return self.fc(h.flatten(1))
+
+
+@pytest.mark.parametrize(
+    "cls", [curvature.KFAC, curvature.EKFAC, curvature.DiagonalNaturalGradient]
+)
+def test_the_library_rules_statistics_are_never_selected_into_copies(cls):
+    """Every built-in rule's statistics (an embedding's factors, an exact block's ``G``, a
+    1x1-map convolution's diagonal and eigenvalue corrections) are 3-d tensors of their
+    own, zeroed in place by the flush: a step on a CPU makes no ``where`` on a matrix
+    (each one was an allocation and a pass per step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Selects(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("where"):
+                self.shapes += [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = _Mixed()
+    opt = cls(model, lr=1e-2, damping=1e-2, inverse_every=2)
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randint(0, 11, (16, 4), generator=g), torch.randint(0, 3, (16,), generator=g)
+    for _ in range(3):  # EKFAC's corrections need a basis: from the second step on
+        _step(model, opt, X, y)
+    selects = Selects()
+    with selects:
+        _step(model, opt, X, y)
+    # (a where over the [K] vector of the blocks' flags is the EMA weights': 1-d)
+    assert [s for s in selects.shapes if len(s) >= 2] == []

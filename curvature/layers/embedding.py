@@ -120,22 +120,24 @@ class EmbeddingRule(LayerRule):
         weight = torch.ones(idx.shape, dtype=module.weight.dtype, device=idx.device)
         if module.padding_idx is not None:
             weight = weight * (idx != module.padding_idx)
+        # the sums are 3-d tensors of their own (not unsqueezed views), which the
+        # statistics' flush zeroes in place when a step is not finite
         if approx == "expand":
-            counts = torch.zeros(V, dtype=weight.dtype, device=idx.device)
-            counts.index_put_((idx.reshape(-1),), weight.reshape(-1), accumulate=True)
-            A_sum, count = (counts if diagonal else torch.diag(counts)), N * S
+            counts = torch.zeros(1, V, dtype=weight.dtype, device=idx.device)
+            counts[0].index_put_((idx.reshape(-1),), weight.reshape(-1), accumulate=True)
+            A_sum, count = (counts if diagonal else torch.diag_embed(counts)), N * S
         else:
             abar = torch.zeros(N, V, dtype=weight.dtype, device=idx.device)
             abar.scatter_add_(1, idx, weight / S)
-            A_sum, count = (abar.pow(2).sum(0) if diagonal else gram(abar)), N
+            square = abar.pow(2).sum(0, keepdim=True) if diagonal else None
+            A_sum, count = (square if diagonal else gram(abar.unsqueeze(0))), N
         G_sum = None
         if with_g:
             _, g = self._flat_batched(module, calls)  # [K, N, S, D]
             if approx == "reduce":
                 g = g.sum(-2, keepdim=True)
-            G_sum = gram(g, "knsd,knse->de")
-            G_sum = G_sum.unsqueeze(0)
-        return {"": (A_sum.unsqueeze(0), G_sum, count)}
+            G_sum = gram(g.reshape(1, -1, g.shape[-1]))  # [1, D, D]
+        return {"": (A_sum, G_sum, count)}
 
     def kfac_index(self, module, offsets, device=None):  # noqa: D102
         V, D = module.weight.shape

@@ -39,6 +39,7 @@ from .layers.plain import (
     plain_rotated,
     squares_diagonal,
 )
+from .layers.precision import gram
 from .layout import ParamSharing
 
 #: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
@@ -419,13 +420,14 @@ def at_positions(values: Tensor, positions: Tensor, wanted: Tensor) -> Tensor:
     return values[k].view(wanted.shape)
 
 
-def _factor(x: Tensor, full: bool, sub: str) -> Tensor:
-    """``sum x x^T`` over the leading axes (``full``) or its diagonal ``sum x^2``."""
-    return (
-        torch.einsum(f"{sub}i,{sub}j->cij", x, x)
-        if full
-        else x.pow(2).sum(tuple(range(x.dim() - 2)))
-    )
+def _factor(x: Tensor, full: bool) -> Tensor:
+    """``sum x x^T`` over the leading axes (``full``: ``[C, D, D]``, one batched GEMM) or
+    its diagonal ``sum x^2`` (``[C, D]``) of ``x [..., C, D]``; tensors of their own (the
+    statistics' flush zeroes them in place).
+    """
+    if full:
+        return gram(x.reshape(-1, *x.shape[-2:]).transpose(0, 1))
+    return x.pow(2).sum(tuple(range(x.dim() - 2)))
 
 
 def onesided_factors(
@@ -460,14 +462,10 @@ def onesided_factors(
             continue
         full_A, full_G = large[suffix]
         if approx == "expand":  # a [N, S, C, D], g [K, N, S, C, D_out]
-            out[suffix] = (
-                _factor(a, full_A, "nsc"),
-                _factor(g, full_G, "knsc"),
-                a.shape[0] * a.shape[1],
-            )
+            out[suffix] = (_factor(a, full_A), _factor(g, full_G), a.shape[0] * a.shape[1])
         else:
             ar, gr = a.mean(1), g.sum(2)
-            out[suffix] = (_factor(ar, full_A, "nc"), _factor(gr, full_G, "knc"), a.shape[0])
+            out[suffix] = (_factor(ar, full_A), _factor(gr, full_G), a.shape[0])
     return out
 
 

@@ -239,11 +239,19 @@ class _Mixed(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "cls", [curvature.KFAC, curvature.EKFAC, curvature.DiagonalNaturalGradient]
+    "cls, options",
+    [
+        (curvature.KFAC, {}),
+        (curvature.EKFAC, {}),
+        (curvature.DiagonalNaturalGradient, {}),
+        (curvature.KFAC, {"max_factor_size": 8}),  # one-sided blocks: a diagonal side
+        (curvature.EKFAC, {"max_factor_size": 8}),
+    ],
 )
-def test_the_library_rules_statistics_are_never_selected_into_copies(cls):
+def test_the_library_rules_statistics_are_never_selected_into_copies(cls, options):
     """Every built-in rule's statistics (an embedding's factors, an exact block's ``G``, a
-    1x1-map convolution's diagonal and eigenvalue corrections) are 3-d tensors of their
+    1x1-map convolution's diagonal and eigenvalue corrections, one-sided blocks' sides
+    with ``max_factor_size``) are tensors of their
     own, zeroed in place by the flush: a step on a CPU makes no ``where`` on a matrix
     (each one was an allocation and a pass per step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -260,7 +268,9 @@ def test_the_library_rules_statistics_are_never_selected_into_copies(cls):
 
     torch.manual_seed(0)
     model = _Mixed()
-    opt = cls(model, lr=1e-2, damping=1e-2, inverse_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the one-sided blocks' notice)
+        opt = cls(model, lr=1e-2, damping=1e-2, inverse_every=2, **options)
     g = torch.Generator().manual_seed(0)
     X, y = torch.randint(0, 11, (16, 4), generator=g), torch.randint(0, 3, (16,), generator=g)
     for _ in range(3):  # EKFAC's corrections need a basis: from the second step on

@@ -25,6 +25,7 @@ from ..layer_stats import (
     onesided_factors,
 )
 from ..layers.base import expanded_kfac
+from ..layers.registry import library_method
 from .checkpoint import refuse
 from .statistics import stat_dtype
 
@@ -71,10 +72,14 @@ def accumulate_large(
         want = {s: onesided_sides(ix, opt.max_factor_size) for s, ix in large.items()}
         res = onesided_factors(rule, module, calls, approx, want)
         if res is not None:
+            # new tensors of this step, but where a rule of one's own hands its diagonal
+            # input over (kfac_diagonal_input, which may keep it)
+            owned = library_method(rule, "kfac_diagonal_input")
             for suffix, (A, G, count) in res.items():
                 dt = stat_dtype(A)
                 kinds = ("A", "G") if suffix in large else KINDS
-                emit((name, suffix), [A.to(dt), G.to(dt), None][: len(kinds)], kinds, count)
+                values = [A.to(dt), G.to(dt), None][: len(kinds)]
+                emit((name, suffix), values, kinds, count, owned)
             return
     expanded = rule.expanded_blocks(module, calls)
     if expanded is None:  # one block (Embedding): its diagonal in block layout

@@ -4,8 +4,8 @@ glibc mmaps a large request afresh after the same size was freed, so without the
 threshold a KFAC step faults pages in every step: a 784-256-10 MLP at batch 256 did
 (hundreds, until its 785 x 785 statistic stopped being copied every step; now 0.2), a
 small CNN on 1x28x28 images at batch 64 still does (its patches: 2,100-5,600 per step);
-with the threshold raised, 0.2-160 (a twentieth or less). Each variant runs in a process of its own (the
-threshold is process state, raised once).
+with the threshold raised, 0.2-160 (a twentieth or less). Each variant runs in a process
+of its own (the threshold is process state, raised once).
 """
 
 import os

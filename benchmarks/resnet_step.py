@@ -185,7 +185,12 @@ def main(argv=None) -> None:
     print(f"ResNet-18 width {args.width}, batch {args.batch}, {args.device} ({where})")
     results = {}
     if args.chunk_floors:
-        floors = [int(v) for v in args.chunk_floors.split(",")]
+        try:
+            floors = [int(v) for v in args.chunk_floors.split(",")]
+        except ValueError:
+            raise SystemExit(
+                f"--chunk-floors: expected integers like 1048576,4194304, got {args.chunk_floors!r}"
+            ) from None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             results = chunk_floors(args.device, args.width, args.batch, args.steps, floors)

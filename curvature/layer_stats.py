@@ -32,6 +32,7 @@ from .edges import check_out_buffer
 from .layer_diagonal import chunked_diagonal, diagonal_chunk, direct_diagonal, expanded_diagonal
 from .layers import Call, LayerRule
 from .layers.base import expanded_kfac
+from .layers.kfac_sums import group_grams
 from .layers.plain import (
     PlainOperands,
     SquaredInputs,
@@ -39,7 +40,6 @@ from .layers.plain import (
     plain_rotated,
     squares_diagonal,
 )
-from .layers.precision import gram
 from .layout import ParamSharing
 
 #: ``(layer name, module, rule, calls)`` of one layer with recorded calls.
@@ -426,7 +426,7 @@ def _factor(x: Tensor, full: bool) -> Tensor:
     statistics' flush zeroes them in place).
     """
     if full:
-        return gram(x.reshape(-1, *x.shape[-2:]).transpose(0, 1))
+        return group_grams(x)
     return x.pow(2).sum(tuple(range(x.dim() - 2)))
 
 

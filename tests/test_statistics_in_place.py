@@ -187,7 +187,7 @@ def test_large_gram_statistics_on_a_cpu_are_zeroed_in_place():
     """A layer whose ``A`` takes the CPU's block-triangle Gram (``[256, 785]`` inputs with
     the bias column: ``M D^2`` above ``TRIANGLE_GRAM_WORK``) gets a 3-d sum of its own,
     which the flush zeroes in place (a product with the flag): no ``where`` into a new
-    ``785 x 785`` tensor in any step (that select cost 0.73 against 0.30 ms there). A
+    ``785 x 785`` tensor in any step (that select cost 0.50-0.73 against 0.24-0.30 ms there). A
     non-finite step still leaves the factors as they were."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

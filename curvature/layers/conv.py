@@ -38,14 +38,12 @@ def biased_patches(module: nn.modules.conv._ConvNd, x: Tensor, dtype: torch.dtyp
     and column included, where separate sums and a ``[D + 1, D + 1]`` assembly took a pass
     over the patches and four more copies).
     """
-    w = _windows(module, x)  # [N, C_in, O_1..O_d, k_1..k_d], a view
-    N, C, G = w.shape[0], w.shape[1], module.groups
+    rows = _row_view(_windows(module, x), module.groups)  # [N, O.., G, C_in / G, k..]
     d = len(module.kernel_size)
-    outs, k = w.shape[2 : 2 + d], w.shape[2 + d :]
-    D = (C // G) * math.prod(k)
-    out = w.new_empty(N, math.prod(outs), G, D + 1, dtype=dtype)
-    rows = w.unflatten(1, (G, C // G)).permute(0, *range(3, 3 + d), 1, 2, *range(3 + d, 3 + 2 * d))
-    out[..., :D].unflatten(1, outs).unflatten(-1, (C // G, *k)).copy_(rows)  # [N, O.., G, C/G, k..]
+    N, outs, G, row = rows.shape[0], rows.shape[1 : 1 + d], module.groups, rows.shape[2 + d :]
+    D = math.prod(row)  # (C_in / G) prod(k)
+    out = rows.new_empty(N, math.prod(outs), G, D + 1, dtype=dtype)
+    out[..., :D].unflatten(1, outs).unflatten(-1, row).copy_(rows)  # the one copy
     out[..., D] = 1
     return out
 
@@ -74,11 +72,21 @@ def _patch_rows(w: Tensor, groups: int, fold: bool = False) -> Tensor:
     N, C = w.shape[0], w.shape[1]
     d = (w.dim() - 2) // 2
     S, K = math.prod(w.shape[2 : 2 + d]), math.prod(w.shape[2 + d :])
-    w = w.unflatten(1, (groups, C // groups))  # [N, G, C / G, O.., k..]
-    outs, ks = range(3, 3 + d), range(3 + d, 3 + 2 * d)
     if fold:  # [N, G, O.., C / G, k..]
-        return w.permute(0, 1, *outs, 2, *ks).reshape(N * groups, S, (C // groups) * K)
-    return w.permute(0, *outs, 1, 2, *ks).reshape(N, S, groups, (C // groups) * K)
+        outs, ks = range(3, 3 + d), range(3 + d, 3 + 2 * d)
+        w = w.unflatten(1, (groups, C // groups)).permute(0, 1, *outs, 2, *ks)
+        return w.reshape(N * groups, S, (C // groups) * K)
+    return _row_view(w, groups).reshape(N, S, groups, (C // groups) * K)
+
+
+def _row_view(w: Tensor, groups: int) -> Tensor:
+    """Windows ``[N, C_in, O_1..O_d, k_1..k_d]`` as the view ``[N, O.., G, C_in / G,
+    k..]``: the patch rows' order, before they are copied (:func:`_patch_rows`,
+    :func:`biased_patches`).
+    """
+    d = (w.dim() - 2) // 2
+    w = w.unflatten(1, (groups, w.shape[1] // groups))  # [N, G, C / G, O.., k..]
+    return w.permute(0, *range(3, 3 + d), 1, 2, *range(3 + d, 3 + 2 * d))
 
 
 def _check_batched(module: nn.modules.conv._ConvNd, x: Tensor) -> None:

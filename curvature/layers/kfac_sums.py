@@ -49,15 +49,15 @@ def expanded_kfac(
         A_sum = _gram1(a.reshape(-1, a.shape[-1]))
         return A_sum, None if g is None else positions_gram(g[..., 0, :]), N * S
     if approx == "expand":
-        A_sum = _group_grams(a)
-        return A_sum, None if g is None else _group_grams(g), N * S
-    A_sum = _group_grams(a.mean(1))
+        A_sum = group_grams(a)
+        return A_sum, None if g is None else group_grams(g), N * S
+    A_sum = group_grams(a.mean(1))
     if g is None:
         return A_sum, None, N
-    return A_sum, _group_grams(g.sum(-3)), N
+    return A_sum, group_grams(g.sum(-3)), N
 
 
-def _group_grams(x: Tensor) -> Tensor:
+def group_grams(x: Tensor) -> Tensor:
     """``[C, D, D]``: ``sum x x^T`` per group ``c`` of ``x [..., C, D]`` over all other axes,
     one batched GEMM whose result is a tensor of its own (an ``einsum``'s is a view, which
     the statistics' flush would select into a copy instead of zeroing it in place).

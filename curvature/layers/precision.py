@@ -157,7 +157,7 @@ def gram(x: Tensor, spec: Optional[str] = None) -> Tensor:
     elif _by_triangle(y):
         # a 3-d result of its own, not a view of a 2-d one: the statistics' flush zeroes
         # such a tensor in place, where it selects a view into a copy (a ``where`` of
-        # 1.9 ms per step on a 785 x 785 factor, one thread)
+        # 0.50-0.73 ms against 0.24-0.30 ms on a 785 x 785 factor, one thread)
         D = y.shape[-1]
         full = y.new_empty(*y.shape[:-2], D, D)
         _triangle_into(

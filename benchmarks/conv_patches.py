@@ -8,7 +8,7 @@
 the patches copied channel-major (``unfold_patches``, the weight's order) against
 kernel-major from a channels-last copy of the input, the product then permuted into the
 weight's order (``kernel_major_sums``). ``"reduce"``: the patches summed over the output
-positions, copied then summed against the windows summed in place (``patch_sums``).
+positions, copied then summed against one GEMM per spatial axis (``patch_sums``).
 The layers are those of benchmarks/conv_weight_grads.py (random inputs of their shapes);
 each route is timed in the same process (median of 5 rounds of ``--reps`` calls).
 ``KERNEL_MAJOR_DEVICES``, ``KERNEL_MAJOR_ROWS`` and ``WINDOW_SUM_POSITIONS`` in

@@ -195,7 +195,7 @@ def test_the_benchmark_script_runs_and_reports_both_routes(capsys):
     conv_patches.main(["--device", "cpu", "--batch", "2", "--reps", "1", "--layers", "resnet"])
     out = capsys.readouterr().out
     assert out.count("kernel-major") >= 7 and "rel. diff" in out
-    assert conv.WINDOW_SUM_POSITIONS == 16  # restored
+    assert conv.WINDOW_SUM_POSITIONS == 2  # restored
 
 
 def _corrections(name: str, fast: bool, monkeypatch, fisher: str = "empirical"):

@@ -24,8 +24,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..layers.conv_taps import MAX_LIVE_FRACTION
 from ..linalg import damped_inverses, eigh
 from .carry import carried_corrections
+from .live import compact, live_inverse_matvec, live_inverse_matvec_into
 from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Record
 from .running import (
     RunningFactors,
@@ -69,8 +71,40 @@ class KroneckerBlock(RunningFactors):
         #: 0-d device bool: no finite statistics folded in yet (``None``: known not).
         self.fresh: Optional[Tensor] = None
         self._cache: Dict[str, tuple] = {}  # per-record products of the record, by dtype
+        #: The columns of ``A`` its statistics can have made nonzero (:meth:`widen`), or
+        #: ``None``: any (the full inverses).
+        self.live_cols: Optional[Tuple[int, ...]] = None
+        self._widened = False  # whether live_cols is known since the first statistics
+        self._live_ix: Optional[Tensor] = None
 
     # -- statistics -------------------------------------------------------------------
+    def widen(self, cols: Optional[Tuple[int, ...]]) -> None:
+        """Count the columns ``cols`` of ``A`` that the statistics about to be folded in
+        can make nonzero (``None``: any; from the layer rule's ``live_columns``, shapes
+        only). The block keeps their union since its first statistics: the other rows
+        and columns of its factors are exactly zero, and its damped inverse of ``A`` is
+        taken on these alone (:mod:`curvature.blocks.live`). Once the union exceeds
+        :data:`~curvature.layers.conv_taps.MAX_LIVE_FRACTION` of the columns, or for a
+        block that had statistics before it was told, it stays ``None``.
+        """
+        if not self._widened:
+            self._widened = True
+            self.live_cols = cols if self.A is None else None
+        elif self.live_cols is not None:
+            cols = None if cols is None else tuple(sorted(set(self.live_cols).union(cols)))
+            too_many = cols is not None and len(cols) > MAX_LIVE_FRACTION * self.index.shape[-1]
+            self.live_cols = None if too_many else cols
+
+    def live_index(self, like: Tensor) -> Optional[Tensor]:
+        """:attr:`live_cols` as an index on ``like``'s device (built when they change)."""
+        cols = self.live_cols
+        if cols is None:
+            return None
+        ix = self._live_ix
+        if ix is None or ix.device != like.device or ix.numel() != len(cols):
+            ix = self._live_ix = torch.tensor(cols, device=like.device)
+        return ix
+
     def has_statistics(self) -> bool:
         """Whether finite statistics were folded in (reads :attr:`fresh` if unknown)."""
         if self.A is None:
@@ -162,11 +196,16 @@ class KroneckerBlock(RunningFactors):
         else:
             if self.record is None:
                 self.install(CurrentFactors())
+            A, G = self.factors_of()
+            live = self.live_index(A)
             Ainv, Ginv = damped_inverses(
-                list(self.factors_of()),
+                [A if live is None else compact(A, live), G],
                 [sA, sG],
                 names=[f"A of '{self.label}'", f"G of '{self.label}'"],
             )
+            if live is not None:
+                self.inverses = DampedInverses(Ainv, Ginv, damping, self.record, mode, live, sA)
+                return self.inverses
         self.inverses = DampedInverses(Ainv, Ginv, damping, self.record, mode)
         return self.inverses
 
@@ -185,6 +224,8 @@ class KroneckerBlock(RunningFactors):
         if mode in ("pi", "per_factor"):
             inv = self.pi_inverses(damping, mode)
             Ginv, Ainv = inv.Ginv.to(M.dtype), inv.Ainv.to(M.dtype)
+            if inv.live is not None:  # (A's other columns are zero)
+                return live_inverse_matvec(Ginv, Ainv, inv.live, inv.sA, M)
             if M.shape[0] == 1:  # one group: two plain GEMMs
                 return (Ginv[0] @ M[0] @ Ainv[0]).unsqueeze(0)
             return Ginv @ M @ Ainv
@@ -202,6 +243,12 @@ class KroneckerBlock(RunningFactors):
             return
         if mode in ("pi", "per_factor"):
             inv = self.pi_inverses(damping, mode)
+            if inv.live is not None:  # (A's other columns are zero)
+                Ginv, Ainv, inv_s = self._cached(
+                    "pi", inv, v.M.dtype, lambda: (inv.Ginv[0], inv.Ainv[0], 1 / inv.sA[0])
+                )
+                live_inverse_matvec_into(Ginv, Ainv, inv.live, inv_s, v.M2, v.out2)
+                return
             Ginv, Ainv = self._cached("pi", inv, v.M.dtype, lambda: (inv.Ginv[0], inv.Ainv[0]))
             torch.mm(torch.mm(Ginv, v.M2), Ainv, out=v.out2)
             return
@@ -263,16 +310,19 @@ class KroneckerBlock(RunningFactors):
             "A": None if self.A is None else self.A.clone(),
             "G": None if self.G is None else self.G.clone(),
             "record": None if self.record is None else self.record.state(),
+            "live_columns": (self._widened, self.live_cols),
         }
         inv = self.inverses
-        live = isinstance(self.record, CurrentFactors)
-        if live and inv is not None and inv.source is self.record:
+        current = isinstance(self.record, CurrentFactors)
+        if current and inv is not None and inv.source is self.record:
             state["inverses"] = {
                 "Ainv": inv.Ainv.clone(),
                 "Ginv": inv.Ginv.clone(),
                 "damping": inv.damping,
                 "mode": inv.mode,
             }
+            if inv.live is not None:
+                state["inverses"].update(live=inv.live.clone(), sA=inv.sA.clone())
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -281,10 +331,21 @@ class KroneckerBlock(RunningFactors):
         self.G = None if state["G"] is None else state["G"].clone()
         rec = state.get("record")
         self.install(None if rec is None else Record.from_state(rec))
+        # (a state without the live columns: the full inverses from now on)
+        self._widened, cols = state.get("live_columns", (True, None))
+        self.live_cols = None if cols is None else tuple(cols)
+        self._live_ix = None
         inv = state.get("inverses")
         if inv is not None and isinstance(self.record, CurrentFactors):
+            live = inv.get("live")
             self.inverses = DampedInverses(
-                inv["Ainv"].clone(), inv["Ginv"].clone(), inv["damping"], self.record, inv["mode"]
+                inv["Ainv"].clone(),
+                inv["Ginv"].clone(),
+                inv["damping"],
+                self.record,
+                inv["mode"],
+                None if live is None else live.clone(),
+                None if live is None else inv["sA"].clone(),
             )
 
 

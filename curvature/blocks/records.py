@@ -135,6 +135,11 @@ class DampedInverses:
     damping: float
     source: Record  #: the record they were computed from (identity checked on reuse)
     mode: str = "pi"
+    #: ``[L]`` device index: ``Ainv`` is ``[C, L, L]``, the inverse on these columns of
+    #: ``A`` alone (the others' rows and columns are zero: ``1 / sA`` there;
+    #: :mod:`curvature.blocks.live`); ``None``: ``Ainv`` is ``[C, D, D]``.
+    live: Optional[Tensor] = None
+    sA: Optional[Tensor] = None  #: ``[C]``: the shift of ``A`` (with ``live``)
 
 
 RECORDS = {cls.__name__: cls for cls in (CurrentFactors, Eigen, FactorSnapshot, GeneralizedEigen)}

@@ -24,6 +24,7 @@ from ..linalg import (
     spare,
 )
 from .kronecker import EigenCorrectedBlock, KroneckerBlock
+from .live import compact
 from .onesided import OneSidedBlock, full_sides, install_sides
 from .power import power_steps
 from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Outcome, RefreshStatus
@@ -90,7 +91,7 @@ def snapshots(
         spares += [old.Ainv, old.Ginv] if reuse else [None, None]
         del old
         b.install(b.record)
-    mats, shifts, names = _damped(blocks, damping_of, mode)
+    mats, shifts, names, lives = _damped(blocks, damping_of, mode)
     results = damped_inverses_or_errors(mats, shifts, names=names, also=also, into=spares)
     del spares
 
@@ -99,18 +100,23 @@ def snapshots(
         # snapshot where it can take it (it is replaced by this one)
         return FactorSnapshot(_copy(b.A, b.record, "A"), _copy(b.G, b.record, "G"))
 
-    return _outcomes(blocks, results, damping_of, mode, snapshot, {})
+    return _outcomes(blocks, results, damping_of, mode, snapshot, {}, lives)
 
 
 def _damped(blocks: Sequence[KroneckerBlock], damping_of, mode: str):
-    """The running factors of ``blocks``, their shifts at the damping of the moment, names."""
-    mats, shifts, names = [], [], []
+    """The running factors of ``blocks``, their shifts at the damping of the moment, names,
+    and per block its live columns' index and ``A``'s shift (``A`` on those columns
+    alone, a copy: :mod:`.live`) or ``None``.
+    """
+    mats, shifts, names, lives = [], [], [], []
     for b in blocks:  # the running factors themselves (nothing writes them until the end)
         sA, sG = b.shifts(damping_of(b), mode, record=CurrentFactors())
-        mats += [b.A, b.G]
+        live = b.live_index(b.A)
+        mats += [b.A if live is None else compact(b.A, live), b.G]
         shifts += [sA, sG]
         names += [f"A of '{b.label}'", f"G of '{b.label}'"]
-    return mats, shifts, names
+        lives.append(None if live is None else (live, sA))
+    return mats, shifts, names, lives
 
 
 def _current(blocks: Sequence[KroneckerBlock], damping_of, mode: str, also: Sequence[Any]):
@@ -131,18 +137,19 @@ def _current(blocks: Sequence[KroneckerBlock], damping_of, mode: str, also: Sequ
     for b in blocks:
         old = b.inverses if id(b) in reuse else None
         spares += [None, None] if old is None else [old.Ainv, old.Ginv]
-    mats, shifts, names = _damped(blocks, damping_of, mode)
+    mats, shifts, names, lives = _damped(blocks, damping_of, mode)
     results = damped_inverses_or_errors(
         mats, shifts, names=names, also=also, into=spares, check_finite=not reuse
     )
     del spares
-    return _outcomes(blocks, results, damping_of, mode, lambda b: CurrentFactors(), out)
+    return _outcomes(blocks, results, damping_of, mode, lambda b: CurrentFactors(), out, lives)
 
 
-def _outcomes(blocks, results: list, damping_of, mode: str, record_of, out: dict):
+def _outcomes(blocks, results: list, damping_of, mode: str, record_of, out: dict, lives: list):
     """Per block (two matrices each in ``results``, then the values of ``also``) its
     outcome in ``out`` (a failure, or ``OK`` with ``record_of(block)``) and the inverses
-    of the ``OK`` ones; returns ``(out, inverses, also's values)``.
+    of the ``OK`` ones (``lives``: :func:`_damped`'s); returns ``(out, inverses, also's
+    values)``.
     """
     n = 2 * len(blocks)
     results, extra = results[:n], results[n:]
@@ -155,7 +162,8 @@ def _outcomes(blocks, results: list, damping_of, mode: str, record_of, out: dict
         else:
             record = record_of(b)
             out[b] = Outcome(RefreshStatus.OK, record)
-            inverses[b] = DampedInverses(a, g, damping_of(b), record, mode)
+            live = lives[i] or (None, None)
+            inverses[b] = DampedInverses(a, g, damping_of(b), record, mode, *live)
     return out, inverses, extra
 
 

@@ -293,6 +293,10 @@ class LayerRule:
         """
         return None
 
+    def live_columns(self, module: nn.Module, calls: Sequence[Call]) -> Optional[Tuple[int, ...]]:
+        """Columns of ``A`` (block ``""``) that ``calls`` can fill, by shape; ``None``: all."""
+        return None
+
     def kfac_shapes(self, module: nn.Module) -> Optional[Dict[str, Tuple[int, int, int]]]:
         """Per block suffix, ``(C, D_out, D)``: the shapes of :meth:`kfac_index`'s tensors.
 
@@ -367,12 +371,8 @@ class LinearFamilyRule(LayerRule):
     # -- helpers ---------------------------------------------------------------------
     @staticmethod
     def _weight_bias(module: nn.Module) -> Tuple[bool, bool]:
-        weight = getattr(module, "weight", None)
-        bias = getattr(module, "bias", None)
-        return (
-            weight is not None and weight.requires_grad,
-            bias is not None and bias.requires_grad,
-        )
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        return weight is not None and weight.requires_grad, bias is not None and bias.requires_grad
 
     @staticmethod
     def bias_column(call: Call, a: Tensor) -> Tensor:

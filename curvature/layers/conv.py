@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import CHUNK_ELEMENTS, LayerRule, LinearFamilyRule, check_same_samples, expanded_kfac
+from .conv_sums import live_gram, output_positions, window_sums
+from .conv_taps import live_columns
 from .kfac_sums import positions_gram
 from .precision import gram
 from .registry import register
@@ -135,10 +137,10 @@ KERNEL_MAJOR_ROWS = 0.5
 #: route's few more calls cost more than it saves on tiny layers (benchmarks/ab_step.py's
 #: ResNet-18 at width 4, batch 4, a host-bound step: 20.4 against 19.3 ms per step).
 KERNEL_MAJOR_MIN_ELEMENTS = 2**15
-#: Output positions per sample from which :func:`patch_sums` sums the windows in place
-#: instead of copying the patches (the same script, ``"reduce"``: 0.06-0.74x the copy
-#: from 16 positions on, 1.84-1.87x at 4, even at 1).
-WINDOW_SUM_POSITIONS = 16
+#: Output positions per sample from which :func:`patch_sums` sums the windows by a GEMM
+#: per axis instead of copying the patches (training.py's ResNet-18 layers at batch 128,
+#: one thread: 0.12-0.39x the copy's time at 4 and 16 positions, 1.6-3.8x at 1).
+WINDOW_SUM_POSITIONS = 2
 
 
 def _kernel_major(module: nn.modules.conv._ConvNd, call) -> bool:
@@ -225,16 +227,15 @@ def patch_sums(module: nn.modules.conv._ConvNd, x: Tensor) -> tuple[Tensor, int]
     """``(sum_s P[n, s] [N, D], S)``: a one-group convolution's patches summed over its
     ``S`` output positions, ``D = C_in prod(k)`` in the weight's order.
 
-    From ``WINDOW_SUM_POSITIONS`` positions on, the windows are summed where they lie
-    (a reduction of the strided view; no copy of the patches), else the patches are
-    copied and summed (fewer, longer runs).
+    From ``WINDOW_SUM_POSITIONS`` positions on, by a small GEMM per spatial axis
+    (:func:`~curvature.layers.conv_sums.window_sums`; no copy of the patches), else the
+    patches are copied and summed (fewer, longer runs).
     """
+    _check_batched(module, x)
+    if output_positions(module, x) >= WINDOW_SUM_POSITIONS:
+        return window_sums(module, x)
     w = _windows(module, x)  # [N, C_in, O_1..O_d, k_1..k_d]
-    d = len(module.kernel_size)
-    S = math.prod(w.shape[2 : 2 + d])
-    if S >= WINDOW_SUM_POSITIONS:
-        return w.sum(tuple(range(2, 2 + d))).flatten(1), S
-    return _patch_rows(w, 1).sum(1)[:, 0], S
+    return _patch_rows(w, 1).sum(1)[:, 0], math.prod(w.shape[2 : 2 + len(module.kernel_size)])
 
 
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -334,9 +335,15 @@ class ConvRule(LinearFamilyRule):
         means = means.div_(S)
         if has_b:
             means = torch.cat([means, means.new_ones(means.shape[0], 1)], 1)
-        A_sum = gram(means.unsqueeze(0))  # [1, D, D], a tensor of its own
+        live = self.live_columns(module, calls)  # (taps that read padding alone: zeros)
+        A_sum = gram(means.unsqueeze(0)) if live is None else live_gram(means, live)
         G_sum = None if g_sum is None else gram(g_sum.reshape(1, -1, g_sum.shape[-1]))
         return {"": (A_sum, G_sum, means.shape[0])}
+
+    def live_columns(self, module, calls):  # noqa: D102
+        has_w, has_b = self._weight_bias(module)
+        d = len(module.kernel_size)
+        return live_columns(module, [c.args[0].shape[-d:] for c in calls], has_b) if has_w else None
 
     def expanded_shape(self, module, calls):
         """``(N, S, C, D, D_out)`` of :meth:`expand_calls`' operands, without unfolding.
@@ -588,7 +595,5 @@ def patch_weight_grads(module: nn.modules.conv._ConvNd, x: Tensor, g: Tensor, sh
 
 
 def _stand_in(shape, like: Tensor) -> Tensor:
-    """A tensor of ``shape`` (all strides 0, one uninitialized element) in ``like``'s dtype
-    and on its device: only a weight's shape matters for its gradient.
-    """
+    """``shape``, strides 0, one uninitialized element of ``like``'s dtype and device."""
     return like.new_empty(()).expand(shape)

@@ -58,7 +58,7 @@ from ..options import DampingMode, FisherType, KFACApproxType, Unsupported
 from ..warn import warn
 from .base import CurvatureOptimizer
 from .config import CurvatureConfig, check_kfac_arguments
-from .deferred import has_statistics, read_flags, waiting_flags
+from .deferred import read_flags, waiting_flags
 from .distributed import owned_mask, share_outcomes
 from .exact_layers import check_exact_layer_size, exact_layer_names
 from .kfac_state import KroneckerState
@@ -277,6 +277,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
         self._large: Dict[Key, Tensor] = {}
         self._decomposed: set = set()
         self._term_of: Dict[Key, int] = {}  # the term of a single-term block
+        self._live_now: Dict[Key, Optional[Tuple[int, ...]]] = {}  # this step's, per block
         self._warned_missing = False
         config = CurvatureConfig.from_arguments(type(self).__name__, locals())
         super().__init__(model, lr, damping, momentum, weight_decay, config, param_groups)
@@ -291,7 +292,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
 
     def _reset_curvature(self) -> None:
         self._blocks, self._diag, self._large = {}, {}, {}
-        self._decomposed, self._term_of = set(), {}
+        self._decomposed, self._term_of, self._live_now = set(), {}, {}
         self._structure()
 
     def _structure(self) -> None:
@@ -356,24 +357,6 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             warn(large_message(self, sorted(block_name(*k) for k in self._large)))
         return covered
 
-    def factors(self) -> Dict[str, Any]:
-        """Block name to the running ``(A, G)`` (``[groups, D, D]`` for grouped convs).
-
-        A block reached by several registered outputs (terms) maps to the list of their
-        ``(A, G)`` in registration order.
-        """
-        out: Dict[str, Any] = {}
-        for key, block in self._blocks.items():
-            if not has_statistics(block):
-                continue  # only non-finite statistics so far
-            if isinstance(block, KroneckerSumBlock):
-                terms = [block.terms[t] for t in sorted(block.terms)]
-            else:
-                terms = [(block.A, block.G)]
-            pairs = [(A[0], G[0]) if A.shape[0] == 1 else (A, G) for A, G in terms]
-            out[block_name(*key)] = pairs[0] if len(pairs) == 1 else pairs
-        return out
-
     # -- statistics ----------------------------------------------------------------------------
     def _accumulate(self, name, module, rule, calls, with_g, emit) -> None:
         approx = self.config.kfac_approx.value
@@ -405,6 +388,8 @@ class KFAC(KroneckerState, CurvatureOptimizer):
                     bases[block_name(name, suffix)] = (basis.QA, basis.QG)
             if bases:  # convolutions: a chunk of samples' patches at a time
                 lambdas = chunked_corrections(name, module, rule, calls, bases)
+        if "" in res and (name, "") in self._index:
+            self._note_live(name, module, rule, calls, res[""][0])
         for suffix, (A_sum, G_sum, count) in res.items():
             dt = stat_dtype(A_sum)
             lam = lambdas.get(block_name(name, suffix))
@@ -439,9 +424,12 @@ class KFAC(KroneckerState, CurvatureOptimizer):
             if isinstance(block, KroneckerSumBlock):
                 block.update(A, G, beta, term, valid)
             else:
+                if type(block) is KroneckerBlock:  # (the columns of A it may fill)
+                    block.widen(self._live_now.get(key))
                 block.update(A, G, beta, valid)
             if lam is not None and term == 0 and isinstance(block, EigenCorrectedBlock):
                 block.update_corrections(lam, beta, valid)
+        self._live_now = {}
 
     def _diag_index(self, key: Key) -> Tensor:
         """Flat positions of a diagonal block: a large Kronecker block or a whole layer."""

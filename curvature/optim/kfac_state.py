@@ -1,5 +1,6 @@
 """The checkpoint of :class:`~curvature.KFAC` / ``EKFAC``'s blocks: what ``state_dict``
-holds of the curvature and how ``load_state_dict`` checks and restores it.
+holds of the curvature and how ``load_state_dict`` checks and restores it; the running
+factors as ``factors()`` reports them, and the live columns the blocks are told of.
 
 A mixin of :class:`~curvature.KFAC` (it uses the optimizer's blocks, indices and
 configuration): the Kronecker blocks with statistics, the diagonal and one-sided blocks,
@@ -16,6 +17,7 @@ from ..blocks import (
     Eigen,
     EigenCorrectedBlock,
     KroneckerBlock,
+    KroneckerSumBlock,
     block_state,
     restore_block,
 )
@@ -27,7 +29,9 @@ from .large import restore_onesided, split_state
 
 
 class KroneckerState:
-    """``_curvature_state``, its checks and its restore for the Kronecker optimizers."""
+    """``_curvature_state``, its checks and its restore for the Kronecker optimizers;
+    ``factors()`` and the live columns of their blocks.
+    """
 
     def _curvature_state(self) -> Dict[str, Any]:
         return {
@@ -77,3 +81,38 @@ class KroneckerState:
             for block in self._blocks.values():
                 block.install(None)
         self._decomposed = {k for k, b in self._blocks.items() if b.record is not None}
+
+    def factors(self) -> Dict[str, Any]:
+        """Block name to the running ``(A, G)`` (``[groups, D, D]`` for grouped convs).
+
+        A block reached by several registered outputs (terms) maps to the list of their
+        ``(A, G)`` in registration order.
+        """
+        out: Dict[str, Any] = {}
+        for key, block in self._blocks.items():
+            if not has_statistics(block):
+                continue  # only non-finite statistics so far
+            if isinstance(block, KroneckerSumBlock):
+                terms = [block.terms[t] for t in sorted(block.terms)]
+            else:
+                terms = [(block.A, block.G)]
+            pairs = [(A[0], G[0]) if A.shape[0] == 1 else (A, G) for A, G in terms]
+            out[block_name(*key)] = pairs[0] if len(pairs) == 1 else pairs
+        return out
+
+    def _note_live(self, name, module, rule, calls, A_sum) -> None:
+        """The columns of the layer's ``A`` that these calls can make nonzero (the rule's
+        ``live_columns``, from shapes), joined with the step's earlier ones: KFAC's
+        Kronecker blocks invert ``A`` on them alone (:mod:`curvature.blocks.live`). Not
+        with several ranks (whose inputs may differ in shape: their union is not known).
+        """
+        key = (name, "")
+        if self.block_type is not KroneckerBlock or self._comm is not None:
+            return
+        cols = rule.live_columns(module, calls)
+        if cols is not None and (A_sum is None or max(cols) >= A_sum.shape[-1]):
+            cols = None
+        if key in self._live_now:
+            before = self._live_now[key]
+            cols = None if before is None or cols is None else tuple(sorted({*before, *cols}))
+        self._live_now[key] = cols

@@ -203,14 +203,16 @@ def test_ekfac_blocks_keep_their_full_factors():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("approx", ["reduce", "expand"])
 @pytest.mark.parametrize("size", [2, 8], ids=["dead taps", "window sums"])
-def test_reduced_factors_equal_the_unfolded_patches(size):
-    """``kfac_approx="reduce"``: ``A = mean_n a_n a_n^T`` with ``a_n`` the patches of sample
-    ``n`` averaged over positions (``F.unfold``), bias column 1. On 2x2 inputs the last
-    two convolutions have dead taps (their ``A`` from the live columns' GEMM, zeros
-    around it); on 8x8 ones the first two sum their windows by the per-axis GEMMs."""
+def test_factors_equal_the_unfolded_patches(size, approx):
+    """``A`` from the patches (``F.unfold``, bias column 1): ``"reduce"``: ``mean_n a_n
+    a_n^T`` with ``a_n`` sample ``n``'s patches averaged over positions; ``"expand"``:
+    the mean of ``p p^T`` over samples and positions. On 2x2 inputs the last two
+    convolutions have dead taps (their ``A`` from the live columns' GEMM, zeros around
+    it); on 8x8 ones the first two sum their windows by the per-axis GEMMs."""
     model = small_net()
-    opt = curvature.KFAC(model, kfac_approx="reduce", inverse_every=1)
+    opt = curvature.KFAC(model, kfac_approx=approx, inverse_every=1)
     inputs = {}
     for i in (0, 2, 4):
         model[i].register_forward_hook(lambda m, a, out, i=i: inputs.__setitem__(i, a[0].detach()))
@@ -221,9 +223,12 @@ def test_reduced_factors_equal_the_unfolded_patches(size):
     for i in (0, 2, 4):
         conv = model[i]
         P = nn.functional.unfold(inputs[i], 3, padding=1, stride=conv.stride)  # [N, 9 C, S]
-        a = torch.cat([P.mean(-1), torch.ones(8, 1, dtype=P.dtype)], 1)
+        if approx == "reduce":
+            P = P.mean(-1, keepdim=True)
+        a = P.transpose(1, 2).reshape(-1, P.shape[1])  # [N S, 9 C]
+        a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], 1)
         A, _ = opt.factors()[str(i)]  # (the first statistics as they are)
-        torch.testing.assert_close(A, a.T @ a / 8, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(A, a.T @ a / len(a), rtol=1e-12, atol=1e-14)
 
 
 def test_live_columns_read_nothing_from_the_device():

@@ -122,13 +122,10 @@ def _windows(module: nn.modules.conv._ConvNd, x: Tensor, channels_last: bool = F
 
 
 #: Devices on which a convolution's ``"expand"`` Kronecker statistics unfold the patches
-#: of one group kernel-major (:func:`kernel_major_sums`): from a channels-last copy of
-#: the input, whose windows copy in runs of ``k_d C_in`` elements instead of ``k_d``. A
-#: CPU copies short runs slowly: at one thread, ``sum P^T P`` with its patches costs
-#: 0.50-0.87x the channel-major route on training.py's ResNet-18 (width 16, batch 128)
-#: where ``N S >= 0.89 D``, 0.56-0.97x on gpu.py's CNNs (batch 32), but 1.26x and 1.54x
-#: at ``N S = 0.22 D`` and ``0.11 D`` (``python benchmarks/conv_patches.py --layers
-#: resnet --threads 1``; docs/benchmarks.md). Not on a GPU (not measured there).
+#: of one group kernel-major (:func:`kernel_major_sums`) from a channels-last copy of the
+#: input (runs of ``k_d C_in`` elements, not ``k_d``): 0.50-0.97x the channel-major route
+#: from ``N S >= 0.89 D`` on, 1.26-1.54x below (``python benchmarks/conv_patches.py
+#: --layers resnet --threads 1``; docs/benchmarks.md). Not on a GPU (not measured there).
 KERNEL_MAJOR_DEVICES = ("cpu",)
 #: ``N S >= KERNEL_MAJOR_ROWS * D``: the patch rows per patch entry from which
 #: :data:`KERNEL_MAJOR_DEVICES` take the kernel-major route.
@@ -264,8 +261,9 @@ class ConvRule(LinearFamilyRule):
             return super().kfac_factors(module, calls, approx, with_g)
         if approx == "reduce":
             return self._reduced_factors(module, calls, has_b, with_g)
-        kernel_major = [_kernel_major(module, c) for c in calls]
-        if not (has_b or any(kernel_major)):
+        live = self.live_columns(module, calls) if module.groups == 1 else None
+        kernel_major = [live is None and _kernel_major(module, c) for c in calls]
+        if not (has_b or any(kernel_major) or live):
             return super().kfac_factors(module, calls, approx, with_g)
         A_sum = G_sum = None
         count = 0
@@ -279,7 +277,7 @@ class ConvRule(LinearFamilyRule):
                 gg = None if g is None else positions_gram(g[..., 0, :])
             else:  # the patches (with the bias column): a^T a and g^T g, one GEMM each
                 p = biased_patches(module, x, dtype) if has_b else self.expand(module, call)[0]
-                a, gg, n = expanded_kfac(p.to(dtype), g, "expand")
+                a, gg, n = expanded_kfac(p.to(dtype), g, "expand", live)  # (live: zeros)
             A_sum = a if A_sum is None else A_sum.add_(a)
             count += n
             if gg is not None:

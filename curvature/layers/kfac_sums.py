@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from torch import Tensor
 
+from .conv_sums import live_gram
 from .precision import gram
 
 
@@ -36,17 +37,20 @@ def _gram1(x: Tensor) -> Tensor:
 
 
 def expanded_kfac(
-    a: Tensor, g: Optional[Tensor], approx: str
+    a: Tensor, g: Optional[Tensor], approx: str, live: Optional[Sequence[int]] = None
 ) -> Tuple[Tensor, Optional[Tensor], int]:
     """``(A_sum [C, D, D], G_sum [C, D_out, D_out] or None, count)`` for KFAC.
 
     ``"expand"``: ``A_sum = sum_{n,s} a a^T`` over ``count = N S``, ``G_sum = sum_{k,n,s}
     g g^T``; ``"reduce"``: the inputs meaned and the gradients summed over ``s`` first.
-    ``g`` carries the pulled vectors' axis ``[K]`` first.
+    ``g`` carries the pulled vectors' axis ``[K]`` first. ``live`` (one group,
+    ``"expand"``): the only columns of ``a`` that can be nonzero (``A_sum`` from their
+    GEMM: :func:`~curvature.layers.conv_sums.live_gram`).
     """
     N, S = a.shape[:2]
     if approx == "expand" and a.shape[2] == 1:  # one group: two plain GEMMs
-        A_sum = _gram1(a.reshape(-1, a.shape[-1]))
+        rows = a.reshape(-1, a.shape[-1])
+        A_sum = _gram1(rows) if live is None else live_gram(rows, live)
         return A_sum, None if g is None else positions_gram(g[..., 0, :]), N * S
     if approx == "expand":
         A_sum = group_grams(a)

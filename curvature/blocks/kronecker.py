@@ -24,7 +24,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..layers.conv_taps import MAX_LIVE_FRACTION
 from ..linalg import damped_inverses, eigh
 from .carry import carried_corrections
 from .live import compact, live_inverse_matvec, live_inverse_matvec_into
@@ -78,22 +77,21 @@ class KroneckerBlock(RunningFactors):
         self._live_ix: Optional[Tensor] = None
 
     # -- statistics -------------------------------------------------------------------
-    def widen(self, cols: Optional[Tuple[int, ...]]) -> None:
+    def widen(self, cols: Optional[Tuple[int, ...]], most: int) -> None:
         """Count the columns ``cols`` of ``A`` that the statistics about to be folded in
         can make nonzero (``None``: any; from the layer rule's ``live_columns``, shapes
         only). The block keeps their union since its first statistics: the other rows
         and columns of its factors are exactly zero, and its damped inverse of ``A`` is
-        taken on these alone (:mod:`curvature.blocks.live`). Once the union exceeds
-        :data:`~curvature.layers.conv_taps.MAX_LIVE_FRACTION` of the columns, or for a
-        block that had statistics before it was told, it stays ``None``.
+        taken on these alone (:mod:`curvature.blocks.live`). Once the union has more than
+        ``most`` columns, or for a block that had statistics before it was told, it
+        stays ``None``.
         """
         if not self._widened:
             self._widened = True
             self.live_cols = cols if self.A is None else None
         elif self.live_cols is not None:
             cols = None if cols is None else tuple(sorted(set(self.live_cols).union(cols)))
-            too_many = cols is not None and len(cols) > MAX_LIVE_FRACTION * self.index.shape[-1]
-            self.live_cols = None if too_many else cols
+            self.live_cols = None if cols is not None and len(cols) > most else cols
 
     def live_index(self, like: Tensor) -> Optional[Tensor]:
         """:attr:`live_cols` as an index on ``like``'s device (built when they change)."""

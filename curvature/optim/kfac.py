@@ -51,6 +51,7 @@ from ..layer_stats import (
     layer_numel,
     layer_positions,
 )
+from ..layers.conv_taps import MAX_LIVE_FRACTION
 from ..layers.precision import statistics_precision
 from ..layers.registry import library_method
 from ..layout import put, take
@@ -425,7 +426,8 @@ class KFAC(KroneckerState, CurvatureOptimizer):
                 block.update(A, G, beta, term, valid)
             else:
                 if type(block) is KroneckerBlock:  # (the columns of A it may fill)
-                    block.widen(self._live_now.get(key))
+                    most = int(MAX_LIVE_FRACTION * block.index.shape[-1])
+                    block.widen(self._live_now.get(key), most)
                 block.update(A, G, beta, valid)
             if lam is not None and term == 0 and isinstance(block, EigenCorrectedBlock):
                 block.update_corrections(lam, beta, valid)

@@ -88,10 +88,12 @@ class KroneckerBlock(RunningFactors):
         """
         if not self._widened:
             self._widened = True
-            self.live_cols = cols if self.A is None else None
+            cols = cols if self.A is None else None
         elif self.live_cols is not None:
             cols = None if cols is None else tuple(sorted(set(self.live_cols).union(cols)))
-            self.live_cols = None if cols is not None and len(cols) > most else cols
+        else:
+            return
+        self.live_cols = None if cols is not None and len(cols) > most else cols
 
     def live_index(self, like: Tensor) -> Optional[Tensor]:
         """:attr:`live_cols` as an index on ``like``'s device (built when they change)."""

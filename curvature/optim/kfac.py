@@ -389,7 +389,7 @@ class KFAC(KroneckerState, CurvatureOptimizer):
                     bases[block_name(name, suffix)] = (basis.QA, basis.QG)
             if bases:  # convolutions: a chunk of samples' patches at a time
                 lambdas = chunked_corrections(name, module, rule, calls, bases)
-        if "" in res and (name, "") in self._index:
+        if "" in res and (name, "") in self._index and name not in self._exact_layers:
             self._note_live(name, module, rule, calls, res[""][0])
         for suffix, (A_sum, G_sum, count) in res.items():
             dt = stat_dtype(A_sum)

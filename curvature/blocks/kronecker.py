@@ -89,6 +89,8 @@ class KroneckerBlock(RunningFactors):
         if not self._widened:
             self._widened = True
             cols = cols if self.A is None else None
+        elif cols is self.live_cols:  # (the rule's same tuple: nothing new)
+            return
         elif self.live_cols is not None:
             cols = None if cols is None else tuple(sorted(set(self.live_cols).union(cols)))
         else:

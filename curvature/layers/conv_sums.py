@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .conv_taps import positions
 from .precision import gram
 
 
@@ -36,23 +37,14 @@ def window_sums(module: nn.modules.conv._ConvNd, x: Tensor) -> Tuple[Tensor, int
     over its ``S`` output positions (the module docstring).
     """
     d = len(module.kernel_size)
-    pad = list(module._reversed_padding_repeated_twice)
+    pad = _pads(module)
     if any(pad) and module.padding_mode != "zeros":
         x, pad = F.pad(x, pad, mode=module.padding_mode), [0] * (2 * d)
     N, C = x.shape[0], x.shape[1]
     out, S = x, 1
+    axes = _axes(module, x.shape, pad)
     for j in reversed(range(d)):  # the last axis first: [N, C, n_1.., k_d, .., k_j+1]
-        left, right = pad[2 * (d - 1 - j)], pad[2 * (d - 1 - j) + 1]
-        E, n_out = _selector(
-            x.shape[2 + j],
-            module.kernel_size[j],
-            module.stride[j],
-            module.dilation[j],
-            left,
-            right,
-            x.dtype,
-            x.device,
-        )
+        E, n_out = _selector(*axes[j], x.dtype, x.device)
         out = torch.tensordot(out, E, dims=([2 + j], [0]))
         S *= n_out
     out = out.permute(0, 1, *range(d + 1, 1, -1))  # [N, C, k_1..k_d]
@@ -61,14 +53,21 @@ def window_sums(module: nn.modules.conv._ConvNd, x: Tensor) -> Tuple[Tensor, int
 
 def output_positions(module: nn.modules.conv._ConvNd, x: Tensor) -> int:
     """``S``: the output positions of one sample (``prod O_j``)."""
-    d = len(module.kernel_size)
-    pad = module._reversed_padding_repeated_twice
-    S = 1
-    for j in range(d):
-        n = x.shape[2 + j] + pad[2 * (d - 1 - j)] + pad[2 * (d - 1 - j) + 1]
-        k, s, dil = module.kernel_size[j], module.stride[j], module.dilation[j]
-        S *= (n - dil * (k - 1) - 1) // s + 1
-    return S
+    return math.prod(positions(*axis) for axis in _axes(module, x.shape, _pads(module)))
+
+
+def _pads(module: nn.modules.conv._ConvNd) -> List[int]:
+    return list(module._reversed_padding_repeated_twice)
+
+
+def _axes(module: nn.modules.conv._ConvNd, shape, pad: Sequence[int]) -> List[tuple]:
+    """Per spatial axis ``(n, k, s, d, left, right)`` of an input of ``shape``."""
+    D = len(module.kernel_size)
+    return [
+        (shape[2 + j], module.kernel_size[j], module.stride[j], module.dilation[j])
+        + (pad[2 * (D - 1 - j)], pad[2 * (D - 1 - j) + 1])
+        for j in range(D)
+    ]
 
 
 @functools.lru_cache(maxsize=256)
@@ -76,7 +75,7 @@ def _selector(
     n: int, k: int, s: int, d: int, left: int, right: int, dtype: torch.dtype, device
 ) -> Tuple[Tensor, int]:
     """``(E [n, k], O)`` of one axis, ``O`` its output positions (made once per geometry)."""
-    n_out = (n + left + right - d * (k - 1) - 1) // s + 1
+    n_out = positions(n, k, s, d, left, right)
     E = [[0.0] * k for _ in range(n)]
     for t in range(k):
         for o in range(n_out):
@@ -86,7 +85,7 @@ def _selector(
     return torch.tensor(E, dtype=dtype, device=device), n_out
 
 
-_FLAT: Dict[tuple, Tensor] = {}
+_INDICES: Dict[tuple, Tuple[Tensor, Tensor]] = {}
 
 
 def live_gram(a: Tensor, live: Sequence[int]) -> Tensor:
@@ -95,13 +94,12 @@ def live_gram(a: Tensor, live: Sequence[int]) -> Tensor:
     """
     D = a.shape[-1]
     key = (tuple(live), D, a.device)
-    if key not in _FLAT:
-        if len(_FLAT) > 256:
-            _FLAT.clear()
+    if key not in _INDICES:  # (the column index and its flat [L, L] positions, made once)
+        if len(_INDICES) > 256:
+            _INDICES.clear()
         ix = torch.tensor(live, device=a.device)
-        _FLAT[key] = ix
-        _FLAT[key + ("flat",)] = (ix[:, None] * D + ix[None, :]).flatten()
-    ix, flat = _FLAT[key], _FLAT[key + ("flat",)]
+        _INDICES[key] = ix, (ix[:, None] * D + ix[None, :]).flatten()
+    ix, flat = _INDICES[key]
     small = gram(a.index_select(1, ix).unsqueeze(0))  # [1, L, L]
     out = a.new_zeros(1, D, D)  # (not a view: the statistics' flush zeroes it in place)
     out.view(1, D * D).index_copy_(1, flat, small.reshape(1, -1))

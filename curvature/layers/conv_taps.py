@@ -20,6 +20,7 @@ on the other columns alone (:mod:`curvature.blocks.live`): the same precondition
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence, Tuple
 
 from torch import nn
@@ -53,20 +54,33 @@ def live_columns(
     taps = set()
     for shape in spatial:
         taps |= set(_live_taps(tuple(shape), *_geometry(module)))
-    k = module.kernel_size
-    per_channel = 1
-    for size in k:
-        per_channel *= size
+    channels = module.in_channels // module.groups
+    return _columns(tuple(sorted(taps)), math.prod(module.kernel_size), channels, bias)
+
+
+@functools.lru_cache(maxsize=256)
+def _columns(
+    taps: Tuple[int, ...], per_channel: int, channels: int, bias: bool
+) -> Optional[Tuple[int, ...]]:
+    """:func:`live_columns` of the live ``taps`` (one tuple per geometry: the optimizer's
+    union of a step's columns with the block's is then an identity check).
+    """
     if len(taps) == per_channel:
         return None
-    channels = module.in_channels // module.groups
     D = channels * per_channel + (1 if bias else 0)
-    live = [c * per_channel + t for c in range(channels) for t in sorted(taps)]
+    live = [c * per_channel + t for c in range(channels) for t in taps]
     if bias:
         live.append(D - 1)
     if len(live) > MAX_LIVE_FRACTION * D:
         return None
     return tuple(live)
+
+
+def positions(n: int, k: int, s: int, d: int, left: int, right: int) -> int:
+    """Output positions along an axis of ``n`` inputs (kernel ``k``, stride ``s``,
+    dilation ``d``, padding ``left`` and ``right``).
+    """
+    return (n + left + right - d * (k - 1) - 1) // s + 1
 
 
 def _geometry(module: nn.modules.conv._ConvNd) -> tuple:
@@ -91,7 +105,7 @@ def _live_taps(
         raise ValueError(f"expected {len(kernel)} spatial sizes, got {shape}")
     axes = []
     for n, k, s, p, d in zip(shape, kernel, stride, padding, dilation):
-        out = (n + 2 * p - d * (k - 1) - 1) // s + 1
+        out = positions(n, k, s, d, p, p)
         axes.append([t for t in range(k) if any(0 <= j * s + t * d - p < n for j in range(out))])
     flat = [0]
     for k, live in zip(kernel, axes):
@@ -99,4 +113,4 @@ def _live_taps(
     return tuple(flat)
 
 
-__all__ = ["MAX_LIVE_FRACTION", "live_columns"]
+__all__ = ["MAX_LIVE_FRACTION", "live_columns", "positions"]

@@ -164,6 +164,44 @@ def test_one_non_finite_block_is_skipped_alone(owned):
     torch.testing.assert_close(out[("2", "", 0)].values[1], good / 10, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("owned", [True, False], ids=["library-factor", "rule-value"])
+def test_one_non_finite_input_vector_or_entry_skips_a_large_contribution(owned):
+    # a library factor (a Gram matrix sum_n x_n x_n^T) from one input vector with a NaN:
+    # most of its entries are finite; a rule's own value with one NaN off its diagonal.
+    # Either contribution is skipped whole (a judgement on fewer entries, e.g. a Gram
+    # matrix's diagonal, must keep both)
+    D = 512
+    if owned:
+        x = torch.randn(6, D)
+        x[2, 7] = float("nan")
+        value = x.T @ x
+        assert torch.isfinite(value[0, 1]) and not torch.isfinite(value.diagonal()).all()
+    else:
+        value = torch.eye(D)
+        value[0, 1] = float("nan")
+    stats, ctx = StepStatistics(), BatchContext(samples=6)
+    stats.add(("0", "", 0), [value, torch.eye(3), None], ("A", "G", "G"), ctx, 6, owned)
+    stats.flush()
+    assert stats.skipped == 1
+    ((values, valid),) = normalize(stats.take(), world=1, ordered=False).values()
+    assert not bool(valid) and all(not v.any() for v in values[:2])
+
+
+def test_a_wide_layer_with_one_nan_input_skips_its_statistics():
+    # end to end: one NaN entry of a 600-wide input skips the step's statistics
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(600, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = KFAC(model, lr=0.1, damping=1e-2, loss_func=CE)
+    X, y = torch.randn(16, 600), torch.randint(0, 3, (16,))
+    train_step(opt, model, X, y)
+    X[4, 123] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_step(opt, model, X, y)
+    assert opt.skipped_statistics >= 1 and finite(model)
+    assert all(bool(torch.isfinite(f).all()) for pair in opt.factors().values() for f in pair)
+
+
 def test_owned_contributions_of_different_sizes_are_zeroed_in_place_alone():
     # contributions holding two values (Kronecker factors) and one value (a diagonal)
     # in one flush (judged value by value): the library's own values of the skipped one

@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from cases import torch_state
 from torch import nn
 
 import curvature
@@ -24,11 +25,8 @@ import curvature
 
 @pytest.fixture(autouse=True)
 def _float64_seed_one_thread():
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(dtype)
+    with torch_state(dtype=torch.float64):
+        yield
 
 
 def _mlp():

@@ -11,8 +11,8 @@ faulted 440-1,369 pages in per step against Adam's 13, and took 12.8-13.9 ms at 
 minimum against 10.8-11.7 ms with this module (separate processes, 2026-11-27;
 docs/stack.md, "On a CPU"). That MLP no longer re-faults without it since its statistic
 is zeroed in place instead of copied every step (0.2 faults per step); a small CNN's
-patches still do (2,100-5,600 against 0.2-160 faults per step across runs:
-tests/test_cpu_heap.py counts them).
+patches still do in most processes (up to 5,400 against 0.15-392 faults per step across
+processes, whose heap layouts differ: tests/test_cpu_heap.py counts them).
 
 :func:`raise_mmap_threshold` allocates and frees one block just below glibc's largest
 dynamic threshold (32 MiB on 64-bit), once per process, when a curvature optimizer is

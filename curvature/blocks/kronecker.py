@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..linalg import damped_inverses, eigh
 from .carry import carried_corrections
-from .live import compact, live_inverse_matvec, live_inverse_matvec_into
+from .live import compact, live_inverse_matvec, live_inverse_matvec_into, union_columns
 from .records import CurrentFactors, DampedInverses, Eigen, FactorSnapshot, Record
 from .running import (
     RunningFactors,
@@ -74,7 +74,7 @@ class KroneckerBlock(RunningFactors):
         #: ``None``: any (the full inverses).
         self.live_cols: Optional[Tuple[int, ...]] = None
         self._widened = False  # whether live_cols is known since the first statistics
-        self._live_ix: Optional[Tensor] = None
+        self._live_ix: Optional[Tuple[tuple, Tensor]] = None  # (live_cols, their index)
 
     # -- statistics -------------------------------------------------------------------
     def widen(self, cols: Optional[Tuple[int, ...]], most: int) -> None:
@@ -89,12 +89,10 @@ class KroneckerBlock(RunningFactors):
         if not self._widened:
             self._widened = True
             cols = cols if self.A is None else None
-        elif cols is self.live_cols:  # (the rule's same tuple: nothing new)
+        elif self.live_cols is None or cols is self.live_cols:  # (all already, or the same)
             return
-        elif self.live_cols is not None:
-            cols = None if cols is None else tuple(sorted(set(self.live_cols).union(cols)))
         else:
-            return
+            cols = union_columns(self.live_cols, cols)
         self.live_cols = None if cols is not None and len(cols) > most else cols
 
     def live_index(self, like: Tensor) -> Optional[Tensor]:
@@ -102,10 +100,13 @@ class KroneckerBlock(RunningFactors):
         cols = self.live_cols
         if cols is None:
             return None
-        ix = self._live_ix
-        if ix is None or ix.device != like.device or ix.numel() != len(cols):
-            ix = self._live_ix = torch.tensor(cols, device=like.device)
-        return ix
+        if (
+            self._live_ix is None
+            or self._live_ix[0] is not cols
+            or self._live_ix[1].device != like.device
+        ):
+            self._live_ix = (cols, torch.tensor(cols, device=like.device))
+        return self._live_ix[1]
 
     def has_statistics(self) -> bool:
         """Whether finite statistics were folded in (reads :attr:`fresh` if unknown)."""
@@ -191,6 +192,7 @@ class KroneckerBlock(RunningFactors):
         ):
             return cached
         sA, sG = self.shifts(damping, mode)
+        live = None
         if isinstance(self.record, Eigen):
             r = self.record
             Ainv = (r.QA / (r.lA + sA[..., None])[..., None, :]) @ r.QA.mT
@@ -205,10 +207,8 @@ class KroneckerBlock(RunningFactors):
                 [sA, sG],
                 names=[f"A of '{self.label}'", f"G of '{self.label}'"],
             )
-            if live is not None:
-                self.inverses = DampedInverses(Ainv, Ginv, damping, self.record, mode, live, sA)
-                return self.inverses
-        self.inverses = DampedInverses(Ainv, Ginv, damping, self.record, mode)
+        shift = None if live is None else sA  # (A's shift: the dead columns' 1 / sA)
+        self.inverses = DampedInverses(Ainv, Ginv, damping, self.record, mode, live, shift)
         return self.inverses
 
     # -- products ---------------------------------------------------------------------

@@ -21,8 +21,19 @@ preconditioner as the full inverse, to rounding.
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 from torch import Tensor
+
+
+def union_columns(
+    a: Optional[Tuple[int, ...]], b: Optional[Tuple[int, ...]]
+) -> Optional[Tuple[int, ...]]:
+    """The sorted union of two sets of live columns (``None``: all columns, either way)."""
+    if a is None or b is None:
+        return None
+    return a if b is a else tuple(sorted({*a, *b}))
 
 
 def compact(A: Tensor, live: Tensor) -> Tensor:
@@ -50,4 +61,4 @@ def live_inverse_matvec_into(
     torch.mm(Ginv, R, out=out)
 
 
-__all__ = ["compact", "live_inverse_matvec", "live_inverse_matvec_into"]
+__all__ = ["compact", "live_inverse_matvec", "live_inverse_matvec_into", "union_columns"]

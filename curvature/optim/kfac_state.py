@@ -21,6 +21,7 @@ from ..blocks import (
     block_state,
     restore_block,
 )
+from ..blocks.live import union_columns
 from ..layer_stats import block_name
 from ..options import Unsupported
 from .checkpoint import check_kronecker_state, warn_dropped_corrections
@@ -112,7 +113,6 @@ class KroneckerState:
         cols = rule.live_columns(module, calls)
         if cols is not None and (A_sum is None or max(cols) >= A_sum.shape[-1]):
             cols = None
-        if key in self._live_now:
-            before = self._live_now[key]
-            cols = None if before is None or cols is None else tuple(sorted({*before, *cols}))
-        self._live_now[key] = cols
+        self._live_now[key] = (
+            union_columns(self._live_now[key], cols) if key in self._live_now else cols
+        )
